@@ -1,0 +1,78 @@
+// SPDX-License-Identifier: MIT
+// Version, error-checking macros and the matrix aliases every apex header uses.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <sstream>
+#include <stdexcept>
+#include <type_traits>
+
+#define APEX_VERSION_MAJOR 0
+#define APEX_VERSION_MINOR 1
+#define APEX_VERSION_PATCH 0
+
+/// Throws std::invalid_argument with a streamed message unless `cond` holds.
+/// User-facing preconditions: always on, never compiled out. The message starts with the
+/// operation in brackets and names the argument, its value and what was expected:
+///   APEX_CHECK(d % 2 == 0, "[rope] head_dim (" << d << ") must be even");
+#define APEX_CHECK(cond, message)                                             \
+  do {                                                                        \
+    if (!(cond)) {                                                            \
+      std::ostringstream apex_check_stream_;                                  \
+      apex_check_stream_ << message; /* NOLINT(bugprone-macro-parentheses) */ \
+      throw std::invalid_argument(apex_check_stream_.str());                  \
+    }                                                                         \
+  } while (false)
+
+/// Internal invariants: checked in debug builds only. Define APEX_ASSERT before including
+/// apex to make a violation throw (tests do) or to turn it off everywhere.
+#ifndef APEX_ASSERT
+#include <cassert>
+#define APEX_ASSERT(cond) assert(cond)
+#endif
+
+namespace apex {
+
+using Index = Eigen::Index;
+
+/// Activations are [tokens, features], row-major: one token per row. The documents' [B, S, d]
+/// is B consecutive blocks of S rows.
+template <class Scalar>
+using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class Scalar>
+using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+/// Row-major boolean matrix; for masks, `true` means "may attend".
+using BoolMatrix = Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// Writable and read-only views of row-major data whose rows are contiguous (any row stride):
+/// a RowMatrix, a block of columns of one, or an Eigen::Map.
+template <class Scalar>
+using RowRef = Eigen::Ref<RowMatrix<Scalar>>;
+template <class Scalar>
+using ConstRowRef = Eigen::Ref<const RowMatrix<Scalar>>;
+template <class Scalar>
+using VectorRef = Eigen::Ref<Vector<Scalar>>;
+template <class Scalar>
+using ConstVectorRef = Eigen::Ref<const Vector<Scalar>>;
+
+namespace detail {
+
+/// Blocks template argument deduction for one parameter, so that the scalar type is deduced
+/// from the others and this one may be converted (for example HeadsView<T> to HeadsView<const T>).
+template <class T>
+struct NoDeduceImpl {
+  using type = T;
+};
+template <class T>
+using NoDeduce = typename NoDeduceImpl<T>::type;
+
+/// apex computes in float or double; the rest is rejected at compile time.
+template <class Scalar>
+constexpr void require_supported_scalar() {
+  static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
+                "apex supports float and double");
+}
+
+}  // namespace detail
+}  // namespace apex

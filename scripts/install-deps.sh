@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
+# Makes sure the packages apex's build needs are present: Eigen 3.4 for the library itself,
+# GoogleTest for the tests, Google Benchmark for the benchmarks. On Debian or Ubuntu, as root,
+# it installs whatever is missing with apt-get; anywhere else it says what to install and fails.
+set -euo pipefail
+
+missing=()
+have_header() { [ -f "/usr/include/$1" ] || [ -f "/usr/local/include/$1" ]; }
+have_header eigen3/Eigen/Core || missing+=(libeigen3-dev)
+have_header gtest/gtest.h || missing+=(libgtest-dev)
+have_header benchmark/benchmark.h || missing+=(libbenchmark-dev)
+command -v cmake >/dev/null || missing+=(cmake)
+command -v g++ >/dev/null || missing+=(g++)
+
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+if command -v apt-get >/dev/null && [ "$(id -u)" -eq 0 ]; then
+  echo "apex: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+elif command -v apt-get >/dev/null && command -v sudo >/dev/null; then
+  echo "apex: installing ${missing[*]} with sudo" >&2
+  sudo apt-get update -qq
+  sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  cat >&2 <<MSG
+apex: missing build requirements: ${missing[*]}
+  Debian/Ubuntu: apt-get install libeigen3-dev libgtest-dev libbenchmark-dev cmake g++
+  Fedora:        dnf install eigen3-devel gtest-devel google-benchmark-devel cmake gcc-c++
+  macOS:         brew install eigen googletest google-benchmark cmake
+Eigen must be 3.4.x; CMake 3.25 or newer for the presets.
+MSG
+  exit 1
+fi
