@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: MIT
+// RMSNorm (§3) in float. A memory-bound kernel: read BM_RmsNorm's GBps against BM_MemCopy's
+// (bytes read + written per second, same run). BM_RmsNorm_PlainEigen is the obvious Eigen
+// one-liner (float accumulation, single thread, a temporary per call), for comparison.
+#include <apex/rms_norm.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include "bench_util.hpp"
+
+namespace {
+
+using apex::Index;
+
+// Bytes of one RMSNorm call: x read, out written, γ read once.
+double rms_norm_bytes(Index tokens, Index d) {
+  return (2.0 * static_cast<double>(tokens) + 1.0) * static_cast<double>(d) * sizeof(float);
+}
+
+void BM_RmsNorm(benchmark::State& state) {
+  const Index tokens = state.range(0);
+  const Index d = state.range(1);
+  const apex::RowMatrix<float> x = apex::bench::random_matrix<float>(tokens, d, 1, -3.0, 3.0);
+  const apex::Vector<float> gamma = apex::bench::random_vector<float>(d, 2, 0.5, 1.5);
+  apex::RowMatrix<float> out = apex::RowMatrix<float>::Zero(tokens, d);
+  const apex::RmsNormParams params;
+  for (auto _ : state) {
+    apex::rms_norm(x, gamma, params, out);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["GBps"] = apex::bench::gbps(state, rms_norm_bytes(tokens, d));
+}
+BENCHMARK(BM_RmsNorm)
+    ->ArgNames({"tokens", "d"})
+    ->ArgsProduct({{1, 512, 4096}, {1024, 4096}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+void BM_RmsNorm_PlainEigen(benchmark::State& state) {
+  const Index tokens = state.range(0);
+  const Index d = state.range(1);
+  const apex::RowMatrix<float> x = apex::bench::random_matrix<float>(tokens, d, 1, -3.0, 3.0);
+  const apex::Vector<float> gamma = apex::bench::random_vector<float>(d, 2, 0.5, 1.5);
+  apex::RowMatrix<float> out = apex::RowMatrix<float>::Zero(tokens, d);
+  const float eps = 1e-6f;
+  const float inv_d = 1.0f / static_cast<float>(d);
+  for (auto _ : state) {
+    out = (x.array().colwise() * ((x.array().square().rowwise().sum() * inv_d + eps).rsqrt()))
+              .rowwise() *
+          gamma.transpose().array();
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["GBps"] = apex::bench::gbps(state, rms_norm_bytes(tokens, d));
+}
+BENCHMARK(BM_RmsNorm_PlainEigen)
+    ->ArgNames({"tokens", "d"})
+    ->Args({4096, 4096})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace

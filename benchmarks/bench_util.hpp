@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: MIT
+// Small helpers shared by the benchmarks: rate counters and deterministic random inputs.
+#pragma once
+
+#include <apex/config.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <random>
+
+namespace apex::bench {
+
+/// GBps counter: `bytes_per_iteration` (bytes read + bytes written by one iteration) times the
+/// number of iterations, per second, in units of 1e9 bytes. Set it after the timed loop.
+inline benchmark::Counter gbps(const benchmark::State& state, double bytes_per_iteration) {
+  return benchmark::Counter(bytes_per_iteration * static_cast<double>(state.iterations()) / 1e9,
+                            benchmark::Counter::kIsRate);
+}
+
+/// GFLOPS counter: `flops_per_iteration` times the number of iterations, per second, in units
+/// of 1e9 floating-point operations (a multiply-add counts as two).
+inline benchmark::Counter gflops(const benchmark::State& state, double flops_per_iteration) {
+  return benchmark::Counter(flops_per_iteration * static_cast<double>(state.iterations()) / 1e9,
+                            benchmark::Counter::kIsRate);
+}
+
+/// A rows x cols row-major matrix of uniform values in [lo, hi), the same for the same seed.
+template <class Scalar>
+RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint64_t seed = 1, double lo = -1.0,
+                                double hi = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> dist(lo, hi);
+  RowMatrix<Scalar> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(dist(rng));
+  return m;
+}
+
+/// A vector of n uniform values in [lo, hi), the same for the same seed.
+template <class Scalar>
+Vector<Scalar> random_vector(Index n, std::uint64_t seed = 1, double lo = -1.0, double hi = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> dist(lo, hi);
+  Vector<Scalar> v(n);
+  for (Index i = 0; i < n; ++i) v(i) = static_cast<Scalar>(dist(rng));
+  return v;
+}
+
+}  // namespace apex::bench

@@ -1,0 +1,155 @@
+// SPDX-License-Identifier: MIT
+// Input embedding with √d scaling (§2) and the weight-tied LM head (§2.5).
+//
+//   tokens [B, S] (integer ids)      table W_E [V, d]
+//        │ lookup + scale                 │
+//        ▼                                │ shared (weight tying)
+//   X [B*S, d]   row b*S + s = W_E[tokens(b, s)] · scale          logits = h · W_Eᵀ  [tokens, V]
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/detail/parallel.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace apex {
+
+/// Token ids [B, S], one sequence per row.
+using TokenMatrix = Eigen::Matrix<std::int64_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// Parameters of the embedding lookup.
+struct EmbeddingParams {
+  /// Multiplier applied to every looked-up row. Unset means √d with d = table.cols(), as §2.2
+  /// prescribes (X = Embed(tokens) · √d); set it to 1 for a plain lookup (GPT-2, Llama) or to
+  /// any other factor a checkpoint was trained with. Must be finite.
+  std::optional<double> scale;
+};
+
+/// Embedding lookup with scaling (§2.2): out[b*S + s, :] = table[tokens(b, s), :] · scale.
+/// table: [V, d], tokens: [B, S] of any integer type, out: [B*S, d] (the documents' [B, S, d]
+/// as B blocks of S rows). Every id is checked to lie in [0, V) before anything is written.
+/// The scale is rounded to Scalar once and applied in Scalar. out must not overlap table.
+/// Allocates nothing unless table is not row-major or tokens is not a row-major int64 matrix
+/// (Eigen::Ref then copies it). Threads over rows for large outputs.
+template <class TableDerived, class TokensDerived>
+void embed(const Eigen::MatrixBase<TableDerived>& table,
+           const Eigen::MatrixBase<TokensDerived>& tokens, const EmbeddingParams& params,
+           RowRef<typename TableDerived::Scalar> out) {
+  using Scalar = typename TableDerived::Scalar;
+  using Id = typename TokensDerived::Scalar;
+  detail::require_supported_scalar<Scalar>();
+  static_assert(std::is_integral_v<Id> && !std::is_same_v<Id, bool>,
+                "[embed] token ids must be an integer matrix");
+
+  const ConstRowRef<Scalar> w(table.derived());
+  const Eigen::Ref<const TokenMatrix> ids(tokens.derived().template cast<std::int64_t>());
+  const Index vocab = w.rows();
+  const Index d = w.cols();
+  const Index batch = ids.rows();
+  const Index seq = ids.cols();
+
+  const double scale = params.scale.value_or(std::sqrt(static_cast<double>(d)));
+  APEX_CHECK(std::isfinite(scale), "[embed] scale (" << scale << ") must be finite");
+  APEX_CHECK(out.rows() == batch * seq && out.cols() == d,
+             "[embed] out (" << out.rows() << " x " << out.cols() << ") must be " << batch * seq
+                             << " x " << d << " (B*S tokens x d)");
+  for (Index b = 0; b < batch; ++b) {
+    for (Index s = 0; s < seq; ++s) {
+      const std::int64_t id = ids(b, s);
+      APEX_CHECK(id >= 0 && id < static_cast<std::int64_t>(vocab),
+                 "[embed] token id (" << id << ") at position (b=" << b << ", s=" << s
+                                      << ") must be in [0, " << vocab << "), V = " << vocab
+                                      << " being the table's row count");
+    }
+  }
+
+  const Scalar factor = static_cast<Scalar>(scale);
+  // A lookup is a copy: threads pay off only once there are some 32K elements to move.
+  const Index min_parallel_rows = std::max<Index>(2, (Index{1} << 15) / std::max<Index>(d, 1));
+  detail::parallel_for(
+      batch * seq,
+      [&](Index row) {
+        out.row(row) = w.row(static_cast<Index>(ids(row / seq, row % seq))) * factor;
+      },
+      min_parallel_rows);
+}
+
+/// Embedding lookup (§2.2) returning a new [B*S, d] matrix; see the overload above.
+template <class TableDerived, class TokensDerived>
+RowMatrix<typename TableDerived::Scalar> embed(const Eigen::MatrixBase<TableDerived>& table,
+                                               const Eigen::MatrixBase<TokensDerived>& tokens,
+                                               const EmbeddingParams& params = {}) {
+  using Scalar = typename TableDerived::Scalar;
+  detail::require_supported_scalar<Scalar>();
+  RowMatrix<Scalar> out(tokens.rows() * tokens.cols(), table.cols());
+  embed(table, tokens, params, out);
+  return out;
+}
+
+/// Embedding lookup (§2.2) of one sequence of S ids: out is [S, d].
+template <class TableDerived>
+void embed(const Eigen::MatrixBase<TableDerived>& table, const std::vector<std::int64_t>& tokens,
+           const EmbeddingParams& params, RowRef<typename TableDerived::Scalar> out) {
+  const Eigen::Map<const TokenMatrix> ids(tokens.data(), 1, static_cast<Index>(tokens.size()));
+  embed(table, ids, params, out);
+}
+
+/// Embedding lookup (§2.2) of one sequence of S ids, returning a new [S, d] matrix.
+template <class TableDerived>
+RowMatrix<typename TableDerived::Scalar> embed(const Eigen::MatrixBase<TableDerived>& table,
+                                               const std::vector<std::int64_t>& tokens,
+                                               const EmbeddingParams& params = {}) {
+  const Eigen::Map<const TokenMatrix> ids(tokens.data(), 1, static_cast<Index>(tokens.size()));
+  return embed(table, ids, params);
+}
+
+/// LM head with weight tying (§2.5): logits = h · W_Eᵀ, reusing the embedding table as the
+/// output projection. h: [tokens, d], table: [V, d], out: [tokens, V].
+/// One Eigen GEMM (threaded by Eigen when OpenMP is enabled), written straight into out, which
+/// must not overlap h or table. Note that the table is used as stored: the √d of embed() is
+/// not undone here (Gemma, which also scales by √d, ties the weights the same way).
+/// Allocates nothing beyond Eigen's GEMM packing buffers (and a copy of an input that is not
+/// row-major).
+template <class HiddenDerived, class TableDerived>
+void lm_head(const Eigen::MatrixBase<HiddenDerived>& h,
+             const Eigen::MatrixBase<TableDerived>& table,
+             RowRef<typename HiddenDerived::Scalar> out) {
+  using Scalar = typename HiddenDerived::Scalar;
+  detail::require_supported_scalar<Scalar>();
+  static_assert(std::is_same_v<Scalar, typename TableDerived::Scalar>,
+                "[lm_head] h and table must have the same scalar type");
+
+  const ConstRowRef<Scalar> hr(h.derived());
+  const ConstRowRef<Scalar> w(table.derived());
+  APEX_CHECK(hr.cols() == w.cols(), "[lm_head] h width ("
+                                        << hr.cols() << ") must equal the table's d (" << w.cols()
+                                        << ")");
+  APEX_CHECK(out.rows() == hr.rows() && out.cols() == w.rows(),
+             "[lm_head] out (" << out.rows() << " x " << out.cols() << ") must be " << hr.rows()
+                               << " x " << w.rows() << " (tokens x V)");
+  out.noalias() = hr * w.transpose();
+}
+
+/// LM head with weight tying (§2.5) returning a new [tokens, V] matrix of logits.
+template <class HiddenDerived, class TableDerived>
+RowMatrix<typename HiddenDerived::Scalar> lm_head(const Eigen::MatrixBase<HiddenDerived>& h,
+                                                  const Eigen::MatrixBase<TableDerived>& table) {
+  using Scalar = typename HiddenDerived::Scalar;
+  detail::require_supported_scalar<Scalar>();
+  RowMatrix<Scalar> out(h.rows(), table.rows());
+  lm_head(h, table, out);
+  return out;
+}
+
+/// Parameters saved by tying the LM head to the embedding table (§2.5): V · d, the size of
+/// the output projection that is not stored. 151,643 × 7,168 = 1,086,977,024 (≈ 1.09B).
+constexpr std::int64_t tied_parameters_saved(std::int64_t vocab, std::int64_t d) {
+  return vocab * d;
+}
+
+}  // namespace apex

@@ -1,0 +1,221 @@
+// SPDX-License-Identifier: MIT
+// RMSNorm (§3): each token's features divided by their root mean square, then scaled by γ.
+//
+//   x   [tokens, d]  ──►  out[t, j] = x[t, j] / sqrt(mean_j(x[t, :]²) + ε) · γ[j]
+//   γ   [d]
+//
+// The kernel makes two passes over a row: the sum of squares, then the scaled write. A row is
+// at most a few tens of kilobytes, so the second pass reads it from L1/L2 and the memory
+// traffic is one read of x and one write of out. Rows are spread over threads statically.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/detail/parallel.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <type_traits>
+
+namespace apex {
+
+/// Parameters of RMSNorm. The default is the document's (§3.2).
+struct RmsNormParams {
+  /// ε added to the mean square under the square root; must be positive and finite.
+  double eps = 1e-6;
+};
+
+namespace detail {
+
+/// Sum of squares of x[0 .. n), accumulated in Acc. Sixteen independent partial sums give the
+/// compiler independent vector accumulators without reassociating one long sum (which it may
+/// not do without -ffast-math), and fix the order of additions so that the result does not
+/// depend on which thread computes the row.
+template <class Acc, class Scalar>
+Acc rms_sum_squares(const Scalar* x, Index n) {
+  constexpr Index kLanes = 16;
+  Acc partial[kLanes] = {};
+  Index j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (Index l = 0; l < kLanes; ++l) {
+      const Acc v = static_cast<Acc>(x[j + l]);
+      partial[l] += v * v;
+    }
+  }
+  for (Index l = 0; l < kLanes && j + l < n; ++l) {
+    const Acc v = static_cast<Acc>(x[j + l]);
+    partial[l] += v * v;
+  }
+  for (Index width = kLanes / 2; width > 0; width /= 2) {
+    for (Index l = 0; l < width; ++l) partial[l] += partial[l + width];
+  }
+  return partial[0];
+}
+
+/// y[j] = x[j] · inv · γ[j], formed in Acc and rounded once to Scalar. Separate versions for
+/// distinct and identical input/output rows let the compiler vectorise both without run-time
+/// alias checks (γ never overlaps the output: rms_norm checks it).
+template <class Acc, class Scalar>
+void rms_scale_row(const Scalar* __restrict x, const Scalar* __restrict gamma, Acc inv,
+                   Scalar* __restrict y, Index n) {
+  for (Index j = 0; j < n; ++j) {
+    y[j] = static_cast<Scalar>(static_cast<Acc>(x[j]) * inv * static_cast<Acc>(gamma[j]));
+  }
+}
+
+template <class Acc, class Scalar>
+void rms_scale_row_in_place(Scalar* __restrict y, const Scalar* __restrict gamma, Acc inv,
+                            Index n) {
+  for (Index j = 0; j < n; ++j) {
+    y[j] = static_cast<Scalar>(static_cast<Acc>(y[j]) * inv * static_cast<Acc>(gamma[j]));
+  }
+}
+
+/// Double rows whose squares overflow (|x| ≳ 1e154) or whose mean square and ε are both so
+/// small that squares lose digits to underflow. The row is rescaled by 2^-k, where 2^k is the
+/// binade of max|x| (exact), so that every scaled square lies in [0, 4):
+///   RMS² = 2^(2k) · (mean((x·2^-k)²) + ε·2^(-2k)),   out = (x·2^-k) / sqrt(…) · γ.
+/// Slower (scalbn per element, one extra pass) but only taken for such rows.
+inline void rms_norm_row_rescaled(const double* x, const double* gamma, double eps, double* y,
+                                  Index n) {
+  double max_abs = 0.0;
+  for (Index j = 0; j < n; ++j) max_abs = std::max(max_abs, std::abs(x[j]));
+  const double count = static_cast<double>(n);
+  if (!(max_abs > 0.0) || !std::isfinite(max_abs)) {
+    // Zero rows, infinities: the formula as written (an infinity gives NaN, as it would in
+    // any implementation of x / RMS(x)).
+    const double inv = 1.0 / std::sqrt(rms_sum_squares<double>(x, n) / count + eps);
+    for (Index j = 0; j < n; ++j) y[j] = x[j] * inv * gamma[j];
+    return;
+  }
+  const int k = std::ilogb(max_abs);
+  double scaled_sum = 0.0;
+  for (Index j = 0; j < n; ++j) {
+    const double v = std::scalbn(x[j], -k);
+    scaled_sum += v * v;
+  }
+  const double scaled_eps = std::scalbn(eps, -2 * k);
+  if (std::isfinite(scaled_eps)) {
+    const double inv = 1.0 / std::sqrt(scaled_sum / count + scaled_eps);
+    for (Index j = 0; j < n; ++j) y[j] = std::scalbn(x[j], -k) * inv * gamma[j];
+  } else {
+    // ε exceeds every square by a factor of more than 1e307: RMS = sqrt(ε) to double precision.
+    const double inv = 1.0 / std::sqrt(eps);
+    for (Index j = 0; j < n; ++j) y[j] = x[j] * inv * gamma[j];
+  }
+}
+
+/// One row of RMSNorm. x and y are either the same row or do not overlap.
+template <class Scalar>
+void rms_norm_row(const Scalar* x, const Scalar* gamma, double eps, Scalar* y, Index n) {
+  const double count = static_cast<double>(n);
+  if constexpr (std::is_same_v<Scalar, float>) {
+    // Squares of floats are exact in double and cannot overflow or underflow there
+    // (|x| ≤ 3.4e38 → x² ≤ 1.2e77; |x| ≥ 1.4e-45 → x² ≥ 2e-90), so one double pass is
+    // exact up to the rounding of the sum; the output is formed in double and rounded once.
+    const double inv = 1.0 / std::sqrt(rms_sum_squares<double>(x, n) / count + eps);
+    if (x == y) {
+      rms_scale_row_in_place<double>(y, gamma, inv, n);
+    } else {
+      rms_scale_row<double>(x, gamma, inv, y, n);
+    }
+  } else {
+    const double mean_square = rms_sum_squares<double>(x, n) / count;
+    // Common case: the sum is finite and RMS² ≥ 2^-900, so squares that underflowed (each off
+    // by < 2^-1074) cannot matter and 1/RMS ≤ 2^450 cannot overflow.
+    if (std::isfinite(mean_square) && mean_square + eps >= 0x1p-900) {
+      const double inv = 1.0 / std::sqrt(mean_square + eps);
+      if (x == y) {
+        rms_scale_row_in_place<double>(y, gamma, inv, n);
+      } else {
+        rms_scale_row<double>(x, gamma, inv, y, n);
+      }
+    } else if (std::isnan(mean_square)) {
+      const double inv = 1.0 / std::sqrt(mean_square + eps);  // NaN in, NaN out
+      for (Index j = 0; j < n; ++j) y[j] = x[j] * inv * gamma[j];
+    } else {
+      rms_norm_row_rescaled(x, gamma, eps, y, n);
+    }
+  }
+}
+
+/// Whether two row-major views (first element, rows, columns, row stride) share memory.
+/// Empty views share nothing.
+template <class Scalar>
+bool rms_ranges_overlap(const Scalar* a, Index a_rows, Index a_cols, Index a_stride,
+                        const Scalar* b, Index b_rows, Index b_cols, Index b_stride) {
+  if (a_rows == 0 || a_cols == 0 || b_rows == 0 || b_cols == 0) return false;
+  const Scalar* a_end = a + (a_rows - 1) * a_stride + a_cols;
+  const Scalar* b_end = b + (b_rows - 1) * b_stride + b_cols;
+  const std::less<const Scalar*> less;
+  return less(a, b_end) && less(b, a_end);
+}
+
+}  // namespace detail
+
+/// RMSNorm over the last dimension (§3.2):
+///   out[t, :] = x[t, :] / sqrt(mean(x[t, :]²) + ε) · γ.
+/// x: [tokens, d], gamma: [d] (any vector expression of the same scalar), out: [tokens, d].
+/// In place is allowed: out may be x itself (the same rows); any other overlap of out with x,
+/// or of out with gamma, is rejected.
+/// Accuracy: float rows accumulate the squares in double, so values near the float maximum do
+/// not overflow and values near 1e-20 keep all their digits; the output is formed in double
+/// and rounded once. Double rows whose squares would overflow or underflow are rescaled by a
+/// power of two (exact) before squaring; ordinary rows take the plain two-pass loop.
+/// Allocates nothing when x is row-major with contiguous rows and gamma is a contiguous
+/// vector (otherwise Eigen::Ref copies the input). Threads over rows (detail::parallel_for);
+/// each row's result is independent of the thread count.
+template <class Derived, class GammaDerived>
+void rms_norm(const Eigen::MatrixBase<Derived>& x, const Eigen::MatrixBase<GammaDerived>& gamma,
+              const RmsNormParams& params, RowRef<typename Derived::Scalar> out) {
+  using Scalar = typename Derived::Scalar;
+  detail::require_supported_scalar<Scalar>();
+  static_assert(std::is_same_v<Scalar, typename GammaDerived::Scalar>,
+                "[rms_norm] gamma must have the scalar type of x");
+  static_assert(GammaDerived::IsVectorAtCompileTime, "[rms_norm] gamma must be a vector");
+
+  const ConstRowRef<Scalar> xr(x.derived());
+  const Index tokens = xr.rows();
+  const Index d = xr.cols();
+  APEX_CHECK(std::isfinite(params.eps) && params.eps > 0.0,
+             "[rms_norm] eps (" << params.eps << ") must be positive and finite");
+  APEX_CHECK(gamma.size() == d,
+             "[rms_norm] gamma length (" << gamma.size() << ") must equal d (" << d << ")");
+  APEX_CHECK(out.rows() == tokens && out.cols() == d,
+             "[rms_norm] out (" << out.rows() << " x " << out.cols() << ") must be " << tokens
+                                << " x " << d << " like x");
+  const ConstVectorRef<Scalar> g(gamma.derived());
+
+  const bool in_place = out.data() == xr.data() && out.outerStride() == xr.outerStride();
+  APEX_CHECK(in_place || !detail::rms_ranges_overlap(xr.data(), tokens, d, xr.outerStride(),
+                                                     out.data(), tokens, d, out.outerStride()),
+             "[rms_norm] out must either be x itself (in place) or not overlap x");
+  APEX_CHECK(
+      !detail::rms_ranges_overlap(g.data(), 1, d, d, out.data(), tokens, d, out.outerStride()),
+      "[rms_norm] gamma must not overlap out");
+
+  // Below ~32K elements a parallel region costs more than it saves.
+  const Index min_parallel_rows = std::max<Index>(2, (Index{1} << 15) / std::max<Index>(d, 1));
+  const double eps = params.eps;
+  detail::parallel_for(
+      tokens,
+      [&](Index t) {
+        detail::rms_norm_row<Scalar>(xr.data() + t * xr.outerStride(), g.data(), eps,
+                                     out.data() + t * out.outerStride(), d);
+      },
+      min_parallel_rows);
+}
+
+/// RMSNorm (§3.2) returning a new [tokens, d] matrix; see the overload above.
+template <class Derived, class GammaDerived>
+RowMatrix<typename Derived::Scalar> rms_norm(const Eigen::MatrixBase<Derived>& x,
+                                             const Eigen::MatrixBase<GammaDerived>& gamma,
+                                             const RmsNormParams& params = {}) {
+  using Scalar = typename Derived::Scalar;
+  detail::require_supported_scalar<Scalar>();
+  RowMatrix<Scalar> out(x.rows(), x.cols());
+  rms_norm(x, gamma, params, out);
+  return out;
+}
+
+}  // namespace apex

@@ -1,0 +1,313 @@
+// SPDX-License-Identifier: MIT
+// Tests for §2: the scaled embedding lookup and the weight-tied LM head.
+#include <apex/embedding.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "reference/embedding.hpp"
+
+namespace {
+
+using apex::EmbeddingParams;
+using apex::Index;
+using apex::RowMatrix;
+using apex::TokenMatrix;
+
+template <class Scalar>
+RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> dist(-1.0, 1.0);
+  RowMatrix<Scalar> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(dist(rng));
+  return m;
+}
+
+TokenMatrix random_tokens(Index batch, Index seq, Index vocab, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<std::int64_t> dist(0, static_cast<std::int64_t>(vocab) - 1);
+  TokenMatrix ids(batch, seq);
+  for (Index i = 0; i < ids.size(); ++i) ids.data()[i] = dist(rng);
+  return ids;
+}
+
+// Expects `call` to throw std::invalid_argument whose message contains every one of `parts`.
+template <class Call>
+void expect_invalid(Call&& call, const std::vector<std::string>& parts) {
+  try {
+    call();
+    ADD_FAILURE() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    const std::string message = e.what();
+    for (const auto& part : parts) {
+      EXPECT_NE(message.find(part), std::string::npos) << "message: " << message;
+    }
+  }
+}
+
+// Tolerances, relative to the reference value.
+// embed: the scale is rounded to Scalar and the product is rounded once more: two roundings.
+// lm_head: a dot product of length d in Scalar is within d·u·Σ|h_j·w_j| of the exact value
+// (the classical worst-case bound, FMA or not); the test uses exactly that bound.
+template <class Scalar>
+constexpr double kUnitRoundoff = std::numeric_limits<Scalar>::epsilon() / 2;
+template <class Scalar>
+constexpr double kEmbedRelTol = 2 * kUnitRoundoff<Scalar>;
+
+template <class Scalar>
+void expect_embed_matches(const RowMatrix<Scalar>& actual, const RowMatrix<double>& expected) {
+  ASSERT_EQ(actual.rows(), expected.rows());
+  ASSERT_EQ(actual.cols(), expected.cols());
+  for (Index i = 0; i < expected.rows(); ++i) {
+    for (Index j = 0; j < expected.cols(); ++j) {
+      EXPECT_NEAR(static_cast<double>(actual(i, j)), expected(i, j),
+                  kEmbedRelTol<Scalar> * std::abs(expected(i, j)))
+          << "at (" << i << ", " << j << ")";
+    }
+  }
+}
+
+TEST(Embedding, S2_4_WorkedExample) {
+  RowMatrix<double> table(3, 4);
+  table << 0.01, -0.03, 0.02, 0.01,  //
+      -0.02, 0.04, -0.01, 0.03,      //
+      0.03, 0.01, -0.04, 0.02;
+  RowMatrix<double> expected(3, 4);
+  expected << -0.04, 0.08, -0.02, 0.06,  //
+      0.02, -0.06, 0.04, 0.02,           //
+      0.06, 0.02, -0.08, 0.04;
+
+  // Default scale √d = √4 = 2; doubling is exact, so the printed values are met exactly.
+  const RowMatrix<double> x = apex::embed(table, std::vector<std::int64_t>{1, 0, 2});
+  ASSERT_EQ(x.rows(), 3);
+  ASSERT_EQ(x.cols(), 4);
+  for (Index i = 0; i < 3; ++i) {
+    for (Index j = 0; j < 4; ++j) EXPECT_DOUBLE_EQ(x(i, j), expected(i, j));
+  }
+
+  // The same through the [B, S] token matrix, and in float.
+  TokenMatrix ids(1, 3);
+  ids << 1, 0, 2;
+  EXPECT_EQ(apex::embed(table, ids), x);
+  const RowMatrix<float> xf = apex::embed(RowMatrix<float>(table.cast<float>()), ids);
+  for (Index i = 0; i < 3; ++i) {
+    for (Index j = 0; j < 4; ++j) EXPECT_FLOAT_EQ(xf(i, j), static_cast<float>(expected(i, j)));
+  }
+}
+
+TEST(Embedding, S2_5_TiedParameterCount) {
+  static_assert(apex::tied_parameters_saved(151643, 7168) == 1086977024);
+  EXPECT_EQ(apex::tied_parameters_saved(151643, 7168), std::int64_t{1086977024});
+  // §2.5 rounds it to 1.09B.
+  EXPECT_NEAR(static_cast<double>(apex::tied_parameters_saved(151643, 7168)) / 1e9, 1.09, 0.005);
+  // The saving is exactly the size of an untied output projection [V, d].
+  EXPECT_EQ(apex::tied_parameters_saved(3, 4), 12);
+}
+
+TEST(Embedding, ExplicitScaleAndPlainLookup) {
+  const RowMatrix<double> table = random_matrix<double>(5, 3, 1);
+  TokenMatrix ids(1, 2);
+  ids << 4, 0;
+  EmbeddingParams plain;
+  plain.scale = 1.0;
+  const RowMatrix<double> x = apex::embed(table, ids, plain);
+  EXPECT_EQ(x.row(0), table.row(4));
+  EXPECT_EQ(x.row(1), table.row(0));
+  EmbeddingParams half;
+  half.scale = 0.5;
+  const RowMatrix<double> y = apex::embed(table, ids, half);
+  EXPECT_EQ(y.row(0), table.row(4) * 0.5);
+}
+
+TEST(Embedding, BatchRowsAreSequenceBlocks) {
+  const RowMatrix<double> table = random_matrix<double>(6, 5, 2);
+  TokenMatrix ids(2, 3);
+  ids << 5, 1, 1,  //
+      0, 3, 2;
+  const RowMatrix<double> x = apex::embed(table, ids);
+  ASSERT_EQ(x.rows(), 6);
+  const double scale = std::sqrt(5.0);
+  for (Index b = 0; b < 2; ++b) {
+    for (Index s = 0; s < 3; ++s) {
+      EXPECT_EQ(x.row(b * 3 + s), table.row(static_cast<Index>(ids(b, s))) * scale)
+          << "b=" << b << " s=" << s;
+    }
+  }
+}
+
+TEST(Embedding, AcceptsOtherIntegerTypesAndLayouts) {
+  const RowMatrix<double> table = random_matrix<double>(7, 4, 3);
+  Eigen::Matrix<int, Eigen::Dynamic, Eigen::Dynamic> ids_int(2, 2);  // column-major int
+  ids_int << 6, 0,                                                   //
+      2, 3;
+  TokenMatrix ids(2, 2);
+  ids << 6, 0,  //
+      2, 3;
+  const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic> table_col = table;  // col-major
+  EXPECT_EQ(apex::embed(table_col, ids_int), apex::embed(table, ids));
+}
+
+TEST(Embedding, EmptyInputGivesEmptyOutput) {
+  const RowMatrix<float> table = random_matrix<float>(4, 3, 4);
+  const RowMatrix<float> x = apex::embed(table, std::vector<std::int64_t>{});
+  EXPECT_EQ(x.rows(), 0);
+  EXPECT_EQ(x.cols(), 3);
+}
+
+TEST(Embedding, LargeBatchMatchesRowByRow) {
+  // Large enough to run on several threads; every row must still be its own lookup.
+  const RowMatrix<float> table = random_matrix<float>(100, 300, 5);
+  const TokenMatrix ids = random_tokens(4, 257, 100, 6);
+  const RowMatrix<float> x = apex::embed(table, ids);
+  const float scale = static_cast<float>(std::sqrt(300.0));
+  for (Index r = 0; r < x.rows(); ++r) {
+    ASSERT_EQ(x.row(r), table.row(static_cast<Index>(ids(r / 257, r % 257))) * scale) << r;
+  }
+}
+
+TEST(Embedding, RejectsOutOfRangeIdsBeforeWriting) {
+  const RowMatrix<double> table = random_matrix<double>(3, 4, 7);
+  for (const std::int64_t bad : {std::int64_t{-1}, std::int64_t{3}}) {
+    TokenMatrix ids(2, 3);
+    ids << 0, 1, 2,  //
+        1, bad, 0;
+    RowMatrix<double> out = RowMatrix<double>::Constant(6, 4, -7.0);
+    expect_invalid([&] { apex::embed(table, ids, {}, out); },
+                   {"[embed]", "token id (" + std::to_string(bad) + ")", "b=1, s=1", "[0, 3)"});
+    EXPECT_TRUE((out.array() == -7.0).all()) << "output was written before the check";
+  }
+  RowMatrix<double> out = RowMatrix<double>::Constant(2, 4, -7.0);
+  expect_invalid(
+      [&] {
+        apex::embed(table, std::vector<std::int64_t>{2, 3}, {}, out);
+      },
+      {"token id (3)", "b=0, s=1"});
+  EXPECT_TRUE((out.array() == -7.0).all());
+}
+
+TEST(Embedding, RejectsBadShapesAndScale) {
+  const RowMatrix<double> table = random_matrix<double>(3, 4, 8);
+  TokenMatrix ids(1, 2);
+  ids << 0, 1;
+  RowMatrix<double> rows_wrong = RowMatrix<double>::Constant(3, 4, -7.0);
+  expect_invalid([&] { apex::embed(table, ids, {}, rows_wrong); },
+                 {"[embed] out (3 x 4)", "2 x 4"});
+  EXPECT_TRUE((rows_wrong.array() == -7.0).all());
+  RowMatrix<double> cols_wrong = RowMatrix<double>::Constant(2, 5, -7.0);
+  expect_invalid([&] { apex::embed(table, ids, {}, cols_wrong); },
+                 {"[embed] out (2 x 5)", "2 x 4"});
+  EXPECT_TRUE((cols_wrong.array() == -7.0).all());
+
+  RowMatrix<double> out = RowMatrix<double>::Constant(2, 4, -7.0);
+  EmbeddingParams inf_scale;
+  inf_scale.scale = std::numeric_limits<double>::infinity();
+  expect_invalid([&] { apex::embed(table, ids, inf_scale, out); }, {"[embed] scale (inf)"});
+  EmbeddingParams nan_scale;
+  nan_scale.scale = std::numeric_limits<double>::quiet_NaN();
+  expect_invalid([&] { apex::embed(table, ids, nan_scale, out); }, {"[embed] scale"});
+  EXPECT_TRUE((out.array() == -7.0).all());
+}
+
+TEST(Embedding, LmHeadRejectsBadShapes) {
+  const RowMatrix<double> table = random_matrix<double>(5, 4, 9);
+  const RowMatrix<double> h = random_matrix<double>(2, 3, 10);
+  RowMatrix<double> out = RowMatrix<double>::Constant(2, 5, -7.0);
+  expect_invalid([&] { apex::lm_head(h, table, out); }, {"[lm_head] h width (3)", "d (4)"});
+  EXPECT_TRUE((out.array() == -7.0).all());
+  const RowMatrix<double> h4 = random_matrix<double>(2, 4, 11);
+  RowMatrix<double> wrong = RowMatrix<double>::Constant(2, 4, -7.0);
+  expect_invalid([&] { apex::lm_head(h4, table, wrong); }, {"[lm_head] out (2 x 4)", "2 x 5"});
+  EXPECT_TRUE((wrong.array() == -7.0).all());
+}
+
+TEST(Embedding, TiedHeadScoresATokensOwnEmbeddingByItsSquaredNorm) {
+  // With a plain lookup, logit[t, tokens[t]] = ||W_E[tokens[t]]||²: the property weight tying
+  // relies on (an embedding scores highest against itself when rows have equal norms).
+  const RowMatrix<double> table = random_matrix<double>(9, 6, 12);
+  const std::vector<std::int64_t> ids = {3, 8, 0};
+  EmbeddingParams plain;
+  plain.scale = 1.0;
+  const RowMatrix<double> logits = apex::lm_head(apex::embed(table, ids, plain), table);
+  ASSERT_EQ(logits.rows(), 3);
+  ASSERT_EQ(logits.cols(), 9);
+  for (Index t = 0; t < 3; ++t) {
+    const Index v = static_cast<Index>(ids[static_cast<std::size_t>(t)]);
+    EXPECT_NEAR(logits(t, v), table.row(v).squaredNorm(), 1e-15);
+  }
+}
+
+template <class Scalar>
+class EmbeddingTyped : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+// Names the typed instances after their scalar (also gives the macro its third argument, which
+// clang's -Wpedantic wants).
+struct ScalarName {
+  template <class T>
+  static std::string GetName(int) {
+    return std::is_same_v<T, float> ? "float" : "double";
+  }
+};
+TYPED_TEST_SUITE(EmbeddingTyped, Scalars, ScalarName);
+
+TYPED_TEST(EmbeddingTyped, MatchesReferenceOnRandomShapes) {
+  using Scalar = TypeParam;
+  struct Shape {
+    Index vocab, d, batch, seq;
+  };
+  const Shape shapes[] = {
+      {1, 1, 1, 1}, {7, 3, 1, 5}, {50, 17, 2, 9}, {33, 64, 3, 1}, {1000, 129, 2, 130}};
+  std::uint32_t seed = 100;
+  for (const Shape& s : shapes) {
+    const RowMatrix<Scalar> table = random_matrix<Scalar>(s.vocab, s.d, ++seed);
+    const TokenMatrix ids = random_tokens(s.batch, s.seq, s.vocab, ++seed);
+    const RowMatrix<double> table_d = table.template cast<double>();
+    SCOPED_TRACE(::testing::Message()
+                 << "V=" << s.vocab << " d=" << s.d << " B=" << s.batch << " S=" << s.seq);
+    expect_embed_matches<Scalar>(
+        apex::embed(table, ids),
+        apex::reference::embed(table_d, ids, std::sqrt(static_cast<double>(s.d))));
+    EmbeddingParams params;
+    params.scale = 0.37;
+    RowMatrix<Scalar> out(s.batch * s.seq, s.d);
+    apex::embed(table, ids, params, out);
+    expect_embed_matches<Scalar>(out, apex::reference::embed(table_d, ids, 0.37));
+  }
+}
+
+TYPED_TEST(EmbeddingTyped, LmHeadMatchesReference) {
+  using Scalar = TypeParam;
+  struct Shape {
+    Index tokens, d, vocab;
+  };
+  const Shape shapes[] = {{1, 1, 1}, {1, 7, 13}, {5, 33, 17}, {19, 64, 100}, {64, 130, 257}};
+  std::uint32_t seed = 200;
+  for (const Shape& s : shapes) {
+    const RowMatrix<Scalar> h = random_matrix<Scalar>(s.tokens, s.d, ++seed);
+    const RowMatrix<Scalar> table = random_matrix<Scalar>(s.vocab, s.d, ++seed);
+    const RowMatrix<double> h_d = h.template cast<double>();
+    const RowMatrix<double> table_d = table.template cast<double>();
+    const RowMatrix<double> expected = apex::reference::lm_head(h_d, table_d);
+    const RowMatrix<double> magnitude = apex::reference::lm_head_magnitude(h_d, table_d);
+    RowMatrix<Scalar> out(s.tokens, s.vocab);
+    apex::lm_head(h, table, out);
+    const double bound = static_cast<double>(s.d) * kUnitRoundoff<Scalar>;
+    for (Index t = 0; t < s.tokens; ++t) {
+      for (Index v = 0; v < s.vocab; ++v) {
+        ASSERT_NEAR(static_cast<double>(out(t, v)), expected(t, v), bound * magnitude(t, v))
+            << "tokens=" << s.tokens << " d=" << s.d << " V=" << s.vocab << " at (" << t << ", "
+            << v << ")";
+      }
+    }
+    EXPECT_EQ(apex::lm_head(h, table), out);
+  }
+}
+
+}  // namespace

@@ -1,0 +1,395 @@
+// SPDX-License-Identifier: MIT
+// Tests for §3: RMSNorm, against the long-double reference loop and the document's example.
+#include <apex/rms_norm.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "reference/rms_norm.hpp"
+
+namespace {
+
+using apex::Index;
+using apex::RmsNormParams;
+using apex::RowMatrix;
+using apex::Vector;
+
+template <class Scalar>
+RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint32_t seed, double lo = -2.0,
+                                double hi = 2.0) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> dist(lo, hi);
+  RowMatrix<Scalar> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(dist(rng));
+  return m;
+}
+
+template <class Scalar>
+Vector<Scalar> random_gamma(Index d, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> dist(0.5, 1.5);
+  Vector<Scalar> g(d);
+  for (Index j = 0; j < d; ++j) g(j) = static_cast<Scalar>(dist(rng) * (j % 3 == 0 ? -1 : 1));
+  return g;
+}
+
+template <class Call>
+void expect_invalid(Call&& call, const std::vector<std::string>& parts) {
+  try {
+    call();
+    ADD_FAILURE() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    const std::string message = e.what();
+    for (const auto& part : parts) {
+      EXPECT_NE(message.find(part), std::string::npos) << "message: " << message;
+    }
+  }
+}
+
+// Tolerance, relative to each reference element (outputs are compared element by element).
+// float: the squares are summed in double and the output is formed in double and rounded
+//   once, so each element is within half an ulp of the exact value; two ulps leave room for
+//   the double-precision steps before the rounding.
+// double: the sum of d squares has a relative error of at most d·u (here d ≤ 300, so about
+//   3e-14), which reaches the output halved by the square root, plus a few roundings.
+template <class Scalar>
+struct Tolerance;
+template <>
+struct Tolerance<float> {
+  static constexpr double kRel = 2 * std::numeric_limits<float>::epsilon();
+};
+template <>
+struct Tolerance<double> {
+  static constexpr double kRel = 1e-13;
+};
+
+template <class Scalar>
+void expect_matches(const RowMatrix<Scalar>& actual, const RowMatrix<double>& expected) {
+  ASSERT_EQ(actual.rows(), expected.rows());
+  ASSERT_EQ(actual.cols(), expected.cols());
+  for (Index i = 0; i < expected.rows(); ++i) {
+    for (Index j = 0; j < expected.cols(); ++j) {
+      ASSERT_NEAR(static_cast<double>(actual(i, j)), expected(i, j),
+                  Tolerance<Scalar>::kRel * std::abs(expected(i, j)))
+          << "at (" << i << ", " << j << ") of " << expected.rows() << " x " << expected.cols();
+    }
+  }
+}
+
+template <class Scalar>
+RowMatrix<double> reference(const RowMatrix<Scalar>& x, const Vector<Scalar>& gamma, double eps) {
+  return apex::reference::rms_norm(x.template cast<double>(), gamma.template cast<double>(), eps);
+}
+
+TEST(RmsNorm, S3_4_WorkedExample) {
+  RowMatrix<double> x(1, 4);
+  x << 2.0, -1.0, 0.5, 1.5;
+  const Vector<double> gamma = Vector<double>::Ones(4);
+  const RowMatrix<double> out = apex::rms_norm(x, gamma);  // ε = 1e-6 by default
+
+  // The values §3.4 prints, to its four decimals.
+  const double printed[] = {1.4606, -0.7303, 0.3651, 1.0954};
+  for (Index j = 0; j < 4; ++j) EXPECT_NEAR(out(0, j), printed[j], 0.5e-4) << j;
+
+  // The exact formula: mean(x²) = 7.5 / 4 = 1.875, RMS = √(1.875 + 1e-6).
+  const double rms = std::sqrt(1.875 + 1e-6);
+  for (Index j = 0; j < 4; ++j) {
+    EXPECT_NEAR(out(0, j), x(0, j) / rms, 4 * std::numeric_limits<double>::epsilon()) << j;
+  }
+  // §3.4's check: mean(output²) ≈ 1 (exactly 1.875 / 1.875001).
+  EXPECT_NEAR(out.squaredNorm() / 4, 1.875 / (1.875 + 1e-6), 1e-15);
+
+  // And in float.
+  const RowMatrix<float> out_f =
+      apex::rms_norm(RowMatrix<float>(x.cast<float>()), Vector<float>(Vector<float>::Ones(4)));
+  for (Index j = 0; j < 4; ++j) {
+    EXPECT_FLOAT_EQ(out_f(0, j), static_cast<float>(x(0, j) / rms)) << j;
+  }
+}
+
+template <class Scalar>
+class RmsNormTyped : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+// Names the typed instances after their scalar (also gives the macro its third argument, which
+// clang's -Wpedantic wants).
+struct ScalarName {
+  template <class T>
+  static std::string GetName(int) {
+    return std::is_same_v<T, float> ? "float" : "double";
+  }
+};
+TYPED_TEST_SUITE(RmsNormTyped, Scalars, ScalarName);
+
+struct Shape {
+  Index tokens, d;
+};
+// Single rows, widths that are not multiples of the 16-wide accumulation, and enough rows to
+// be split over threads.
+const Shape kShapes[] = {{1, 1},   {1, 7},    {1, 16},  {3, 13},    {2, 17},
+                         {17, 33}, {64, 100}, {5, 255}, {300, 129}, {1, 300}};
+
+TYPED_TEST(RmsNormTyped, MeanSquareOfOutputIsOneUpToEps) {
+  using Scalar = TypeParam;
+  // With γ = 1, mean(out²) = ms / (ms + ε) where ms = mean(x²): 1 up to ε/ms.
+  for (const double eps : {1e-6, 1e-2}) {
+    const RowMatrix<Scalar> x = random_matrix<Scalar>(20, 96, 1);
+    const RowMatrix<Scalar> out =
+        apex::rms_norm(x, Vector<Scalar>(Vector<Scalar>::Ones(96)), RmsNormParams{eps});
+    for (Index t = 0; t < x.rows(); ++t) {
+      const double ms = x.row(t).template cast<double>().squaredNorm() / 96.0;
+      const double out_ms = out.row(t).template cast<double>().squaredNorm() / 96.0;
+      EXPECT_NEAR(out_ms, ms / (ms + eps), 8 * Tolerance<Scalar>::kRel) << "row " << t;
+      EXPECT_GT(std::abs(1.0 - out_ms), 0.1 * eps / ms) << "ε must lower the mean square";
+    }
+  }
+}
+
+TYPED_TEST(RmsNormTyped, MatchesReferenceOnRandomShapes) {
+  using Scalar = TypeParam;
+  std::uint32_t seed = 10;
+  for (const Shape& s : kShapes) {
+    SCOPED_TRACE(::testing::Message() << "tokens=" << s.tokens << " d=" << s.d);
+    const RowMatrix<Scalar> x = random_matrix<Scalar>(s.tokens, s.d, ++seed);
+    const Vector<Scalar> ones = Vector<Scalar>::Ones(s.d);
+    const Vector<Scalar> gamma = random_gamma<Scalar>(s.d, ++seed);
+    expect_matches<Scalar>(apex::rms_norm(x, ones), reference(x, ones, 1e-6));
+    RowMatrix<Scalar> out(s.tokens, s.d);
+    apex::rms_norm(x, gamma, RmsNormParams{0.25}, out);
+    expect_matches<Scalar>(out, reference(x, gamma, 0.25));
+  }
+}
+
+TYPED_TEST(RmsNormTyped, InPlace) {
+  using Scalar = TypeParam;
+  std::uint32_t seed = 40;
+  for (const Shape& s : kShapes) {
+    SCOPED_TRACE(::testing::Message() << "tokens=" << s.tokens << " d=" << s.d);
+    RowMatrix<Scalar> x = random_matrix<Scalar>(s.tokens, s.d, ++seed);
+    const Vector<Scalar> gamma = random_gamma<Scalar>(s.d, ++seed);
+    const RowMatrix<double> expected = reference(x, gamma, 1e-6);
+    const RowMatrix<Scalar> out_of_place = apex::rms_norm(x, gamma);
+    apex::rms_norm(x, gamma, {}, x);
+    expect_matches<Scalar>(x, expected);
+    EXPECT_EQ(x, out_of_place) << "in place must give the same bits as out of place";
+  }
+}
+
+TYPED_TEST(RmsNormTyped, InPlaceOnAColumnBlock) {
+  using Scalar = TypeParam;
+  // Normalise the middle 37 features of wider rows in place; the rest must be untouched.
+  RowMatrix<Scalar> wide = random_matrix<Scalar>(9, 50, 60);
+  const RowMatrix<Scalar> before = wide;
+  const Vector<Scalar> gamma = random_gamma<Scalar>(37, 61);
+  auto block = wide.middleCols(5, 37);
+  apex::rms_norm(block, gamma, {}, block);
+  expect_matches<Scalar>(RowMatrix<Scalar>(wide.middleCols(5, 37)),
+                         reference(RowMatrix<Scalar>(before.middleCols(5, 37)), gamma, 1e-6));
+  EXPECT_EQ(wide.leftCols(5), before.leftCols(5));
+  EXPECT_EQ(wide.rightCols(8), before.rightCols(8));
+}
+
+TYPED_TEST(RmsNormTyped, AcceptsColumnMajorInputAndGammaExpressions) {
+  using Scalar = TypeParam;
+  const RowMatrix<Scalar> x = random_matrix<Scalar>(6, 21, 70);
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> x_col = x;
+  const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> gamma_row = random_gamma<Scalar>(21, 71);
+  const Vector<Scalar> gamma = gamma_row.transpose();
+  const RowMatrix<Scalar> expected = apex::rms_norm(x, gamma);
+  EXPECT_EQ(apex::rms_norm(x_col, gamma), expected);
+  EXPECT_EQ(apex::rms_norm(x, gamma_row), expected);
+  EXPECT_EQ(apex::rms_norm(x, gamma_row * Scalar(2)), apex::rms_norm(x, Vector<Scalar>(gamma * 2)));
+  // A row of a row-major matrix as γ.
+  RowMatrix<Scalar> gammas(2, 21);
+  gammas.row(0).setZero();
+  gammas.row(1) = gamma_row;
+  EXPECT_EQ(apex::rms_norm(x, gammas.row(1)), expected);
+}
+
+TYPED_TEST(RmsNormTyped, RowsAreIndependentOfBatching) {
+  using Scalar = TypeParam;
+  // Many rows run on several threads; each row must give exactly what it gives alone.
+  const RowMatrix<Scalar> x = random_matrix<Scalar>(257, 200, 80);
+  const Vector<Scalar> gamma = random_gamma<Scalar>(200, 81);
+  const RowMatrix<Scalar> all = apex::rms_norm(x, gamma);
+  for (Index t = 0; t < x.rows(); t += 17) {
+    const RowMatrix<Scalar> one = apex::rms_norm(x.row(t), gamma);
+    ASSERT_EQ(one, all.row(t)) << "row " << t;
+  }
+}
+
+TYPED_TEST(RmsNormTyped, ZeroRowGivesZeros) {
+  using Scalar = TypeParam;
+  const RowMatrix<Scalar> x = RowMatrix<Scalar>::Zero(2, 9);
+  const RowMatrix<Scalar> out = apex::rms_norm(x, random_gamma<Scalar>(9, 90));
+  EXPECT_TRUE((out.array() == Scalar(0)).all());
+}
+
+TYPED_TEST(RmsNormTyped, RejectsBadInputBeforeWriting) {
+  using Scalar = TypeParam;
+  const RowMatrix<Scalar> x = random_matrix<Scalar>(3, 5, 100);
+  const Vector<Scalar> gamma = Vector<Scalar>::Ones(5);
+  RowMatrix<Scalar> out = RowMatrix<Scalar>::Constant(3, 5, Scalar(-7));
+  const auto untouched = [&] { return (out.array() == Scalar(-7)).all(); };
+
+  expect_invalid([&] { apex::rms_norm(x, gamma, RmsNormParams{0.0}, out); },
+                 {"[rms_norm] eps (0)", "positive"});
+  expect_invalid([&] { apex::rms_norm(x, gamma, RmsNormParams{-1e-6}, out); },
+                 {"[rms_norm] eps (-1e-06)"});
+  expect_invalid(
+      [&] {
+        apex::rms_norm(x, gamma, RmsNormParams{std::numeric_limits<double>::infinity()}, out);
+      },
+      {"[rms_norm] eps (inf)", "finite"});
+  expect_invalid(
+      [&] {
+        apex::rms_norm(x, gamma, RmsNormParams{std::numeric_limits<double>::quiet_NaN()}, out);
+      },
+      {"[rms_norm] eps (nan)"});
+  EXPECT_TRUE(untouched());
+
+  const Vector<Scalar> short_gamma = Vector<Scalar>::Ones(4);
+  expect_invalid([&] { apex::rms_norm(x, short_gamma, {}, out); },
+                 {"[rms_norm] gamma length (4)", "d (5)"});
+  EXPECT_TRUE(untouched());
+
+  RowMatrix<Scalar> wrong_rows = RowMatrix<Scalar>::Constant(2, 5, Scalar(-7));
+  expect_invalid([&] { apex::rms_norm(x, gamma, {}, wrong_rows); },
+                 {"[rms_norm] out (2 x 5)", "3 x 5"});
+  EXPECT_TRUE((wrong_rows.array() == Scalar(-7)).all());
+  RowMatrix<Scalar> wrong_cols = RowMatrix<Scalar>::Constant(3, 6, Scalar(-7));
+  expect_invalid([&] { apex::rms_norm(x, gamma, {}, wrong_cols); },
+                 {"[rms_norm] out (3 x 6)", "3 x 5"});
+  EXPECT_TRUE((wrong_cols.array() == Scalar(-7)).all());
+}
+
+TYPED_TEST(RmsNormTyped, RejectsPartialOverlap) {
+  using Scalar = TypeParam;
+  RowMatrix<Scalar> buffer = random_matrix<Scalar>(4, 6, 110);
+  const RowMatrix<Scalar> before = buffer;
+  const Vector<Scalar> gamma = Vector<Scalar>::Ones(5);
+  // x = columns 0..4, out = columns 1..5 of the same rows: overlapping but not identical.
+  expect_invalid([&] { apex::rms_norm(buffer.leftCols(5), gamma, {}, buffer.rightCols(5)); },
+                 {"[rms_norm] out must either be x itself"});
+  // γ inside the output.
+  RowMatrix<Scalar> out = RowMatrix<Scalar>::Constant(4, 5, Scalar(-7));
+  expect_invalid([&] { apex::rms_norm(buffer.leftCols(5), out.row(2), {}, out); },
+                 {"[rms_norm] gamma must not overlap out"});
+  EXPECT_EQ(buffer, before);
+  EXPECT_TRUE((out.array() == Scalar(-7)).all());
+}
+
+// Extremes. A row c·v with c a power of two has the exact answer v / sqrt(mean(v²) + ε/c²),
+// whatever c is; v = [2, -1, 0.5, 1.5] (the §3.4 row) has mean(v²) = 1.875.
+
+TEST(RmsNorm, FloatNearTheMaximumDoesNotOverflow) {
+  RowMatrix<float> x(2, 4);
+  x << 3e38f, -3e38f, 1e38f, 2e38f,               //
+      0x1p126f, -0x1p125f, 0x1p124f, 0x1.8p125f;  // 2^125 · [2, -1, 0.5, 1.5]
+  const Vector<float> gamma = Vector<float>::Ones(4);
+  const RowMatrix<float> out = apex::rms_norm(x, gamma);
+  ASSERT_TRUE(out.allFinite());
+  expect_matches<float>(out, reference(x, gamma, 1e-6));
+  const float v[] = {2.0f, -1.0f, 0.5f, 1.5f};
+  for (Index j = 0; j < 4; ++j) {
+    EXPECT_FLOAT_EQ(out(1, j), static_cast<float>(v[j] / std::sqrt(1.875))) << j;
+  }
+}
+
+TEST(RmsNorm, FloatNear1e20KeepsItsDigits) {
+  // x² ≈ 1e-40 is a float denormal with only ~3 significant digits; a float accumulation
+  // would be off by ~1e-3 relative. ε is chosen below x² so that the squares matter.
+  RowMatrix<float> x(2, 5);
+  x << 1e-20f, -2.5e-20f, 3.3e-20f, 0.7e-20f, -1.9e-20f,  //
+      1.3e-20f, 2.1e-20f, -0.9e-20f, 1.7e-20f, 3.1e-20f;
+  const Vector<float> gamma = random_gamma<float>(5, 120);
+  for (const double eps : {1e-45, 1e-41, 1e-6}) {
+    SCOPED_TRACE(eps);
+    expect_matches<float>(apex::rms_norm(x, gamma, RmsNormParams{eps}), reference(x, gamma, eps));
+  }
+}
+
+TEST(RmsNorm, DoubleSquaresThatOverflow) {
+  // 2^1000 · v: the squares (~2^2002) overflow double; ε/c² vanishes.
+  RowMatrix<double> x(1, 4);
+  x << 0x1p1001, -0x1p1000, 0x1p999, 0x1.8p1000;
+  const RowMatrix<double> out = apex::rms_norm(x, Vector<double>(Vector<double>::Ones(4)));
+  const double v[] = {2.0, -1.0, 0.5, 1.5};
+  for (Index j = 0; j < 4; ++j) EXPECT_DOUBLE_EQ(out(0, j), v[j] / std::sqrt(1.875)) << j;
+
+  // Near the double maximum, with γ ≠ 1.
+  RowMatrix<double> big(1, 3);
+  big << 1.7e308, -1.0e308, 3.0e307;
+  Vector<double> gamma(3);
+  gamma << 0.5, 2.0, -1.0;
+  const RowMatrix<double> out_big = apex::rms_norm(big, gamma);
+  const double rms = 1e308 * std::sqrt((1.7 * 1.7 + 1.0 + 0.3 * 0.3) / 3.0);
+  EXPECT_NEAR(out_big(0, 0), 1.7e308 / rms * 0.5, 1e-15);
+  EXPECT_NEAR(out_big(0, 1), -1.0e308 / rms * 2.0, 1e-15);
+  EXPECT_NEAR(out_big(0, 2), 3.0e307 / rms * -1.0, 1e-15);
+}
+
+TEST(RmsNorm, DoubleSquaresThatUnderflow) {
+  // x = 2^-530 · v: the squares (~2^-1060) are denormals and keep only a few significant bits.
+  // With ε = 2^-1074 (the smallest positive double) the exact answer is
+  // v / sqrt(mean(v²) + 2^-1074 / 2^-1060) = v / sqrt(mean(v²) + 2^-14), computable in the
+  // ordinary double range.
+  const double v[] = {1.1, -0.7, 0.3, 1.9};
+  RowMatrix<double> x(1, 4);
+  double mean_v2 = 0.0;
+  for (Index j = 0; j < 4; ++j) {
+    x(0, j) = std::ldexp(v[j], -530);
+    mean_v2 += v[j] * v[j] / 4;
+  }
+  const double eps = std::numeric_limits<double>::denorm_min();
+  const RowMatrix<double> out =
+      apex::rms_norm(x, Vector<double>(Vector<double>::Ones(4)), RmsNormParams{eps});
+  for (Index j = 0; j < 4; ++j) {
+    const double expected = v[j] / std::sqrt(mean_v2 + 0x1p-14);
+    EXPECT_NEAR(out(0, j), expected, Tolerance<double>::kRel * std::abs(expected)) << j;
+  }
+  // Denormal inputs themselves, and a tiny ε that dominates: RMS = sqrt(ε).
+  RowMatrix<double> tiny(1, 2);
+  tiny << 4e-320, -1e-320;
+  const RowMatrix<double> out_tiny =
+      apex::rms_norm(tiny, Vector<double>(Vector<double>::Ones(2)), RmsNormParams{1e-300});
+  EXPECT_NEAR(out_tiny(0, 0) / (4e-320 / 1e-150), 1.0, 1e-12);
+  EXPECT_NEAR(out_tiny(0, 1) / (-1e-320 / 1e-150), 1.0, 1e-12);
+}
+
+TEST(RmsNorm, DoubleExtremesMatchTheLongDoubleReference) {
+  if (!apex::reference::rms_reference_has_extended_range()) {
+    GTEST_SKIP() << "long double has the range of double here";
+  }
+  RowMatrix<double> x(5, 6);
+  x << 1e300, -3e299, 1e-300, 2e300, 0.0, -7e299,       // squares overflow
+      1e-170, -3e-171, 2e-170, 5e-175, 0.0, 1.5e-170,   // squares underflow
+      3e-160, 1e-300, -2e-161, 7e-320, 1e-162, 4e-160,  // mixed, with a denormal
+      1.0, 1e-200, -1e200, 1e-300, 3.0, 1e100,          // one huge element
+      0.1, 0.2, -0.3, 0.4, 0.5, -0.6;                   // ordinary
+  const Vector<double> gamma = random_gamma<double>(6, 130);
+  for (const double eps : {1e-6, 1e-320, 1e-200}) {
+    SCOPED_TRACE(eps);
+    const RowMatrix<double> out = apex::rms_norm(x, gamma, RmsNormParams{eps});
+    ASSERT_TRUE(out.allFinite());
+    expect_matches<double>(out, apex::reference::rms_norm(x, gamma, eps));
+  }
+}
+
+TEST(RmsNorm, NonFiniteInputPropagates) {
+  RowMatrix<double> x(2, 3);
+  x << 1.0, std::numeric_limits<double>::quiet_NaN(), 2.0,  //
+      1.0, 2.0, 3.0;
+  const RowMatrix<double> out = apex::rms_norm(x, Vector<double>(Vector<double>::Ones(3)));
+  EXPECT_TRUE(std::isnan(out(0, 0)));
+  EXPECT_TRUE(out.row(1).allFinite()) << "a NaN in one row must not leak into another";
+}
+
+}  // namespace
