@@ -8,12 +8,11 @@
 #include <cstdint>
 #include <limits>
 #include <random>
-#include <stdexcept>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "reference/embedding.hpp"
+#include "test_util.hpp"
 
 namespace {
 
@@ -21,15 +20,8 @@ using apex::EmbeddingParams;
 using apex::Index;
 using apex::RowMatrix;
 using apex::TokenMatrix;
-
-template <class Scalar>
-RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> dist(-1.0, 1.0);
-  RowMatrix<Scalar> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(dist(rng));
-  return m;
-}
+using apex::testing::expect_invalid;
+using apex::testing::random_matrix;
 
 TokenMatrix random_tokens(Index batch, Index seq, Index vocab, std::uint32_t seed) {
   std::mt19937 rng(seed);
@@ -37,20 +29,6 @@ TokenMatrix random_tokens(Index batch, Index seq, Index vocab, std::uint32_t see
   TokenMatrix ids(batch, seq);
   for (Index i = 0; i < ids.size(); ++i) ids.data()[i] = dist(rng);
   return ids;
-}
-
-// Expects `call` to throw std::invalid_argument whose message contains every one of `parts`.
-template <class Call>
-void expect_invalid(Call&& call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "expected std::invalid_argument";
-  } catch (const std::invalid_argument& e) {
-    const std::string message = e.what();
-    for (const auto& part : parts) {
-      EXPECT_NE(message.find(part), std::string::npos) << "message: " << message;
-    }
-  }
 }
 
 // Tolerances, relative to the reference value.
@@ -64,15 +42,7 @@ constexpr double kEmbedRelTol = 2 * kUnitRoundoff<Scalar>;
 
 template <class Scalar>
 void expect_embed_matches(const RowMatrix<Scalar>& actual, const RowMatrix<double>& expected) {
-  ASSERT_EQ(actual.rows(), expected.rows());
-  ASSERT_EQ(actual.cols(), expected.cols());
-  for (Index i = 0; i < expected.rows(); ++i) {
-    for (Index j = 0; j < expected.cols(); ++j) {
-      EXPECT_NEAR(static_cast<double>(actual(i, j)), expected(i, j),
-                  kEmbedRelTol<Scalar> * std::abs(expected(i, j)))
-          << "at (" << i << ", " << j << ")";
-    }
-  }
+  apex::testing::expect_near_elementwise(actual, expected, kEmbedRelTol<Scalar>, 0.0);
 }
 
 TEST(Embedding, S2_4_WorkedExample) {
@@ -247,15 +217,7 @@ TEST(Embedding, TiedHeadScoresATokensOwnEmbeddingByItsSquaredNorm) {
 template <class Scalar>
 class EmbeddingTyped : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
-// Names the typed instances after their scalar (also gives the macro its third argument, which
-// clang's -Wpedantic wants).
-struct ScalarName {
-  template <class T>
-  static std::string GetName(int) {
-    return std::is_same_v<T, float> ? "float" : "double";
-  }
-};
-TYPED_TEST_SUITE(EmbeddingTyped, Scalars, ScalarName);
+TYPED_TEST_SUITE(EmbeddingTyped, Scalars, apex::testing::ScalarName);
 
 TYPED_TEST(EmbeddingTyped, MatchesReferenceOnRandomShapes) {
   using Scalar = TypeParam;

@@ -7,13 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <random>
-#include <stdexcept>
-#include <string>
-#include <type_traits>
-#include <vector>
 
 #include "reference/rms_norm.hpp"
+#include "test_util.hpp"
 
 namespace {
 
@@ -21,37 +17,21 @@ using apex::Index;
 using apex::RmsNormParams;
 using apex::RowMatrix;
 using apex::Vector;
+using apex::testing::expect_invalid;
+using apex::testing::random_matrix;
 
+// Inputs x: uniform in [-2, 2).
 template <class Scalar>
-RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint32_t seed, double lo = -2.0,
-                                double hi = 2.0) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> dist(lo, hi);
-  RowMatrix<Scalar> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(dist(rng));
-  return m;
+RowMatrix<Scalar> random_input(Index tokens, Index d, std::uint32_t seed) {
+  return random_matrix<Scalar>(tokens, d, seed, -2.0, 2.0);
 }
 
+// γ: magnitudes uniform in [0.5, 1.5), every third one negative.
 template <class Scalar>
 Vector<Scalar> random_gamma(Index d, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> dist(0.5, 1.5);
-  Vector<Scalar> g(d);
-  for (Index j = 0; j < d; ++j) g(j) = static_cast<Scalar>(dist(rng) * (j % 3 == 0 ? -1 : 1));
+  Vector<Scalar> g = random_matrix<Scalar>(d, 1, seed, 0.5, 1.5);
+  for (Index j = 0; j < d; j += 3) g(j) = -g(j);
   return g;
-}
-
-template <class Call>
-void expect_invalid(Call&& call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "expected std::invalid_argument";
-  } catch (const std::invalid_argument& e) {
-    const std::string message = e.what();
-    for (const auto& part : parts) {
-      EXPECT_NE(message.find(part), std::string::npos) << "message: " << message;
-    }
-  }
 }
 
 // Tolerance, relative to each reference element (outputs are compared element by element).
@@ -73,15 +53,7 @@ struct Tolerance<double> {
 
 template <class Scalar>
 void expect_matches(const RowMatrix<Scalar>& actual, const RowMatrix<double>& expected) {
-  ASSERT_EQ(actual.rows(), expected.rows());
-  ASSERT_EQ(actual.cols(), expected.cols());
-  for (Index i = 0; i < expected.rows(); ++i) {
-    for (Index j = 0; j < expected.cols(); ++j) {
-      ASSERT_NEAR(static_cast<double>(actual(i, j)), expected(i, j),
-                  Tolerance<Scalar>::kRel * std::abs(expected(i, j)))
-          << "at (" << i << ", " << j << ") of " << expected.rows() << " x " << expected.cols();
-    }
-  }
+  apex::testing::expect_near_elementwise(actual, expected, Tolerance<Scalar>::kRel, 0.0);
 }
 
 template <class Scalar>
@@ -118,15 +90,7 @@ TEST(RmsNorm, S3_4_WorkedExample) {
 template <class Scalar>
 class RmsNormTyped : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
-// Names the typed instances after their scalar (also gives the macro its third argument, which
-// clang's -Wpedantic wants).
-struct ScalarName {
-  template <class T>
-  static std::string GetName(int) {
-    return std::is_same_v<T, float> ? "float" : "double";
-  }
-};
-TYPED_TEST_SUITE(RmsNormTyped, Scalars, ScalarName);
+TYPED_TEST_SUITE(RmsNormTyped, Scalars, apex::testing::ScalarName);
 
 struct Shape {
   Index tokens, d;
@@ -140,7 +104,7 @@ TYPED_TEST(RmsNormTyped, MeanSquareOfOutputIsOneUpToEps) {
   using Scalar = TypeParam;
   // With γ = 1, mean(out²) = ms / (ms + ε) where ms = mean(x²): 1 up to ε/ms.
   for (const double eps : {1e-6, 1e-2}) {
-    const RowMatrix<Scalar> x = random_matrix<Scalar>(20, 96, 1);
+    const RowMatrix<Scalar> x = random_input<Scalar>(20, 96, 1);
     const RowMatrix<Scalar> out =
         apex::rms_norm(x, Vector<Scalar>(Vector<Scalar>::Ones(96)), RmsNormParams{eps});
     for (Index t = 0; t < x.rows(); ++t) {
@@ -157,7 +121,7 @@ TYPED_TEST(RmsNormTyped, MatchesReferenceOnRandomShapes) {
   std::uint32_t seed = 10;
   for (const Shape& s : kShapes) {
     SCOPED_TRACE(::testing::Message() << "tokens=" << s.tokens << " d=" << s.d);
-    const RowMatrix<Scalar> x = random_matrix<Scalar>(s.tokens, s.d, ++seed);
+    const RowMatrix<Scalar> x = random_input<Scalar>(s.tokens, s.d, ++seed);
     const Vector<Scalar> ones = Vector<Scalar>::Ones(s.d);
     const Vector<Scalar> gamma = random_gamma<Scalar>(s.d, ++seed);
     expect_matches<Scalar>(apex::rms_norm(x, ones), reference(x, ones, 1e-6));
@@ -172,7 +136,7 @@ TYPED_TEST(RmsNormTyped, InPlace) {
   std::uint32_t seed = 40;
   for (const Shape& s : kShapes) {
     SCOPED_TRACE(::testing::Message() << "tokens=" << s.tokens << " d=" << s.d);
-    RowMatrix<Scalar> x = random_matrix<Scalar>(s.tokens, s.d, ++seed);
+    RowMatrix<Scalar> x = random_input<Scalar>(s.tokens, s.d, ++seed);
     const Vector<Scalar> gamma = random_gamma<Scalar>(s.d, ++seed);
     const RowMatrix<double> expected = reference(x, gamma, 1e-6);
     const RowMatrix<Scalar> out_of_place = apex::rms_norm(x, gamma);
@@ -185,7 +149,7 @@ TYPED_TEST(RmsNormTyped, InPlace) {
 TYPED_TEST(RmsNormTyped, InPlaceOnAColumnBlock) {
   using Scalar = TypeParam;
   // Normalise the middle 37 features of wider rows in place; the rest must be untouched.
-  RowMatrix<Scalar> wide = random_matrix<Scalar>(9, 50, 60);
+  RowMatrix<Scalar> wide = random_input<Scalar>(9, 50, 60);
   const RowMatrix<Scalar> before = wide;
   const Vector<Scalar> gamma = random_gamma<Scalar>(37, 61);
   auto block = wide.middleCols(5, 37);
@@ -198,7 +162,7 @@ TYPED_TEST(RmsNormTyped, InPlaceOnAColumnBlock) {
 
 TYPED_TEST(RmsNormTyped, AcceptsColumnMajorInputAndGammaExpressions) {
   using Scalar = TypeParam;
-  const RowMatrix<Scalar> x = random_matrix<Scalar>(6, 21, 70);
+  const RowMatrix<Scalar> x = random_input<Scalar>(6, 21, 70);
   const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> x_col = x;
   const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> gamma_row = random_gamma<Scalar>(21, 71);
   const Vector<Scalar> gamma = gamma_row.transpose();
@@ -216,7 +180,7 @@ TYPED_TEST(RmsNormTyped, AcceptsColumnMajorInputAndGammaExpressions) {
 TYPED_TEST(RmsNormTyped, RowsAreIndependentOfBatching) {
   using Scalar = TypeParam;
   // Many rows run on several threads; each row must give exactly what it gives alone.
-  const RowMatrix<Scalar> x = random_matrix<Scalar>(257, 200, 80);
+  const RowMatrix<Scalar> x = random_input<Scalar>(257, 200, 80);
   const Vector<Scalar> gamma = random_gamma<Scalar>(200, 81);
   const RowMatrix<Scalar> all = apex::rms_norm(x, gamma);
   for (Index t = 0; t < x.rows(); t += 17) {
@@ -234,7 +198,7 @@ TYPED_TEST(RmsNormTyped, ZeroRowGivesZeros) {
 
 TYPED_TEST(RmsNormTyped, RejectsBadInputBeforeWriting) {
   using Scalar = TypeParam;
-  const RowMatrix<Scalar> x = random_matrix<Scalar>(3, 5, 100);
+  const RowMatrix<Scalar> x = random_input<Scalar>(3, 5, 100);
   const Vector<Scalar> gamma = Vector<Scalar>::Ones(5);
   RowMatrix<Scalar> out = RowMatrix<Scalar>::Constant(3, 5, Scalar(-7));
   const auto untouched = [&] { return (out.array() == Scalar(-7)).all(); };
@@ -272,7 +236,7 @@ TYPED_TEST(RmsNormTyped, RejectsBadInputBeforeWriting) {
 
 TYPED_TEST(RmsNormTyped, RejectsPartialOverlap) {
   using Scalar = TypeParam;
-  RowMatrix<Scalar> buffer = random_matrix<Scalar>(4, 6, 110);
+  RowMatrix<Scalar> buffer = random_input<Scalar>(4, 6, 110);
   const RowMatrix<Scalar> before = buffer;
   const Vector<Scalar> gamma = Vector<Scalar>::Ones(5);
   // x = columns 0..4, out = columns 1..5 of the same rows: overlapping but not identical.

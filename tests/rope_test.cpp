@@ -8,11 +8,11 @@
 #include <cstdint>
 #include <limits>
 #include <random>
-#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "reference/rope.hpp"
+#include "test_util.hpp"
 
 namespace {
 
@@ -23,6 +23,8 @@ using apex::RopeParams;
 using apex::RopeTable;
 using apex::RowMatrix;
 using apex::Vector;
+using apex::testing::expect_invalid;
+using apex::testing::random_matrix;
 
 constexpr double kPi = 3.14159265358979323846;
 
@@ -35,16 +37,6 @@ template <class Scalar>
 double kernel_tolerance(double magnitude = 1.0) {
   return 4.0 * static_cast<double>(std::numeric_limits<Scalar>::epsilon()) *
          std::max(1.0, magnitude);
-}
-
-template <class Scalar>
-RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::mt19937& rng) {
-  std::uniform_real_distribution<double> dist(-1.0, 1.0);
-  RowMatrix<Scalar> x(rows, cols);
-  for (Index r = 0; r < rows; ++r) {
-    for (Index c = 0; c < cols; ++c) x(r, c) = static_cast<Scalar>(dist(rng));
-  }
-  return x;
 }
 
 template <class Scalar>
@@ -61,21 +53,6 @@ std::vector<long long> offset_positions(Index offset, Index rows) {
 // The largest |a − b| over all entries.
 double max_abs_diff(const Eigen::MatrixXd& a, const Eigen::MatrixXd& b) {
   return (a - b).cwiseAbs().maxCoeff();
-}
-
-// Expects `f` to throw std::invalid_argument whose message contains every given piece.
-template <class F>
-void expect_invalid(F&& f, const std::vector<std::string>& pieces) {
-  try {
-    f();
-    ADD_FAILURE() << "no exception thrown";
-  } catch (const std::invalid_argument& e) {
-    const std::string message = e.what();
-    for (const auto& piece : pieces) {
-      EXPECT_NE(message.find(piece), std::string::npos)
-          << "message \"" << message << "\" lacks \"" << piece << "\"";
-    }
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -128,7 +105,7 @@ TEST(Rope, S4_6_WorkedExampleAtPosition3) {
 template <class Scalar>
 class RopeTyped : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(RopeTyped, Scalars, );
+TYPED_TEST_SUITE(RopeTyped, Scalars, apex::testing::ScalarName);
 
 struct Shape {
   Index rows, heads, head_dim, rotary_dim, offset, max_positions;

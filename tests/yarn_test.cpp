@@ -7,10 +7,11 @@
 #include <cmath>
 #include <limits>
 #include <random>
-#include <string>
+#include <utility>
 #include <vector>
 
 #include "reference/rope.hpp"
+#include "test_util.hpp"
 
 namespace {
 
@@ -23,6 +24,8 @@ using apex::Vector;
 using apex::YarnParams;
 using apex::YarnRegime;
 using apex::YarnTemperature;
+using apex::testing::expect_invalid;
+using apex::testing::random_matrix;
 
 constexpr double kPi = 3.14159265358979323846;
 
@@ -41,30 +44,6 @@ template <class Scalar>
 double kernel_tolerance(double magnitude) {
   return 4.0 * static_cast<double>(std::numeric_limits<Scalar>::epsilon()) *
          std::max(1.0, magnitude);
-}
-
-template <class Scalar>
-RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::mt19937& rng) {
-  std::uniform_real_distribution<double> dist(-1.0, 1.0);
-  RowMatrix<Scalar> x(rows, cols);
-  for (Index r = 0; r < rows; ++r) {
-    for (Index c = 0; c < cols; ++c) x(r, c) = static_cast<Scalar>(dist(rng));
-  }
-  return x;
-}
-
-template <class F>
-void expect_invalid(F&& f, const std::vector<std::string>& pieces) {
-  try {
-    f();
-    ADD_FAILURE() << "no exception thrown";
-  } catch (const std::invalid_argument& e) {
-    const std::string message = e.what();
-    for (const auto& piece : pieces) {
-      EXPECT_NE(message.find(piece), std::string::npos)
-          << "message \"" << message << "\" lacks \"" << piece << "\"";
-    }
-  }
 }
 
 // A spread of realistic configurations for the property tests.
@@ -312,7 +291,7 @@ TEST(Yarn, PartialRotaryUsesTheRotaryDimension) {
 template <class Scalar>
 class YarnTyped : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(YarnTyped, Scalars, );
+TYPED_TEST_SUITE(YarnTyped, Scalars, apex::testing::ScalarName);
 
 TYPED_TEST(YarnTyped, TableAppliedMatchesReference) {
   using Scalar = TypeParam;

@@ -363,11 +363,8 @@ template <class Derived>
 RowMatrix<typename Derived::Scalar> rope(const RopeTable<typename Derived::Scalar>& table,
                                          Index position_offset,
                                          const Eigen::MatrixBase<Derived>& x) {
-  using Scalar = typename Derived::Scalar;
-  detail::require_supported_scalar<Scalar>();
-  detail::check_rope_width(table, x.cols());
-  detail::check_rope_offset(table, position_offset, x.rows());
-  RowMatrix<Scalar> out = x;
+  detail::require_supported_scalar<typename Derived::Scalar>();
+  RowMatrix<typename Derived::Scalar> out = x;  // apply_rope checks everything before rotating
   apply_rope(table, position_offset, out);
   return out;
 }
@@ -377,11 +374,8 @@ template <class Derived, class DerivedIds>
 RowMatrix<typename Derived::Scalar> rope(const RopeTable<typename Derived::Scalar>& table,
                                          const Eigen::MatrixBase<DerivedIds>& position_ids,
                                          const Eigen::MatrixBase<Derived>& x) {
-  using Scalar = typename Derived::Scalar;
-  detail::require_supported_scalar<Scalar>();
-  detail::check_rope_width(table, x.cols());
-  detail::check_rope_ids(table, position_ids, x.rows());
-  RowMatrix<Scalar> out = x;
+  detail::require_supported_scalar<typename Derived::Scalar>();
+  RowMatrix<typename Derived::Scalar> out = x;  // apply_rope checks everything before rotating
   apply_rope(table, position_ids, out);
   return out;
 }

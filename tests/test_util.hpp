@@ -1,0 +1,103 @@
+// SPDX-License-Identifier: MIT
+// Helpers shared by the test programs: deterministic random inputs, the check that a call is
+// rejected with std::invalid_argument and a given message, and element-wise closeness checks.
+// Tolerances are not set here: each test file states its own, with the reason.
+#pragma once
+
+#include <apex/config.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace apex::testing {
+
+/// Names typed tests after their scalar: `RopeTyped/float.Name` rather than `RopeTyped/0.Name`.
+struct ScalarName {
+  template <class T>
+  static std::string GetName(int /*index*/) {
+    if constexpr (std::is_same_v<T, float>) return "float";
+    if constexpr (std::is_same_v<T, double>) return "double";
+    return "other";
+  }
+};
+
+/// A rows x cols matrix of uniform values in [lo, hi), drawn from `rng` in storage order, so
+/// that consecutive calls on one generator give different matrices.
+template <class Scalar>
+RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::mt19937& rng, double lo = -1.0,
+                                double hi = 1.0) {
+  std::uniform_real_distribution<double> dist(lo, hi);
+  RowMatrix<Scalar> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(dist(rng));
+  return m;
+}
+
+/// The same from a generator of its own: the same seed gives the same matrix.
+template <class Scalar>
+RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint32_t seed, double lo = -1.0,
+                                double hi = 1.0) {
+  std::mt19937 rng(seed);
+  return random_matrix<Scalar>(rows, cols, rng, lo, hi);
+}
+
+/// Expects `call()` to throw std::invalid_argument whose message contains every one of `parts`.
+template <class Call>
+void expect_invalid(Call&& call, const std::vector<std::string>& parts) {
+  try {
+    call();
+    ADD_FAILURE() << "expected std::invalid_argument, nothing was thrown";
+  } catch (const std::invalid_argument& e) {
+    const std::string message = e.what();
+    for (const std::string& part : parts) {
+      EXPECT_NE(message.find(part), std::string::npos)
+          << "message \"" << message << "\" lacks \"" << part << "\"";
+    }
+  }
+}
+
+/// The same for a braced list of parts: expect_invalid(call, {"[op]", "name (3)"}).
+template <class Call>
+void expect_invalid(Call&& call, std::initializer_list<std::string> parts) {
+  expect_invalid(std::forward<Call>(call), std::vector<std::string>(parts));
+}
+
+/// The same for a single part.
+template <class Call>
+void expect_invalid(Call&& call, const std::string& part) {
+  expect_invalid(std::forward<Call>(call), std::vector<std::string>{part});
+}
+
+/// Expects equal shapes and |actual − expected| ≤ max(abs_tol, rel_tol·|expected|) for every
+/// element. Compared in double; stops at the first shape mismatch.
+template <class Actual, class Expected>
+void expect_near_elementwise(const Actual& actual, const Expected& expected, double rel_tol,
+                             double abs_tol) {
+  ASSERT_EQ(actual.rows(), expected.rows());
+  ASSERT_EQ(actual.cols(), expected.cols());
+  for (Index i = 0; i < expected.rows(); ++i) {
+    for (Index j = 0; j < expected.cols(); ++j) {
+      const double e = static_cast<double>(expected(i, j));
+      EXPECT_NEAR(static_cast<double>(actual(i, j)), e, std::max(abs_tol, rel_tol * std::abs(e)))
+          << "at (" << i << ", " << j << ") of " << expected.rows() << " x " << expected.cols();
+    }
+  }
+}
+
+/// Expects |actual − expected| ≤ tol·max(1, |expected|) for every element: relative for
+/// values above 1, absolute below.
+template <class Actual, class Expected>
+void expect_close(const Actual& actual, const Expected& expected, double tol) {
+  expect_near_elementwise(actual, expected, tol, tol);
+}
+
+}  // namespace apex::testing
