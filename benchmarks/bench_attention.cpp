@@ -1,0 +1,206 @@
+// SPDX-License-Identifier: MIT
+// Scaled dot-product attention (§6, §8, §10): the tiled kernel behind apex::sdpa against the
+// plain reference, read against the yardsticks of yardsticks.cpp in the same run:
+//   BM_Sdpa_*    prefill, S_q = S_k = S, H_q = 32, H_kv = 8, d_h = 128, B = 1, float. GFLOPS
+//                counts 4·d_h·H_q per allowed (query, key) pair: 4·S²·d_h·H_q for full
+//                attention, exactly half of it for causal, the allowed pairs of a window of 512
+//                (Σ_i min(i + 1, 512)) for window512. Compare with BM_Gemm.
+//   BM_Decode_*  one new token against a cache of S tokens, H_q = 32, H_kv = 8, d_h = 128:
+//                GBps counts the K and V bytes read. Compare with BM_MemRead.
+//   BM_Sdpa_Fast_PeakMemory  causal attention over S = 65536 (one head, d_h = 128): extra_MiB
+//                is the growth of the peak resident set during the call, beyond the inputs and
+//                the output that already exist (the kernel promises O(block²) per thread). The
+//                call runs on a new thread, so that its thread-local scratch starts empty.
+// Threads: OpenMP, as many as OMP_NUM_THREADS says (the figures are meant for 2).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers when Eigen's
+// GEMM kernels are inlined at -O3 -march=native (fixed in GCC 13). The pragma must precede them.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#include <apex/config.hpp>
+#include <apex/mask.hpp>
+#include <apex/sdpa.hpp>
+#include <apex/tensor.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "bench_util.hpp"
+
+namespace {
+
+using apex::Index;
+using apex::RowMatrix;
+
+constexpr Index kHeadDim = 128;
+constexpr Index kQueryHeads = 32;
+constexpr Index kKvHeads = 8;
+constexpr Index kWindow = 512;
+
+enum class Mask { kCausal, kFull, kWindow512 };
+
+apex::PositionMask position_mask(Mask mask) {
+  apex::PositionMask m;
+  m.causal = mask != Mask::kFull;
+  if (mask == Mask::kWindow512) m.window = kWindow;
+  return m;
+}
+
+/// Allowed (query, key) pairs for S queries against S keys.
+double allowed_pairs(Mask mask, Index s) {
+  const double n = static_cast<double>(s);
+  if (mask == Mask::kFull) return n * n;
+  if (mask == Mask::kCausal) return n * n / 2.0;  // the convention of the GFLOPS counter
+  double pairs = 0.0;
+  for (Index i = 0; i < s; ++i) pairs += static_cast<double>(std::min(i + 1, kWindow));
+  return pairs;
+}
+
+/// [1, heads, seq, d] contiguous inputs with uniform values in [-1, 1).
+struct HeadsInput {
+  HeadsInput(Index heads, Index seq, Index dim, std::uint64_t seed)
+      : data(apex::bench::random_matrix<float>(heads * seq, dim, seed)),
+        view(apex::HeadsView<const float>::contiguous(data.data(), 1, heads, seq, dim)) {}
+  RowMatrix<float> data;
+  apex::HeadsView<const float> view;
+};
+
+/// A zeroed (hence already touched) [1, heads, seq, d] output.
+struct HeadsOutput {
+  HeadsOutput(Index heads, Index seq, Index dim)
+      : data(RowMatrix<float>::Zero(heads * seq, dim)),
+        view(apex::HeadsView<float>::contiguous(data.data(), 1, heads, seq, dim)) {}
+  RowMatrix<float> data;
+  apex::HeadsView<float> view;
+};
+
+// Prefill: S queries against S keys. `reference` selects apex::reference::sdpa.
+void run_prefill(benchmark::State& state, Mask mask, bool reference) {
+  const Index s = state.range(0);
+  const HeadsInput q(kQueryHeads, s, kHeadDim, 1);
+  const HeadsInput k(kKvHeads, s, kHeadDim, 2);
+  const HeadsInput v(kKvHeads, s, kHeadDim, 3);
+  HeadsOutput out(kQueryHeads, s, kHeadDim);
+  apex::AttentionMask<float> attention_mask;
+  attention_mask.positions = position_mask(mask);
+  const apex::SdpaParams params;
+  for (auto _ : state) {
+    if (reference) {
+      apex::reference::sdpa<float>(q.view, k.view, v.view, attention_mask, params, out.view);
+    } else {
+      apex::sdpa<float>(q.view, k.view, v.view, attention_mask, params, out.view);
+    }
+    benchmark::DoNotOptimize(out.data.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOPS"] = apex::bench::gflops(
+      state, allowed_pairs(mask, s) * 4.0 * static_cast<double>(kHeadDim * kQueryHeads));
+}
+
+// Decoding: one query (the newest position) against a cache of S keys, all of them visible.
+void run_decode(benchmark::State& state) {
+  const Index s = state.range(0);
+  const HeadsInput q(kQueryHeads, 1, kHeadDim, 4);
+  const HeadsInput k(kKvHeads, s, kHeadDim, 5);
+  const HeadsInput v(kKvHeads, s, kHeadDim, 6);
+  HeadsOutput out(kQueryHeads, 1, kHeadDim);
+  apex::AttentionMask<float> attention_mask;
+  attention_mask.positions = position_mask(Mask::kCausal);
+  const apex::SdpaParams params;
+  for (auto _ : state) {
+    apex::sdpa<float>(q.view, k.view, v.view, attention_mask, params, out.view);
+    benchmark::DoNotOptimize(out.data.data());
+    benchmark::ClobberMemory();
+  }
+  const double kv_bytes = 2.0 * static_cast<double>(s * kKvHeads * kHeadDim) * sizeof(float);
+  state.counters["GBps"] = apex::bench::gbps(state, kv_bytes);
+}
+
+/// A field of /proc/self/status in KiB (VmRSS, VmHWM), or -1 if unavailable.
+double status_kib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.compare(0, field.size() + 1, field + ":") == 0)
+      return std::stod(line.substr(field.size() + 1));
+  }
+  return -1.0;
+}
+
+/// Resets the peak resident set (VmHWM) to the current one; false if the kernel refuses.
+bool reset_peak_rss() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
+// Causal attention over S tokens, one head, d_h = 128: the growth of the peak resident set
+// during each call, beyond the inputs and the output, which exist (and are touched) before.
+void run_peak_memory(benchmark::State& state) {
+  const Index s = state.range(0);
+  const HeadsInput q(1, s, kHeadDim, 7);
+  const HeadsInput k(1, s, kHeadDim, 8);
+  const HeadsInput v(1, s, kHeadDim, 9);
+  HeadsOutput out(1, s, kHeadDim);
+  apex::AttentionMask<float> attention_mask;
+  attention_mask.positions = position_mask(Mask::kCausal);
+  const apex::SdpaParams params;
+  double extra_kib = 0.0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    if (!reset_peak_rss()) {
+      state.SkipWithError("cannot reset the peak resident set (/proc/self/clear_refs)");
+      break;
+    }
+    const double before = status_kib("VmRSS");
+    state.ResumeTiming();
+    // From a new thread, whose OpenMP team is new too: every thread-local buffer of the kernel
+    // starts empty, so its growth is measured whatever ran before in this process.
+    std::thread call(
+        [&] { apex::sdpa<float>(q.view, k.view, v.view, attention_mask, params, out.view); });
+    call.join();
+    benchmark::DoNotOptimize(out.data.data());
+    benchmark::ClobberMemory();
+    state.PauseTiming();
+    extra_kib = std::max(extra_kib, status_kib("VmHWM") - before);
+    state.ResumeTiming();
+  }
+  state.counters["extra_MiB"] = extra_kib / 1024.0;
+  state.counters["GFLOPS"] = apex::bench::gflops(
+      state, allowed_pairs(Mask::kCausal, s) * 4.0 * static_cast<double>(kHeadDim));
+}
+
+const bool kRegistered = [] {
+  const auto prefill = [](const char* name, Mask mask, bool reference) {
+    return benchmark::RegisterBenchmark(
+               name,
+               [mask, reference](benchmark::State& state) { run_prefill(state, mask, reference); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  };
+  // The reference is single-threaded and slow: its first call alone outlasts the minimum
+  // measuring time, so it runs once (as do the S = 16384 and 65536 runs).
+  prefill("BM_Sdpa_Reference/causal", Mask::kCausal, true)->Arg(1024);
+  prefill("BM_Sdpa_Fast/causal", Mask::kCausal, false)->Arg(1024)->Arg(4096)->Arg(16384);
+  prefill("BM_Sdpa_Fast/full", Mask::kFull, false)->Arg(4096)->Arg(16384);
+  prefill("BM_Sdpa_Fast/window512", Mask::kWindow512, false)->Arg(4096)->Arg(16384);
+  benchmark::RegisterBenchmark("BM_Decode_Fast", run_decode)
+      ->Arg(4096)
+      ->Arg(32768)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("BM_Sdpa_Fast_PeakMemory/causal", run_peak_memory)
+      ->Arg(65536)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  return true;
+}();
+
+}  // namespace

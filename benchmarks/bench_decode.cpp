@@ -1,0 +1,202 @@
+// SPDX-License-Identifier: MIT
+// One decoding step of one attention layer against a cache (§7.4, §8.3, §9.4, §10): project the
+// new token, append it to the cache, attend over everything cached, project the output. Float,
+// batch 1, at APEX-1-like widths: d = 2048, H_q = 16 query heads of d_h = 128.
+//
+//   BM_DecodeStep/mha           H_kv = 16, full KvCache                       (§7)
+//   BM_DecodeStep/gqa           H_kv = 2 (G = 8), full KvCache                (§8)
+//   BM_DecodeStep/mla_naive     d_q = 768, d_kv = 512, d_r = 64, H_kv = H_kr = 2, LatentCache;
+//                               decompresses K and V of every cached token    (§9, the oracle)
+//   BM_DecodeStep/mla_absorbed  the same layer and cache, W_UK and W_UV absorbed: attends to
+//                               the latent rows directly                       (§9)
+//   BM_DecodeStep/local_window  the gqa layer with a SlidingWindowCache of W = 4096 (APEX-1
+//                               Large's window): constant work and memory past W   (§10)
+//
+// cache_len is the number of cached tokens once the step is done (the step attends to all of
+// them, or to the last W). Counters: cache_bytes is what the cache object owns (exactly
+// cache_len tokens, or W for the ring); GBps is the cached keys and values (or latent rows) the
+// attention reads per step, per second — compare with BM_MemRead. Every step also reads the
+// layer's weights (64 MiB for mha, 36 MiB for gqa and local_window, 41 MiB for mla), which
+// dominates the short caches; absorbed MLA is compute-bound at long ones (H_q·(2·d_kv + H_kr·d_r)
+// multiply-adds per cached token, against the naive path's 2·d_kv·H_kv·d_h to decompress it).
+// Threads: OpenMP, as many as OMP_NUM_THREADS says (the figures are meant for 2).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers when Eigen's
+// GEMM kernels are inlined at -O3 -march=native (fixed in GCC 13). The pragma must precede them.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#include <apex/config.hpp>
+#include <apex/gqa.hpp>
+#include <apex/kv_cache.hpp>
+#include <apex/mask.hpp>
+#include <apex/mha.hpp>
+#include <apex/mla.hpp>
+#include <apex/rope.hpp>
+#include <apex/tensor.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "bench_util.hpp"
+
+namespace {
+
+using apex::Index;
+using apex::RowMatrix;
+
+constexpr Index kModel = 2048;
+constexpr Index kQueryHeads = 16;
+constexpr Index kHeadDim = 128;
+constexpr Index kGroupedKvHeads = 2;
+constexpr Index kWindow = 4096;
+constexpr Index kFill = 512;  // tokens of random K/V written per append while filling a cache
+
+enum class Kind { kMha, kGqa, kMlaNaive, kMlaAbsorbed, kLocalWindow };
+
+const apex::GroupedQueryAttention<float>& gqa_layer(Index kv_heads) {
+  static const auto mha =
+      apex::GroupedQueryAttention<float>::random({kModel, kQueryHeads, kQueryHeads, kHeadDim}, 1);
+  static const auto gqa = apex::GroupedQueryAttention<float>::random(
+      {kModel, kQueryHeads, kGroupedKvHeads, kHeadDim}, 2);
+  return kv_heads == kQueryHeads ? mha : gqa;
+}
+
+const apex::MultiHeadLatentAttention<float>& mla_layer() {
+  static const auto layer = [] {
+    apex::MlaConfig c;
+    c.d_model = kModel;
+    c.d_q = 768;
+    c.d_kv = 512;
+    c.num_q_heads = kQueryHeads;
+    c.num_kv_heads = kGroupedKvHeads;
+    c.head_dim = kHeadDim;
+    c.rope_dim = 64;
+    return apex::MultiHeadLatentAttention<float>::random(c, 3);
+  }();
+  return layer;
+}
+
+const apex::MlaAbsorbedWeights<float>& mla_absorbed() {
+  static const auto absorbed = apex::absorb_mla_weights(mla_layer());
+  return absorbed;
+}
+
+/// Appends `count` tokens of random K/V (uniform in [-1, 1)) to a KvCache or SlidingWindowCache.
+template <class Cache>
+void fill_kv(Cache& cache, Index count) {
+  const Index width = cache.num_kv_heads() * cache.head_dim();
+  const RowMatrix<float> block = apex::bench::random_matrix<float>(kFill, width, 7);
+  for (Index done = 0; done < count;) {
+    const Index n = std::min(kFill, count - done);
+    const auto view = apex::HeadsView<const float>::token_major(
+        block.data(), 1, n, cache.num_kv_heads(), cache.head_dim());
+    cache.append(view, view, done);
+    done += n;
+  }
+}
+
+/// Appends `count` random latent rows [c_kv ‖ K_rope] to a LatentCache.
+void fill_latent(apex::LatentCache<float>& cache, Index count) {
+  const RowMatrix<float> block = apex::bench::random_matrix<float>(kFill, cache.row_width(), 8);
+  for (Index done = 0; done < count;) {
+    const Index n = std::min(kFill, count - done);
+    cache.append(block.topRows(n), done);
+    done += n;
+  }
+}
+
+/// Decodes one token at position cache_len - 1 per iteration. The full caches are truncated
+/// back after each step (O(1), inside the timed loop); the ring cannot be, so it keeps going
+/// and is restored from a copy (outside the timing) when its positions reach the RoPE table's
+/// end.
+void BM_DecodeStep(benchmark::State& state, Kind kind) {
+  const Index cache_len = state.range(0);
+  const Index position = cache_len - 1;
+  const RowMatrix<float> x = apex::bench::random_matrix<float>(1, kModel, 9);
+  RowMatrix<float> out(1, kModel);
+  apex::AttentionLayerParams<float> params;
+  params.position_offset = position;
+  std::int64_t cache_bytes = 0;
+  double bytes_read = 0.0;
+
+  if (kind == Kind::kMlaNaive || kind == Kind::kMlaAbsorbed) {
+    const auto& layer = mla_layer();
+    const apex::RopeTable<float> rope(cache_len, layer.config().rope_dim);
+    params.rope = &rope;
+    apex::LatentCache<float> cache = layer.make_cache(1, cache_len);
+    fill_latent(cache, position);
+    cache_bytes = cache.bytes();
+    bytes_read = static_cast<double>(cache_bytes);
+    for (auto _ : state) {
+      if (kind == Kind::kMlaAbsorbed) {
+        layer.forward_absorbed(x, apex::causal_mask(), params, mla_absorbed(), cache, out);
+      } else {
+        layer.forward_cached(x, apex::causal_mask(), params, cache, out);
+      }
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+      cache.truncate(position);
+    }
+  } else if (kind == Kind::kLocalWindow) {
+    const auto& layer = gqa_layer(kGroupedKvHeads);
+    const Index steps = 4096;  // positions per pass before the ring is restored
+    const apex::RopeTable<float> rope(position + steps, kHeadDim);
+    params.rope = &rope;
+    apex::SlidingWindowCache<float> cache = layer.make_window_cache(1, kWindow);
+    fill_kv(cache, position);
+    const apex::SlidingWindowCache<float> start = cache;
+    const apex::PositionMask rule = apex::sliding_window_mask(kWindow);
+    cache_bytes = cache.bytes();
+    bytes_read = static_cast<double>(std::min(cache_len, kWindow)) * 2.0 * kGroupedKvHeads *
+                 kHeadDim * sizeof(float);
+    for (auto _ : state) {
+      if (cache.next_position() == position + steps) {
+        state.PauseTiming();
+        cache = start;
+        state.ResumeTiming();
+      }
+      params.position_offset = cache.next_position();
+      layer.forward_cached(x, rule, params, cache, out);
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+    }
+  } else {
+    const auto& layer = gqa_layer(kind == Kind::kMha ? kQueryHeads : kGroupedKvHeads);
+    const apex::RopeTable<float> rope(cache_len, kHeadDim);
+    params.rope = &rope;
+    apex::KvCache<float> cache = layer.make_cache(1, cache_len);
+    fill_kv(cache, position);
+    cache_bytes = cache.bytes();
+    bytes_read = static_cast<double>(cache_bytes);
+    for (auto _ : state) {
+      layer.forward_cached(x, apex::causal_mask(), params, cache, out);
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+      cache.truncate(position);
+    }
+  }
+  state.counters["cache_bytes"] =
+      benchmark::Counter(static_cast<double>(cache_bytes), benchmark::Counter::kDefaults,
+                         benchmark::Counter::OneK::kIs1024);
+  state.counters["GBps"] = apex::bench::gbps(state, bytes_read);
+}
+
+void decode_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"cache_len"})
+      ->Arg(1024)
+      ->Arg(8192)
+      ->Arg(32768)
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
+}
+
+BENCHMARK_CAPTURE(BM_DecodeStep, mha, Kind::kMha)->Apply(decode_args);
+BENCHMARK_CAPTURE(BM_DecodeStep, gqa, Kind::kGqa)->Apply(decode_args);
+BENCHMARK_CAPTURE(BM_DecodeStep, mla_naive, Kind::kMlaNaive)->Apply(decode_args);
+BENCHMARK_CAPTURE(BM_DecodeStep, mla_absorbed, Kind::kMlaAbsorbed)->Apply(decode_args);
+BENCHMARK_CAPTURE(BM_DecodeStep, local_window, Kind::kLocalWindow)->Apply(decode_args);
+
+}  // namespace

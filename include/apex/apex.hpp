@@ -1,0 +1,17 @@
+// SPDX-License-Identifier: MIT
+// Umbrella header: every public apex header, nothing else.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/embedding.hpp>
+#include <apex/gqa.hpp>
+#include <apex/kv_cache.hpp>
+#include <apex/mask.hpp>
+#include <apex/mha.hpp>
+#include <apex/mla.hpp>
+#include <apex/rms_norm.hpp>
+#include <apex/rope.hpp>
+#include <apex/sdpa.hpp>
+#include <apex/stack.hpp>
+#include <apex/tensor.hpp>
+#include <apex/yarn.hpp>

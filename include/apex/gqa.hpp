@@ -1,0 +1,343 @@
+// SPDX-License-Identifier: MIT
+// Grouped-query attention (§8) and the attention layer that owns its projections.
+//
+// One code path serves three variants: with G = H_q / H_kv query heads per key/value head,
+//   H_kv = H_q       multi-head attention (§7, G = 1)
+//   1 < H_kv < H_q   grouped-query attention (§8)
+//   H_kv = 1         multi-query attention (G = H_q)
+// are the same GroupedQueryAttention with a different config. Query head i reads key/value head
+// ⌊i / G⌋ through apex::sdpa's views; K and V are never repeated or copied per group.
+//
+//   x [B*S, d] ─┬─ x·W_Q ─▶ Q [B*S, H_q·d_h]  ─(RoPE)─┐
+//               ├─ x·W_K ─▶ K [B*S, H_kv·d_h] ─(RoPE)─┼─▶ multi_head_attention ─▶ out [B*S, d]
+//               └─ x·W_V ─▶ V [B*S, H_kv·d_h] ────────┘    (sdpa per head, concat, ·W_O)
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/kv_cache.hpp>
+#include <apex/mask.hpp>
+#include <apex/mha.hpp>
+#include <apex/rope.hpp>
+#include <apex/sdpa.hpp>
+#include <apex/tensor.hpp>
+
+#include <cstdint>
+#include <random>
+#include <type_traits>
+#include <utility>
+
+namespace apex {
+
+/// The key/value head that query head i uses (§8.2): ⌊i / G⌋ with G = H_q / H_kv, so each group
+/// of G consecutive query heads shares one key/value head. §8.4: H_q = 4, H_kv = 2 gives
+/// 0, 0, 1, 1. Throws unless 1 ≤ H_kv, H_kv divides H_q and 0 ≤ i < H_q.
+inline Index kv_head_for(Index query_head, Index num_q_heads, Index num_kv_heads) {
+  detail::check_head_counts(num_q_heads, num_kv_heads, "gqa");
+  APEX_CHECK(query_head >= 0 && query_head < num_q_heads,
+             "[gqa] query_head (" << query_head << ") must be in [0, num_q_heads) = [0, "
+                                  << num_q_heads << ")");
+  return query_head / (num_q_heads / num_kv_heads);
+}
+
+/// KV-cache size relative to multi-head attention with H_q heads (§8.3): H_kv / H_q.
+/// H_q = 128: GQA with 8 KV heads gives 0.0625 (16× smaller), MQA 1/128 = 0.0078125.
+inline double kv_cache_ratio(Index num_kv_heads, Index num_q_heads) {
+  detail::check_head_counts(num_q_heads, num_kv_heads, "gqa");
+  return static_cast<double>(num_kv_heads) / static_cast<double>(num_q_heads);
+}
+
+/// Parameters of a grouped-query attention layer: W_Q [d, H_q·d_h], W_K and W_V
+/// [d, H_kv·d_h], W_O [H_q·d_h, d]; d·d_h·(2·H_q + 2·H_kv) in all. With H_kv = H_q this is
+/// mha_parameter_count (§7.3). No biases.
+constexpr std::int64_t gqa_parameter_count(std::int64_t d_model, std::int64_t num_q_heads,
+                                           std::int64_t num_kv_heads, std::int64_t head_dim) {
+  return 2 * d_model * num_q_heads * head_dim + 2 * d_model * num_kv_heads * head_dim;
+}
+
+/// Shape of a GroupedQueryAttention layer.
+struct GqaConfig {
+  Index d_model = 0;       ///< d, the width of x and of the output
+  Index num_q_heads = 0;   ///< H_q
+  Index num_kv_heads = 0;  ///< H_kv, a divisor of H_q (H_q: MHA, 1: MQA)
+  Index head_dim = 0;      ///< d_h
+
+  /// G = H_q / H_kv, query heads per key/value head.
+  Index group_size() const { return num_q_heads / num_kv_heads; }
+  /// Multi-head attention (§7): H_kv = H_q.
+  static GqaConfig multi_head(Index d_model, Index num_heads, Index head_dim) {
+    return {d_model, num_heads, num_heads, head_dim};
+  }
+  /// Multi-query attention: one key/value head shared by every query head.
+  static GqaConfig multi_query(Index d_model, Index num_q_heads, Index head_dim) {
+    return {d_model, num_q_heads, 1, head_dim};
+  }
+};
+
+/// Parameter count of a layer with this config (see the overload above).
+inline std::int64_t gqa_parameter_count(const GqaConfig& config) {
+  return gqa_parameter_count(config.d_model, config.num_q_heads, config.num_kv_heads,
+                             config.head_dim);
+}
+
+/// The projection matrices of a GroupedQueryAttention layer, applied as x·W (x on the left).
+template <class Scalar>
+struct GqaWeights {
+  RowMatrix<Scalar> w_q;  ///< [d, H_q·d_h]
+  RowMatrix<Scalar> w_k;  ///< [d, H_kv·d_h]
+  RowMatrix<Scalar> w_v;  ///< [d, H_kv·d_h]
+  RowMatrix<Scalar> w_o;  ///< [H_q·d_h, d]
+};
+
+namespace detail {
+
+inline void check_gqa_config(const GqaConfig& c) {
+  APEX_CHECK(c.d_model >= 1, "[gqa] d_model (" << c.d_model << ") must be >= 1");
+  APEX_CHECK(c.head_dim >= 1, "[gqa] head_dim (" << c.head_dim << ") must be >= 1");
+  check_head_counts(c.num_q_heads, c.num_kv_heads, "gqa");
+}
+
+}  // namespace detail
+
+/// An attention layer with H_q query heads and H_kv key/value heads (§7, §8) that owns its
+/// projections W_Q, W_K, W_V, W_O. Multi-head attention is the config H_kv = H_q
+/// (GqaConfig::multi_head) and multi-query attention H_kv = 1: there is one implementation.
+///
+/// forward() attends within the block it is given (a prompt). forward_cached() is the decoding
+/// form: it attends a chunk of new tokens against a cache the caller owns (a KvCache for full
+/// attention, a SlidingWindowCache for a windowed layer) and appends the chunk to it.
+/// The layer is immutable after construction; forward and forward_cached are const, and may run
+/// from several threads at once on different caches.
+template <class Scalar>
+class GroupedQueryAttention {
+ public:
+  /// Takes ownership of the weights; throws if the config is invalid (H_kv must divide H_q) or
+  /// any weight does not have the shape documented in GqaWeights.
+  GroupedQueryAttention(const GqaConfig& config, GqaWeights<Scalar> weights)
+      : config_(config), weights_(std::move(weights)) {
+    detail::require_supported_scalar<Scalar>();
+    detail::check_gqa_config(config_);
+    const Index d = config_.d_model;
+    const Index q_width = config_.num_q_heads * config_.head_dim;
+    const Index kv_width = config_.num_kv_heads * config_.head_dim;
+    detail::check_weight_shape(weights_.w_q, d, q_width, "gqa", "w_q",
+                               "[d_model, num_q_heads*head_dim]");
+    detail::check_weight_shape(weights_.w_k, d, kv_width, "gqa", "w_k",
+                               "[d_model, num_kv_heads*head_dim]");
+    detail::check_weight_shape(weights_.w_v, d, kv_width, "gqa", "w_v",
+                               "[d_model, num_kv_heads*head_dim]");
+    detail::check_weight_shape(weights_.w_o, q_width, d, "gqa", "w_o",
+                               "[num_q_heads*head_dim, d_model]");
+  }
+
+  /// A layer with random weights for examples and tests: every entry of a [rows, cols] weight is
+  /// drawn from N(0, 1/rows) (fan-in scaling, so activations keep their scale), in the order
+  /// W_Q, W_K, W_V, W_O, from a std::mt19937_64 seeded with `seed`.
+  static GroupedQueryAttention random(const GqaConfig& config, std::uint64_t seed) {
+    detail::check_gqa_config(config);
+    std::mt19937_64 rng(seed);
+    const Index d = config.d_model;
+    const Index q_width = config.num_q_heads * config.head_dim;
+    const Index kv_width = config.num_kv_heads * config.head_dim;
+    GqaWeights<Scalar> w;
+    w.w_q = detail::random_weight<Scalar>(d, q_width, rng);
+    w.w_k = detail::random_weight<Scalar>(d, kv_width, rng);
+    w.w_v = detail::random_weight<Scalar>(d, kv_width, rng);
+    w.w_o = detail::random_weight<Scalar>(q_width, d, rng);
+    return GroupedQueryAttention(config, std::move(w));
+  }
+
+  const GqaConfig& config() const { return config_; }
+  const GqaWeights<Scalar>& weights() const { return weights_; }
+  std::int64_t parameter_count() const { return gqa_parameter_count(config_); }
+
+  /// The projections of §8.2 with RoPE (§4) on Q and K when params.rope is set:
+  ///   Q = RoPE(x·W_Q), K = RoPE(x·W_K), V = x·W_V, row b*S + s at position offset + s.
+  /// x: [B*S, d] (B blocks of S rows) -> q [B*S, H_q·d_h], k and v [B*S, H_kv·d_h], heads side
+  /// by side. Allocates the three results.
+  template <class Derived>
+  ProjectedQkv<Scalar> project(const Eigen::MatrixBase<Derived>& x, Index batch,
+                               const AttentionLayerParams<Scalar>& params = {}) const {
+    static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
+                  "[gqa] x must have the layer's scalar type");
+    const ConstRowRef<Scalar> xr(x.derived());
+    check_input(xr, batch, params);
+    return project_checked(xr, batch, params);
+  }
+
+  /// The layer's forward pass (§7.2, §8.2):
+  ///   head_i = softmax(scale · Q_i K_gᵀ + mask) V_g,  g = ⌊i / G⌋,
+  ///   out = Concat(head_0, …, head_{H_q−1}) · W_O,
+  /// with Q, K, V from project() (RoPE on Q and K if params.rope is set) and attention by
+  /// apex::sdpa on token-major views of the projections (no copy, no repeated K/V).
+  ///   x: [B*S, d], B blocks of S rows; mask: for S queries against S keys (positions relative to
+  ///   each block unless mask.positions sets offsets); out: [B*S, d].
+  /// Every check runs before out is written. out may be x itself (x is fully consumed by the
+  /// projections first). Allocates Q, K, V and the [B*S, H_q·d_h] concatenation.
+  template <class Derived>
+  void forward(const Eigen::MatrixBase<Derived>& x, Index batch, const AttentionMask<Scalar>& mask,
+               const AttentionLayerParams<Scalar>& params, RowRef<Scalar> out) const {
+    static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
+                  "[gqa] x must have the layer's scalar type");
+    const ConstRowRef<Scalar> xr(x.derived());
+    check_input(xr, batch, params);
+    detail::attention_layer_forward<Scalar>(
+        xr, batch, attention_heads(), mask, params.attention,
+        [&] { return project_checked(xr, batch, params); }, weights_.w_o, out, "gqa");
+  }
+
+  /// Value-returning forward: a new [B*S, d] matrix.
+  template <class Derived>
+  RowMatrix<Scalar> forward(const Eigen::MatrixBase<Derived>& x, Index batch,
+                            const AttentionMask<Scalar>& mask = {},
+                            const AttentionLayerParams<Scalar>& params = {}) const {
+    RowMatrix<Scalar> out(x.rows(), config_.d_model);
+    forward(x, batch, mask, params, out);
+    return out;
+  }
+
+  /// An empty full cache for this layer: K and V of H_kv heads of d_h, `capacity` tokens.
+  KvCache<Scalar> make_cache(Index batch, Index capacity) const {
+    return KvCache<Scalar>(batch, config_.num_kv_heads, config_.head_dim, capacity);
+  }
+
+  /// An empty sliding-window cache for this layer: the last `window` tokens.
+  SlidingWindowCache<Scalar> make_window_cache(Index batch, Index window) const {
+    return SlidingWindowCache<Scalar>(batch, config_.num_kv_heads, config_.head_dim, window);
+  }
+
+  /// Decoding with a full cache (§7.4, §8): the forward pass of a chunk of n new tokens per
+  /// sequence at absolute positions [p, p + n), p = params.position_offset, against every token
+  /// the cache holds. Projects the chunk (RoPE at positions p … p + n − 1), appends its K and V
+  /// to the cache, then
+  ///   head_i = softmax(scale · Q_i K_gᵀ + mask) V_g over keys [0, p + n),  out = Concat · W_O
+  /// with apex::sdpa reading the cache in place (no copy, no repeated K/V).
+  ///   x: [B*n, d] with B = cache.batch() (B blocks of n rows, n >= 1)
+  ///   mask: the position rule (causal, window, prefix) with its offsets unset: the queries are
+  ///     positions [p, p + n) and the keys [0, p + n). A bidirectional prefix must lie inside
+  ///     the first chunk.
+  ///   params: position_offset must equal cache.next_position() (never backwards, never
+  ///     skipping); RoPE table, scale and soft-cap as for forward().
+  ///   cache: num_kv_heads and head_dim of this layer, room for n more tokens (a full cache
+  ///     throws, see KvCache) -> out: [B*n, d].
+  /// Fed the tokens of a sequence in any chunks, it computes what forward() computes on the whole
+  /// sequence. Every check runs before the cache or out is written: on error both are unchanged.
+  /// out may be x itself. Allocates the projections and the [B*n, H_q·d_h] concatenation.
+  template <class Derived>
+  void forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
+                      const AttentionLayerParams<Scalar>& params, KvCache<Scalar>& cache,
+                      RowRef<Scalar> out) const {
+    static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
+                  "[gqa] x must have the layer's scalar type");
+    const ConstRowRef<Scalar> xr(x.derived());
+    const Index n = check_cached(xr, mask, params, cache, cache.size(), out);
+    cache.check_room(n);
+    const Index batch = cache.batch();
+    const ProjectedQkv<Scalar> p = project_checked(xr, batch, params);
+    cache.append(p.k_heads(), p.v_heads(), params.position_offset);
+    AttentionMask<Scalar> positions;
+    positions.positions = mask;
+    positions.positions.query_offset = params.position_offset;
+    multi_head_attention(p.q_heads(), cache.keys(), cache.values(), positions, params.attention,
+                         weights_.w_o, out);
+  }
+
+  /// Decoding with a sliding-window cache (§10): as the KvCache form, but the cache holds only
+  /// the last W tokens. The chunk attends to what the cache holds and to itself
+  /// (sdpa_with_window_cache: at most three sdpa calls merged exactly), then its K and V are
+  /// appended, evicting the oldest. mask must be causal with a window of at most W (the layer's
+  /// §10 window); the cache's memory stays 2·B·H_kv·W·d_h scalars however long the sequence.
+  /// Every check runs before the cache or out is written. out may be x itself. Allocates the
+  /// projections, the concatenation and (when the ring has wrapped) one partial result.
+  template <class Derived>
+  void forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
+                      const AttentionLayerParams<Scalar>& params, SlidingWindowCache<Scalar>& cache,
+                      RowRef<Scalar> out) const {
+    static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
+                  "[gqa] x must have the layer's scalar type");
+    const ConstRowRef<Scalar> xr(x.derived());
+    const Index n = check_cached(xr, mask, params, cache, cache.size(), out);
+    detail::check_window_rule(mask, cache.window(), "gqa");
+    const Index batch = cache.batch();
+    const ProjectedQkv<Scalar> p = project_checked(xr, batch, params);
+    const Index h_q = config_.num_q_heads;
+    const Index d_h = config_.head_dim;
+    RowMatrix<Scalar> concat(xr.rows(), h_q * d_h);
+    sdpa_with_window_cache<Scalar>(
+        p.q_heads(), p.k_heads(), p.v_heads(), mask, params.attention, cache,
+        HeadsView<Scalar>::token_major(concat.data(), batch, n, h_q, d_h));
+    cache.append(p.k_heads(), p.v_heads(), params.position_offset);
+    out.noalias() = concat * weights_.w_o;
+  }
+
+  /// Value-returning forward_cached (either cache): a new [B*n, d] matrix.
+  template <class Derived, class Cache>
+  RowMatrix<Scalar> forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
+                                   const AttentionLayerParams<Scalar>& params, Cache& cache) const {
+    RowMatrix<Scalar> out(x.rows(), config_.d_model);
+    forward_cached(x, mask, params, cache, out);
+    return out;
+  }
+
+ private:
+  /// Every head, query, key or value, is d_h wide.
+  detail::LayerHeads attention_heads() const {
+    return {config_.num_q_heads, config_.num_kv_heads, config_.head_dim, config_.head_dim};
+  }
+
+  void check_input(const ConstRowRef<Scalar>& x, Index batch,
+                   const AttentionLayerParams<Scalar>& params) const {
+    detail::check_layer_input(x, batch, config_.d_model, params.rope, params.position_offset,
+                              "gqa");
+    detail::check_rope_head_dim(params.rope, config_.head_dim, "the layer's head_dim", "gqa");
+  }
+
+  /// The checks shared by both cached forms (the cache's own checks come from the caller):
+  /// returns n, the new tokens per sequence. `held` is the number of keys the cache holds.
+  template <class Cache>
+  Index check_cached(const ConstRowRef<Scalar>& x, const PositionMask& mask,
+                     const AttentionLayerParams<Scalar>& params, const Cache& cache, Index held,
+                     const RowRef<Scalar>& out) const {
+    const Index batch = cache.batch();
+    check_input(x, batch, params);
+    APEX_CHECK(cache.num_kv_heads() == config_.num_kv_heads && cache.head_dim() == config_.head_dim,
+               "[gqa] cache num_kv_heads ("
+                   << cache.num_kv_heads() << ") and head_dim (" << cache.head_dim()
+                   << ") must equal the layer's num_kv_heads (" << config_.num_kv_heads
+                   << ") and head_dim (" << config_.head_dim << ")");
+    const Index n = x.rows() / batch;
+    detail::check_cached_rule(mask, params.position_offset, cache.next_position(), n, "gqa");
+    const detail::LayerHeads heads = attention_heads();
+    AttentionMask<Scalar> positions;
+    positions.positions = mask;
+    positions.positions.query_offset = params.position_offset;
+    positions.positions.key_offset = params.position_offset - held;
+    detail::check_sdpa<Scalar>(
+        detail::shape_only_view<const Scalar>(batch, heads.num_q_heads, n, heads.qk_dim),
+        detail::shape_only_view<const Scalar>(batch, heads.num_kv_heads, held + n, heads.qk_dim),
+        detail::shape_only_view<const Scalar>(batch, heads.num_kv_heads, held + n, heads.v_dim),
+        positions, params.attention,
+        detail::shape_only_view<Scalar>(batch, heads.num_q_heads, n, heads.v_dim), {}, "gqa");
+    APEX_CHECK(out.rows() == x.rows() && out.cols() == config_.d_model,
+               "[gqa] out shape [" << out.rows() << ", " << out.cols() << "] must be [B*n, d] = ["
+                                   << x.rows() << ", " << config_.d_model << "]");
+    return n;
+  }
+
+  ProjectedQkv<Scalar> project_checked(const ConstRowRef<Scalar>& x, Index batch,
+                                       const AttentionLayerParams<Scalar>& params) const {
+    ProjectedQkv<Scalar> p = detail::empty_projection<Scalar>(batch, attention_heads());
+    p.q.noalias() = x * weights_.w_q;
+    p.k.noalias() = x * weights_.w_k;
+    p.v.noalias() = x * weights_.w_v;
+    if (params.rope != nullptr) {
+      detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, p.q);
+      detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, p.k);
+    }
+    return p;
+  }
+
+  GqaConfig config_;
+  GqaWeights<Scalar> weights_;
+};
+
+}  // namespace apex

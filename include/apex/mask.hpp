@@ -1,0 +1,273 @@
+// SPDX-License-Identifier: MIT
+// Attention masks from positions: causal, sliding window (§10) and the APEX-1 prefix / global /
+// local rule (§11). `true` (or "allowed") always means "the query may attend to the key".
+#pragma once
+
+#include <apex/config.hpp>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace apex {
+
+/// Which (query, key) pairs may attend, decided from absolute positions alone, so that the fast
+/// kernels can skip whole blocks without reading a mask.
+///
+/// Query row i has absolute position query_offset + i and key row j has key_offset + j. A pair
+/// (qp, kp) is allowed when
+///   - both lie in the bidirectional prefix [0, P): 0 <= qp, kp < prefix (§11.1), or
+///   - the mask is not causal, or
+///   - it is causal and 0 <= qp - kp, and, with a window W, also qp - kp < W (§10.2: the query
+///     itself counts, so W = 1 sees only itself).
+///
+/// Causal alignment: by default (query_offset unset) the S_q queries are the last S_q of the
+/// key_offset + S_k positions, the convention of decoding with a KV cache (FlashAttention's
+/// bottom-right alignment). Set query_offset = 0 for the top-left alignment PyTorch and ONNX use
+/// when S_q != S_k and there is no cache.
+struct PositionMask {
+  bool causal = false;
+  std::optional<Index> window;        ///< W >= 1; only meaningful with causal = true
+  Index prefix = 0;                   ///< P >= 0: positions [0, P) attend to each other freely
+  std::optional<Index> query_offset;  ///< position of query row 0; unset: key_offset + S_k - S_q
+  Index key_offset = 0;               ///< absolute position of key row 0
+
+  /// Absolute position of query row 0 for S_q queries against S_k keys.
+  Index first_query_position(Index num_queries, Index num_keys) const {
+    return query_offset ? *query_offset : key_offset + num_keys - num_queries;
+  }
+
+  /// The rule itself, on absolute positions. The prefix is the positions [0, P): a query placed
+  /// before position 0 (bottom-right alignment with S_q > key_offset + S_k) is not in it.
+  bool allows(Index query_pos, Index key_pos) const {
+    if (in_prefix(query_pos) && in_prefix(key_pos)) return true;
+    if (!causal) return true;
+    const Index distance = query_pos - key_pos;
+    return distance >= 0 && (!window || distance < *window);
+  }
+
+  /// True when no pair can be forbidden (no causal rule): the kernels then skip mask work.
+  bool allows_everything() const { return !causal; }
+
+  /// Whether an absolute position lies in the bidirectional prefix [0, P).
+  bool in_prefix(Index pos) const { return pos >= 0 && pos < prefix; }
+};
+
+/// How a rectangle of (query, key) positions relates to a PositionMask.
+enum class BlockCoverage { kNone, kPartial, kAll };
+
+/// Classifies queries [q_begin, q_end) against keys [k_begin, k_end) (absolute positions, both
+/// ranges non-empty). kNone and kAll are exact; kPartial means "check each pair" and is also the
+/// answer whenever the cheap interval test cannot decide.
+inline BlockCoverage classify_block(const PositionMask& mask, Index q_begin, Index q_end,
+                                    Index k_begin, Index k_end) {
+  APEX_ASSERT(q_begin < q_end && k_begin < k_end);
+  if (!mask.causal) return BlockCoverage::kAll;
+  const Index min_distance = q_begin - (k_end - 1);
+  const Index max_distance = (q_end - 1) - k_begin;
+  const bool rule_all = min_distance >= 0 && (!mask.window || max_distance < *mask.window);
+  const bool inside_prefix =
+      q_begin >= 0 && q_end <= mask.prefix && k_begin >= 0 && k_end <= mask.prefix;
+  if (rule_all || inside_prefix) return BlockCoverage::kAll;
+  const bool rule_none = max_distance < 0 || (mask.window && min_distance >= *mask.window);
+  const bool touches_prefix =
+      q_begin < mask.prefix && q_end > 0 && k_begin < mask.prefix && k_end > 0;
+  if (rule_none && !touches_prefix) return BlockCoverage::kNone;
+  return BlockCoverage::kPartial;
+}
+
+namespace detail {
+
+/// Preconditions on a PositionMask, shared by every attention entry point.
+inline void check_position_mask(const PositionMask& mask, const char* op) {
+  APEX_CHECK(!mask.window || *mask.window >= 1,
+             "[" << op << "] window (" << *mask.window << ") must be at least 1");
+  APEX_CHECK(!mask.window || mask.causal,
+             "[" << op << "] window (" << *mask.window << ") requires causal = true");
+  APEX_CHECK(mask.prefix >= 0, "[" << op << "] prefix (" << mask.prefix << ") must be >= 0");
+  APEX_CHECK(!mask.query_offset || *mask.query_offset >= 0,
+             "[" << op << "] query_offset (" << *mask.query_offset << ") must be >= 0");
+  APEX_CHECK(mask.key_offset >= 0,
+             "[" << op << "] key_offset (" << mask.key_offset << ") must be >= 0");
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// Mask builders (§10 - §11). Every builder returns a PositionMask, the form the attention kernels
+// consume (they skip whole blocks from it and never read a dense mask); build_mask expands one to
+// booleans for inspection, for render_mask and for code that wants a dense mask.
+//
+// Shared conventions:
+//   - true = the query may attend to the key;
+//   - the window W counts the query itself: key j is in the window of query i iff 0 <= i - j < W,
+//     so W = 1 sees only itself and W >= i + 1 sees the whole causal history of query i (§10.2);
+//   - positions are absolute; S_q queries against S_k keys are aligned bottom-right by default
+//     (the queries are the last S_q positions), see PositionMask::first_query_position;
+//   - a query row with no allowed key (a query placed before every key, as when S_q > S_k under
+//     bottom-right alignment, or one emptied by a dense mask or a -inf bias) yields zeros in
+//     attention and a log-sum-exp of -inf, never NaN.
+// ---------------------------------------------------------------------------------------------
+
+/// The APEX-1 per-layer mask settings (§11.1 - §11.2).
+struct LayerMaskParams {
+  /// P: positions [0, P) attend to each other in both directions, on every layer (§11.1).
+  Index prefix = 0;
+  /// W: the sliding window of the local layers (§10.2, §11.1). The documents give no value, so
+  /// 0 means "not set" and asking for a local layer's mask with it is an error.
+  Index window = 0;
+  /// F_g: every F_g-th layer is global (§11.2: F_g = 6, layers 5, 11, 17, ...).
+  Index global_every = 6;
+};
+
+namespace detail {
+
+inline bool is_global_layer_checked(Index layer, Index global_every, const char* op) {
+  APEX_CHECK(layer >= 0, "[" << op << "] layer (" << layer << ") must be >= 0");
+  APEX_CHECK(global_every >= 1,
+             "[" << op << "] global_every F_g (" << global_every << ") must be >= 1");
+  return layer % global_every == global_every - 1;
+}
+
+/// Number of decimal digits of a non-negative integer (at least 1).
+inline int decimal_digits(Index value) {
+  int digits = 1;
+  for (; value >= 10; value /= 10) ++digits;
+  return digits;
+}
+
+inline void append_right_aligned(std::string& line, const std::string& text, int width) {
+  const int pad = width - static_cast<int>(text.size());
+  if (pad > 0) line.append(static_cast<std::size_t>(pad), ' ');
+  line += text;
+}
+
+}  // namespace detail
+
+/// Whether layer l is global: l mod F_g == F_g - 1 (§11.2). With the default F_g = 6 the layers
+/// 5, 11, 17, 23, ... are global (full causal; MLA in APEX-1) and all others local (sliding
+/// window; GQA). Throws if layer < 0 or F_g < 1. F_g = 1 makes every layer global.
+inline bool is_global_layer(Index layer, Index global_every = 6) {
+  return detail::is_global_layer_checked(layer, global_every, "is_global_layer");
+}
+
+/// Plain causal attention: key j is visible to query i iff j <= i (absolute positions).
+inline PositionMask causal_mask() {
+  PositionMask mask;
+  mask.causal = true;
+  return mask;
+}
+
+/// Sliding-window attention (§10.2): mask[i, j] = 1 iff 0 <= i - j < W (which implies j <= i).
+/// The query counts towards its own window. Throws if W < 1.
+inline PositionMask sliding_window_mask(Index window) {
+  APEX_CHECK(window >= 1, "[sliding_window_mask] window (" << window << ") must be >= 1");
+  PositionMask mask = causal_mask();
+  mask.window = window;
+  return mask;
+}
+
+/// The APEX-1 mask of layer l (§11.1 - §11.2):
+///   - every layer: positions [0, P) attend to each other freely (bidirectional prefix);
+///   - global layers (l mod F_g == F_g - 1): causal, j <= i (W is not used);
+///   - local layers: causal within the window, 0 <= i - j < W.
+/// The prefix exception applies only when both positions are in [0, P): on a local layer a query
+/// at i >= P sees a prefix key only if it is inside its window (§11.3, local row 4 no longer sees
+/// position 0). Throws if P < 0, F_g < 1, W < 0, layer < 0, or W < 1 on a local layer.
+inline PositionMask layer_mask(Index layer, const LayerMaskParams& params) {
+  APEX_CHECK(params.prefix >= 0, "[layer_mask] prefix P (" << params.prefix << ") must be >= 0");
+  APEX_CHECK(params.window >= 0,
+             "[layer_mask] window W (" << params.window << ") must be >= 0 (0 = not set)");
+  const bool global = detail::is_global_layer_checked(layer, params.global_every, "layer_mask");
+  APEX_CHECK(global || params.window >= 1, "[layer_mask] window W ("
+                                               << params.window << ") must be >= 1 for local layer "
+                                               << layer << " (LayerMaskParams::window is not set)");
+  PositionMask mask = causal_mask();
+  mask.prefix = params.prefix;
+  if (!global) mask.window = params.window;
+  return mask;
+}
+
+/// Expands a PositionMask to booleans for S_q queries against S_k keys, with the alignment the
+/// attention kernels use: row i is absolute position first_query_position(S_q, S_k) + i (the last
+/// S_q positions unless query_offset is set) and column j is key_offset + j.
+///   -> [S_q, S_k], true = may attend. Allocates the S_q x S_k result (O(S_q · S_k) bytes): meant
+/// for inspection and tests; attention itself never needs it.
+/// A row that is all false is a query with no visible key; attention returns zeros for it.
+inline void build_mask(const PositionMask& mask, Eigen::Ref<BoolMatrix> out) {
+  detail::check_position_mask(mask, "build_mask");
+  const Index first_query = mask.first_query_position(out.rows(), out.cols());
+  for (Index i = 0; i < out.rows(); ++i) {
+    for (Index j = 0; j < out.cols(); ++j) {
+      out(i, j) = mask.allows(first_query + i, mask.key_offset + j);
+    }
+  }
+}
+
+/// Value-returning form of build_mask: [S_q, S_k] booleans. Allocates the result.
+inline BoolMatrix build_mask(const PositionMask& mask, Index num_queries, Index num_keys) {
+  APEX_CHECK(num_queries >= 0, "[build_mask] num_queries (" << num_queries << ") must be >= 0");
+  APEX_CHECK(num_keys >= 0, "[build_mask] num_keys (" << num_keys << ") must be >= 0");
+  detail::check_position_mask(mask, "build_mask");
+  BoolMatrix result(num_queries, num_keys);
+  build_mask(mask, result);
+  return result;
+}
+
+/// The dense [S, S] mask of APEX-1 layer l over a whole sequence of S tokens (§11.3): query i and
+/// key j are both position i, j. Throws on the conditions of layer_mask and if P > S (a prefix
+/// longer than the sequence describes no sequence). Allocates the S x S result.
+inline BoolMatrix build_mask(Index layer, Index seq_len, const LayerMaskParams& params) {
+  APEX_CHECK(seq_len >= 0, "[build_mask] seq_len S (" << seq_len << ") must be >= 0");
+  APEX_CHECK(params.prefix <= seq_len,
+             "[build_mask] prefix P ("
+                 << params.prefix << ") must not exceed the sequence length S (" << seq_len << ")");
+  return build_mask(layer_mask(layer, params), seq_len, seq_len);
+}
+
+/// Draws a mask the way §11.3 does: a header `Position:  0  1  2 ...` and, for each requested
+/// row, `    i:     █  █  ·  ...` with █ (U+2588) for "may attend" and · (U+00B7) for "masked".
+/// Each line ends with '\n' and has no trailing blanks.
+///
+/// Layout: the header and the row labels take 9 columns ("Position:", or the row index right-
+/// aligned in 5 columns, ':' and 3 blanks); then every column is 3 characters wide, its number
+/// or glyph right-aligned. Two-digit positions (S up to 100) therefore fit with one blank between
+/// them (`...  8  9 10 11`) and the glyph sits under the last digit; beyond that the columns
+/// widen to (digits + 1) so that numbers never touch, and the row labels widen past 5 digits.
+/// For S <= 10 the output is the §11.3 picture character for character (without its "← ..."
+/// annotations). Columns are labelled 0 .. S_k - 1 and rows by their index 0 .. S_q - 1, which
+/// are the positions for a mask over a whole sequence.
+///   rows: which rows to draw, in the order given; empty = all rows. Allocates the string.
+inline std::string render_mask(const BoolMatrix& mask, const std::vector<Index>& rows = {}) {
+  for (const Index r : rows) {
+    APEX_CHECK(r >= 0 && r < mask.rows(),
+               "[render_mask] row (" << r << ") must be in [0, " << mask.rows() << ")");
+  }
+  const int cell = std::max(3, detail::decimal_digits(std::max<Index>(mask.cols() - 1, 0)) + 1);
+  const int label = std::max(5, detail::decimal_digits(std::max<Index>(mask.rows() - 1, 0)));
+  const int margin = label + 4;  // label, ':' and three blanks; "Position:" when label = 5
+  std::string text = "Position:";
+  text.append(static_cast<std::size_t>(margin - 9), ' ');
+  for (Index j = 0; j < mask.cols(); ++j) {
+    detail::append_right_aligned(text, std::to_string(j), cell);
+  }
+  text += '\n';
+  const auto draw_row = [&](Index i) {
+    detail::append_right_aligned(text, std::to_string(i), label);
+    text += ":   ";
+    for (Index j = 0; j < mask.cols(); ++j) {
+      text.append(static_cast<std::size_t>(cell - 1), ' ');
+      text += mask(i, j) ? "\xE2\x96\x88" : "\xC2\xB7";  // UTF-8 of U+2588 and U+00B7
+    }
+    text += '\n';
+  };
+  if (rows.empty()) {
+    for (Index i = 0; i < mask.rows(); ++i) draw_row(i);
+  } else {
+    for (const Index i : rows) draw_row(i);
+  }
+  return text;
+}
+
+}  // namespace apex

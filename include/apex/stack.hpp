@@ -1,0 +1,609 @@
+// SPDX-License-Identifier: MIT
+// The APEX-1 attention stack: §2 embedding, L pre-norm attention blocks whose kind follows the
+// §11.2 layer rule (global layers: multi-head latent attention, §9; local layers: grouped-query
+// attention with a sliding window, §8 and §10), the final RMSNorm (§3) and the tied LM head
+// (§2.5). Token ids in, logits out:
+//
+//   x_0     = Embed(tokens) · √d
+//   x_{l+1} = x_l + Attention_l(RMSNorm(x_l; γ_l); mask_l)      l = 0 … L−1
+//   logits  = RMSNorm(x_L; γ_final) · W_Eᵀ
+//
+// with mask_l = layer_mask(l, {P, W, F_g}): the prefix [0, P) bidirectional on every layer,
+// then causal (global layers) or causal within W (local layers), §11.1. Part 3's feed-forward
+// and MoE blocks do not exist in the documents, so the stack holds attention blocks only.
+//
+// Inference. forward() recomputes a whole sequence (and is the oracle). A StackCache holds one
+// cache per layer, the kind the documents motivate each layer with:
+//   local layers   SlidingWindowCache of the last W tokens  2·H_kv·d_h values per token, ≤ W tokens
+//   global layers  LatentCache (c_kv ‖ K_rope)               d_kv + H_kr·d_r values per token
+// prefill() runs a prompt (with its bidirectional prefix) through the stack in one call and
+// fills the caches; extend() continues with a chunk (chunked prefill, or several tokens at
+// once) and decode_step() with one token per sequence. Each returns the logits of its tokens,
+// equal to the rows forward() computes for the whole sequence.
+//
+// Long context. With StackConfig::yarn set, both RoPE tables are YaRN tables (§5) and the
+// attention temperature goes where YarnParams::temperature says (tables, or the softmax scale),
+// so the stack runs past the trained context L up to s·L positions.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/embedding.hpp>
+#include <apex/gqa.hpp>
+#include <apex/kv_cache.hpp>
+#include <apex/mask.hpp>
+#include <apex/mha.hpp>
+#include <apex/mla.hpp>
+#include <apex/rms_norm.hpp>
+#include <apex/rope.hpp>
+#include <apex/yarn.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace apex {
+
+/// Shape of an APEX-1 attention stack.
+struct StackConfig {
+  Index vocab_size = 0;     ///< V
+  Index d_model = 0;        ///< d
+  Index num_layers = 0;     ///< L
+  Index window = 0;         ///< W of the local layers (§10)
+  Index global_every = 6;   ///< F_g (§11.2)
+  GqaConfig local;          ///< local layers; local.d_model must equal d_model
+  MlaConfig global;         ///< global layers; global.d_model must equal d_model
+  Index max_positions = 0;  ///< longest sequence the RoPE tables cover
+  RopeParams rope;          ///< base and pairing of both tables (rotary_dim must stay 0)
+  double norm_eps = 1e-6;   ///< ε of every RMSNorm (§3.2)
+  /// YaRN (§5) for both RoPE tables: scale s, original context L, temperature placement. Unset:
+  /// plain RoPE. When set, yarn->base must equal rope.base and max_positions must not exceed
+  /// s·L (the context the YaRN frequencies are made for).
+  std::optional<YarnParams> yarn;
+  /// How the global (MLA) layers' weights are folded for absorbed decoding, once, at
+  /// construction (absorb_mla_weights).
+  MlaAbsorbParams absorb;
+};
+
+/// Which rows of logits prefill() and extend() return.
+enum class LogitRows {
+  kAll,   ///< every new token: [B*n, V], row b*n + s
+  kLast,  ///< the last new token of each sequence: [B, V] (all a generation loop needs)
+};
+
+/// Options of the cached (inference) calls of AttentionStack.
+struct DecodeOptions {
+  LogitRows logits = LogitRows::kAll;
+  /// MLA decoding path of the global layers (mla.hpp): kAuto takes the cheaper one for the
+  /// chunk length (absorbed for single tokens, naive for prompts); both are exact.
+  MlaPath mla = MlaPath::kAuto;
+};
+
+/// The cache memory of an APEX-1 stack at a given context, by layer kind (bytes).
+struct StackCacheMemory {
+  Index local_layers = 0;   ///< GQA + sliding window
+  Index global_layers = 0;  ///< MLA
+  /// One layer, one sequence, one token: 2·H_kv·d_h·bytes (local, held for the last W tokens
+  /// only) and (d_kv + H_kr·d_r)·bytes (global).
+  std::int64_t local_bytes_per_token = 0;
+  std::int64_t global_bytes_per_token = 0;
+  /// One layer at the context: B·min(S, W)·local_bytes_per_token, B·S·global_bytes_per_token.
+  std::int64_t local_bytes_per_layer = 0;
+  std::int64_t global_bytes_per_layer = 0;
+  /// Every layer: local_layers·local_bytes_per_layer + global_layers·global_bytes_per_layer.
+  std::int64_t total_bytes = 0;
+};
+
+/// One row of the layer plan: what layer l is and what a decoder caches for it per token.
+struct LayerPlan {
+  Index layer = 0;
+  bool global = false;
+  /// Values cached per token: 2·H_kv·d_h for a local layer (kept for the last W tokens only);
+  /// d_kv + H_kr·d_r for a global (MLA) layer (c_kv and K_rope, see mla.hpp).
+  std::int64_t cache_values_per_token = 0;
+};
+
+/// The cache memory of a stack with this config holding `context` tokens for `batch` sequences,
+/// each value `bytes_per_value` bytes wide (2 for FP16, sizeof(Scalar) for a StackCache): what
+/// StackCache::bytes() reports for a cache of capacity `context`. Needs no weights, so it can
+/// be evaluated for APEX-1 Large. Throws on a non-positive batch, context or value width.
+inline StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, Index context,
+                                           Index bytes_per_value) {
+  APEX_CHECK(batch >= 1 && context >= 1 && bytes_per_value >= 1,
+             "[stack] batch (" << batch << "), context (" << context << ") and bytes_per_value ("
+                               << bytes_per_value << ") must be >= 1");
+  APEX_CHECK(c.num_layers >= 0, "[stack] num_layers (" << c.num_layers << ") must be >= 0");
+  APEX_CHECK(c.window >= 1, "[stack] window W (" << c.window << ") must be >= 1");
+  StackCacheMemory m;
+  for (Index l = 0; l < c.num_layers; ++l) {
+    (is_global_layer(l, c.global_every) ? m.global_layers : m.local_layers) += 1;
+  }
+  m.local_bytes_per_token =
+      kv_cache_values_per_token(c.local.num_kv_heads, c.local.head_dim) * bytes_per_value;
+  m.local_bytes_per_layer = sliding_window_cache_bytes(
+      batch, context, c.window, c.local.num_kv_heads, c.local.head_dim, bytes_per_value);
+  if (m.global_layers > 0) {
+    m.global_bytes_per_token = mla_cache_values_per_token(c.global) * bytes_per_value;
+    m.global_bytes_per_layer = batch * context * m.global_bytes_per_token;
+  }
+  m.total_bytes =
+      m.local_layers * m.local_bytes_per_layer + m.global_layers * m.global_bytes_per_layer;
+  return m;
+}
+
+template <class Scalar>
+class AttentionStack;
+
+/// The decoding state of one AttentionStack: one cache per layer (a SlidingWindowCache of W
+/// tokens for each local layer, a LatentCache of `capacity` tokens for each global layer), the
+/// batch, the prefix and the next absolute position. Made by AttentionStack::make_cache and
+/// advanced only by that stack's prefill / extend / decode_step, which check that it matches.
+/// Memory: bytes() = stack_cache_memory(config, batch, capacity, sizeof(Scalar)).total_bytes,
+/// allocated at construction; the local layers' share never grows, the global layers' grows
+/// only through reserve().
+template <class Scalar>
+class StackCache {
+ public:
+  using LayerCache = std::variant<SlidingWindowCache<Scalar>, LatentCache<Scalar>>;
+
+  Index batch() const { return batch_; }
+  /// Tokens the global layers can hold (positions [0, capacity)).
+  Index capacity() const { return capacity_; }
+  Index num_layers() const { return static_cast<Index>(layers_.size()); }
+  /// Absolute position of the next token (= tokens processed per sequence).
+  Index next_position() const { return next_; }
+  /// P of the sequence being decoded (set by prefill).
+  Index prefix() const { return prefix_; }
+  const LayerCache& layer(Index l) const {
+    APEX_CHECK(l >= 0 && l < num_layers(),
+               "[stack] layer (" << l << ") must lie in [0, " << num_layers() << ")");
+    return layers_[static_cast<std::size_t>(l)];
+  }
+
+  /// Exact bytes of every layer's cache.
+  std::int64_t bytes() const { return local_bytes() + global_bytes(); }
+  /// Bytes of the local layers' sliding-window caches (constant) and of the global layers'
+  /// latent caches.
+  std::int64_t local_bytes() const { return bytes_of<SlidingWindowCache<Scalar>>(); }
+  std::int64_t global_bytes() const { return bytes_of<LatentCache<Scalar>>(); }
+
+  /// Grows the global layers' capacity to at least `capacity` (one copy of each latent cache;
+  /// see LatentCache::reserve). Never shrinks.
+  void reserve(Index capacity) {
+    if (capacity <= capacity_) return;
+    for (LayerCache& cache : layers_) {
+      if (auto* latent = std::get_if<LatentCache<Scalar>>(&cache)) latent->reserve(capacity);
+    }
+    capacity_ = capacity;
+  }
+
+  /// Forgets the sequence (memory kept): the next call must be prefill (or extend from 0).
+  void clear() {
+    for (LayerCache& cache : layers_) std::visit([](auto& c) { c.clear(); }, cache);
+    next_ = 0;
+    prefix_ = 0;
+  }
+
+ private:
+  friend class AttentionStack<Scalar>;
+
+  StackCache(Index batch, Index capacity, std::vector<LayerCache> layers)
+      : batch_(batch), capacity_(capacity), layers_(std::move(layers)) {}
+
+  template <class Kind>
+  std::int64_t bytes_of() const {
+    std::int64_t total = 0;
+    for (const LayerCache& cache : layers_) {
+      if (const auto* c = std::get_if<Kind>(&cache)) total += c->bytes();
+    }
+    return total;
+  }
+
+  Index batch_ = 0;
+  Index capacity_ = 0;
+  Index next_ = 0;
+  Index prefix_ = 0;
+  std::vector<LayerCache> layers_;
+};
+
+/// An APEX-1 attention stack that owns its weights: the [V, d] embedding table (also the LM
+/// head), one γ per block plus the final γ, and one attention layer per block, global layers
+/// MultiHeadLatentAttention and local layers GroupedQueryAttention. Built once at construction:
+/// both RoPE tables ([max_positions, d_h] for the local layers, [max_positions, d_r] for the
+/// decoupled RoPE of the global layers; YaRN tables when config.yarn is set) and the absorbed
+/// weights of every global layer (absorb_mla_weights). Immutable after construction: forward,
+/// prefill, extend and decode_step are const and may run from several threads at once on
+/// different StackCaches.
+template <class Scalar>
+class AttentionStack {
+ public:
+  using Layer = std::variant<GroupedQueryAttention<Scalar>, MultiHeadLatentAttention<Scalar>>;
+
+  /// Takes ownership of the weights; throws if the config is inconsistent, if layers[l] is not
+  /// of the kind the layer rule gives layer l, or if any γ or the table has the wrong shape.
+  AttentionStack(const StackConfig& config, RowMatrix<Scalar> embedding,
+                 std::vector<Vector<Scalar>> norm_gammas, Vector<Scalar> final_gamma,
+                 std::vector<Layer> layers)
+      : config_(checked(config)),
+        embedding_(std::move(embedding)),
+        norm_gammas_(std::move(norm_gammas)),
+        final_gamma_(std::move(final_gamma)),
+        layers_(std::move(layers)),
+        local_rope_(rope_table(config_, config_.local.head_dim)),
+        global_rope_(rope_table(config_, config_.global.rope_dim)),
+        softmax_multiplier_(config_.yarn ? yarn_softmax_scale_multiplier(*config_.yarn) : 1.0) {
+    const Index d = config_.d_model;
+    APEX_CHECK(embedding_.rows() == config_.vocab_size && embedding_.cols() == d,
+               "[stack] embedding shape [" << embedding_.rows() << ", " << embedding_.cols()
+                                           << "] must be [V, d] = [" << config_.vocab_size << ", "
+                                           << d << "]");
+    APEX_CHECK(static_cast<Index>(layers_.size()) == config_.num_layers &&
+                   static_cast<Index>(norm_gammas_.size()) == config_.num_layers,
+               "[stack] " << layers_.size() << " layers and " << norm_gammas_.size()
+                          << " norm gammas given; num_layers is " << config_.num_layers);
+    for (Index l = 0; l < config_.num_layers; ++l) {
+      const auto at = static_cast<std::size_t>(l);
+      APEX_CHECK(norm_gammas_[at].size() == d, "[stack] gamma of layer " << l << " has length "
+                                                                         << norm_gammas_[at].size()
+                                                                         << ", expected d = " << d);
+      const bool global = is_global_layer(l, config_.global_every);
+      APEX_CHECK(std::holds_alternative<MultiHeadLatentAttention<Scalar>>(layers_[at]) == global,
+                 "[stack] layer " << l << " must be "
+                                  << (global ? "MultiHeadLatentAttention (global)"
+                                             : "GroupedQueryAttention (local)"));
+    }
+    APEX_CHECK(final_gamma_.size() == d,
+               "[stack] final gamma length (" << final_gamma_.size() << ") must be d = " << d);
+    absorbed_.resize(layers_.size());
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layers_[l])) {
+        absorbed_[l] = absorb_mla_weights(*mla, config_.absorb);
+        ++global_layers_;
+      }
+    }
+  }
+
+  /// A stack with random weights for examples and tests: embedding entries N(0, 0.02²) (§2.3),
+  /// every γ = 1 (§3.2), attention layers from their own random() with seeds derived from `seed`.
+  static AttentionStack random(const StackConfig& config, std::uint64_t seed) {
+    checked(config);
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<double> normal(0.0, 0.02);
+    RowMatrix<Scalar> embedding(config.vocab_size, config.d_model);
+    for (Index i = 0; i < embedding.size(); ++i) {
+      embedding.data()[i] = static_cast<Scalar>(normal(rng));
+    }
+    std::vector<Vector<Scalar>> gammas(static_cast<std::size_t>(config.num_layers),
+                                       Vector<Scalar>::Ones(config.d_model));
+    std::vector<Layer> layers;
+    for (Index l = 0; l < config.num_layers; ++l) {
+      const std::uint64_t layer_seed = rng();
+      if (is_global_layer(l, config.global_every)) {
+        layers.emplace_back(MultiHeadLatentAttention<Scalar>::random(config.global, layer_seed));
+      } else {
+        layers.emplace_back(GroupedQueryAttention<Scalar>::random(config.local, layer_seed));
+      }
+    }
+    return AttentionStack(config, std::move(embedding), std::move(gammas),
+                          Vector<Scalar>::Ones(config.d_model), std::move(layers));
+  }
+
+  const StackConfig& config() const { return config_; }
+  const RowMatrix<Scalar>& embedding() const { return embedding_; }
+  const Layer& layer(Index l) const { return layers_.at(static_cast<std::size_t>(l)); }
+
+  /// The kind of every layer and its cache values per token (multiply by sizeof(Scalar) for
+  /// bytes).
+  std::vector<LayerPlan> plan() const {
+    std::vector<LayerPlan> rows;
+    for (Index l = 0; l < config_.num_layers; ++l) {
+      LayerPlan row;
+      row.layer = l;
+      row.global = is_global_layer(l, config_.global_every);
+      row.cache_values_per_token =
+          row.global
+              ? mla_cache_values_per_token(config_.global)
+              : kv_cache_values_per_token(config_.local.num_kv_heads, config_.local.head_dim);
+      rows.push_back(row);
+    }
+    return rows;
+  }
+
+  /// The mask of layer l for a prompt whose first `prefix` tokens are bidirectional (§11.1).
+  AttentionMask<Scalar> mask_for_layer(Index l, Index prefix) const {
+    AttentionMask<Scalar> mask;
+    mask.positions = layer_mask(l, LayerMaskParams{prefix, config_.window, config_.global_every});
+    return mask;
+  }
+
+  /// The forward pass described at the top of this header.
+  ///   tokens: [B, S] ids in [0, V), the first `prefix` positions of every sequence forming the
+  ///   bidirectional prefix (0 ≤ P ≤ S, S ≤ max_positions) -> logits [B*S, V].
+  /// Allocates the [B*S, d] residual stream, one [B*S, d] normalised copy, what each layer's
+  /// forward allocates, and the logits.
+  template <class TokensDerived>
+  RowMatrix<Scalar> forward(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix) const {
+    const Index batch = tokens.rows();
+    const Index seq = tokens.cols();
+    APEX_CHECK(batch >= 1 && seq >= 1,
+               "[stack] tokens shape [" << batch << ", " << seq << "] must be non-empty");
+    APEX_CHECK(prefix >= 0 && prefix <= seq,
+               "[stack] prefix (" << prefix << ") must lie in [0, S = " << seq << "]");
+    APEX_CHECK(seq <= config_.max_positions, "[stack] sequence length ("
+                                                 << seq << ") exceeds max_positions ("
+                                                 << config_.max_positions << ")");
+    RowMatrix<Scalar> x = embed(embedding_, tokens);  // checks every id
+    RowMatrix<Scalar> normed(x.rows(), x.cols());
+    const RmsNormParams norm{config_.norm_eps};
+    for (Index l = 0; l < config_.num_layers; ++l) {
+      rms_norm(x, norm_gammas_[static_cast<std::size_t>(l)], norm, normed);
+      const AttentionMask<Scalar> mask = mask_for_layer(l, prefix);
+      std::visit(
+          [&](const auto& attention) {
+            x.noalias() += attention.forward(normed, batch, mask, layer_params(attention, 0));
+          },
+          layers_[static_cast<std::size_t>(l)]);
+    }
+    rms_norm(x, final_gamma_, norm, normed);
+    return lm_head(normed, embedding_);
+  }
+
+  // -------------------------------------------------------------------------------------------
+  // Inference with caches
+  // -------------------------------------------------------------------------------------------
+
+  /// An empty StackCache for `batch` sequences of up to `capacity` tokens (1 <= capacity <=
+  /// max_positions): a SlidingWindowCache of W tokens per local layer and a LatentCache of
+  /// `capacity` tokens per global layer. Allocates stack_cache_memory(config, batch, capacity,
+  /// sizeof(Scalar)).total_bytes.
+  StackCache<Scalar> make_cache(Index batch, Index capacity) const {
+    APEX_CHECK(batch >= 1, "[stack] batch (" << batch << ") must be >= 1");
+    APEX_CHECK(capacity >= 1 && capacity <= config_.max_positions,
+               "[stack] capacity (" << capacity << ") must lie in [1, max_positions = "
+                                    << config_.max_positions << "]");
+    std::vector<typename StackCache<Scalar>::LayerCache> caches;
+    caches.reserve(layers_.size());
+    for (const Layer& layer : layers_) {
+      if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layer)) {
+        caches.emplace_back(mla->make_cache(batch, capacity));
+      } else {
+        caches.emplace_back(std::get<GroupedQueryAttention<Scalar>>(layer).make_window_cache(
+            batch, config_.window));
+      }
+    }
+    return StackCache<Scalar>(batch, capacity, std::move(caches));
+  }
+
+  /// Prefill: runs a prompt through the stack in one call and fills the (empty) cache with it.
+  ///   tokens: [B, S] ids in [0, V), B = cache.batch(); the first `prefix` positions (0 <= P <= S)
+  ///   form the bidirectional prefix (§11.1), which must therefore be inside this call.
+  ///   -> logits [B*S, V] (row b*S + s), or [B, V] for LogitRows::kLast; equal to the rows of
+  ///   forward(tokens, prefix).
+  /// Throws (cache unchanged) if the cache is not empty or not made by this stack's make_cache,
+  /// on a batch mismatch, a bad id, or S beyond the cache's capacity or max_positions.
+  /// Allocates the [B*S, d] residual stream and what each layer's cached forward allocates.
+  template <class TokensDerived>
+  RowMatrix<Scalar> prefill(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
+                            const DecodeOptions& options, StackCache<Scalar>& cache) const {
+    APEX_CHECK(cache.next_position() == 0,
+               "[stack] prefill needs an empty cache (its next position is "
+                   << cache.next_position()
+                   << "): use extend() to continue a sequence, or clear()");
+    APEX_CHECK(prefix >= 0 && prefix <= tokens.cols(),
+               "[stack] prefix (" << prefix << ") must lie in [0, S = " << tokens.cols() << "]");
+    return run_cached(tokens, prefix, options, cache);
+  }
+
+  /// prefill with the default options (all logits, MLA path chosen by chunk length).
+  template <class TokensDerived>
+  RowMatrix<Scalar> prefill(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
+                            StackCache<Scalar>& cache) const {
+    return prefill(tokens, prefix, DecodeOptions{}, cache);
+  }
+
+  /// Extend: continues the cached sequences with a chunk of n tokens each, at positions
+  /// [p, p + n), p = cache.next_position(): the later chunks of a chunked prefill, or several
+  /// tokens decoded at once. tokens: [B, n], n >= 1 -> logits [B*n, V] (or [B, V] with
+  /// LogitRows::kLast), equal to the rows p … p + n − 1 of forward() on the whole sequence.
+  /// Throws (cache unchanged) on a batch mismatch, a bad id, or p + n beyond the cache's
+  /// capacity or max_positions (a full cache does not grow by itself: StackCache::reserve).
+  template <class TokensDerived>
+  RowMatrix<Scalar> extend(const Eigen::MatrixBase<TokensDerived>& tokens,
+                           const DecodeOptions& options, StackCache<Scalar>& cache) const {
+    return run_cached(tokens, cache.prefix(), options, cache);
+  }
+
+  /// extend with the default options.
+  template <class TokensDerived>
+  RowMatrix<Scalar> extend(const Eigen::MatrixBase<TokensDerived>& tokens,
+                           StackCache<Scalar>& cache) const {
+    return extend(tokens, DecodeOptions{}, cache);
+  }
+
+  /// Decode step: one new token per sequence (next_tokens[b] for sequence b), at position
+  /// p = cache.next_position() -> logits [B, V] of that position. The global layers take the
+  /// absorbed MLA path unless options.mla says otherwise. Checks and errors as for extend.
+  RowMatrix<Scalar> decode_step(const std::vector<std::int64_t>& next_tokens,
+                                const DecodeOptions& options, StackCache<Scalar>& cache) const {
+    const Eigen::Map<const TokenMatrix> column(next_tokens.data(),
+                                               static_cast<Index>(next_tokens.size()), 1);
+    return run_cached(column, cache.prefix(), options, cache);
+  }
+
+  /// decode_step with the default options.
+  RowMatrix<Scalar> decode_step(const std::vector<std::int64_t>& next_tokens,
+                                StackCache<Scalar>& cache) const {
+    return decode_step(next_tokens, DecodeOptions{}, cache);
+  }
+
+  /// The cache memory of this stack for `batch` sequences of `context` tokens in this scalar
+  /// type (stack_cache_memory with bytes_per_value = sizeof(Scalar)).
+  StackCacheMemory cache_memory(Index batch, Index context) const {
+    return stack_cache_memory(config_, batch, context, static_cast<Index>(sizeof(Scalar)));
+  }
+
+ private:
+  static const StackConfig& checked(const StackConfig& c) {
+    APEX_CHECK(c.vocab_size >= 1, "[stack] vocab_size (" << c.vocab_size << ") must be >= 1");
+    APEX_CHECK(c.num_layers >= 0, "[stack] num_layers (" << c.num_layers << ") must be >= 0");
+    APEX_CHECK(c.window >= 1, "[stack] window W (" << c.window << ") must be >= 1");
+    APEX_CHECK(c.global_every >= 1,
+               "[stack] global_every F_g (" << c.global_every << ") must be >= 1");
+    APEX_CHECK(c.local.d_model == c.d_model && c.global.d_model == c.d_model,
+               "[stack] local.d_model (" << c.local.d_model << ") and global.d_model ("
+                                         << c.global.d_model << ") must equal d_model ("
+                                         << c.d_model << ")");
+    APEX_CHECK(c.rope.rotary_dim == 0, "[stack] rope.rotary_dim ("
+                                           << c.rope.rotary_dim
+                                           << ") must be 0: each table rotates its whole head");
+    if (c.yarn) {
+      const double factor = yarn_attention_factor(*c.yarn);  // checks the YaRN parameters
+      (void)factor;
+      APEX_CHECK(c.yarn->base == c.rope.base, "[stack] yarn.base (" << c.yarn->base
+                                                                    << ") must equal rope.base ("
+                                                                    << c.rope.base << ")");
+      const double reach = c.yarn->scale * static_cast<double>(c.yarn->original_context);
+      APEX_CHECK(static_cast<double>(c.max_positions) <= reach,
+                 "[stack] max_positions (" << c.max_positions
+                                           << ") must not exceed yarn.scale · original_context ("
+                                           << reach << ")");
+    }
+    return c;
+  }
+
+  static RopeTable<Scalar> rope_table(const StackConfig& c, Index head_dim) {
+    if (c.yarn) return yarn_table<Scalar>(c.max_positions, head_dim, 0, c.rope.pairing, *c.yarn);
+    return RopeTable<Scalar>(c.max_positions, head_dim, c.rope);
+  }
+
+  const RopeTable<Scalar>* rope_for(const GroupedQueryAttention<Scalar>&) const {
+    return &local_rope_;
+  }
+  const RopeTable<Scalar>* rope_for(const MultiHeadLatentAttention<Scalar>&) const {
+    return &global_rope_;
+  }
+  /// d_qk, the width the default softmax scale 1/√d_qk of a layer refers to.
+  Index qk_dim(const GroupedQueryAttention<Scalar>&) const { return config_.local.head_dim; }
+  Index qk_dim(const MultiHeadLatentAttention<Scalar>&) const { return config_.global.qk_dim(); }
+
+  /// RoPE table, position and (with YaRN) softmax scale of a layer.
+  template <class Attention>
+  AttentionLayerParams<Scalar> layer_params(const Attention& attention,
+                                            Index position_offset) const {
+    AttentionLayerParams<Scalar> params;
+    params.rope = rope_for(attention);
+    params.position_offset = position_offset;
+    if (softmax_multiplier_ != 1.0) {
+      params.attention.scale =
+          softmax_multiplier_ / std::sqrt(static_cast<double>(qk_dim(attention)));
+    }
+    return params;
+  }
+
+  /// Throws unless `cache` has the layout make_cache gives for this stack.
+  void check_cache(const StackCache<Scalar>& cache) const {
+    bool matches = cache.num_layers() == config_.num_layers;
+    for (Index l = 0; matches && l < config_.num_layers; ++l) {
+      const auto& layer_cache = cache.layer(l);
+      if (is_global_layer(l, config_.global_every)) {
+        const auto* c = std::get_if<LatentCache<Scalar>>(&layer_cache);
+        matches = c != nullptr && c->batch() == cache.batch() &&
+                  c->latent_dim() == config_.global.d_kv &&
+                  c->rope_heads() == config_.global.rope_key_heads() &&
+                  c->rope_dim() == config_.global.rope_dim && c->capacity() == cache.capacity() &&
+                  c->next_position() == cache.next_position();
+      } else {
+        const auto* c = std::get_if<SlidingWindowCache<Scalar>>(&layer_cache);
+        matches = c != nullptr && c->batch() == cache.batch() &&
+                  c->num_kv_heads() == config_.local.num_kv_heads &&
+                  c->head_dim() == config_.local.head_dim && c->window() == config_.window &&
+                  c->next_position() == cache.next_position();
+      }
+    }
+    APEX_CHECK(matches,
+               "[stack] the cache was not made by this stack's make_cache (its layers "
+               "do not match the stack's "
+                   << config_.num_layers << " layers)");
+  }
+
+  /// prefill / extend / decode_step: n = tokens.cols() new tokens per sequence at positions
+  /// [p, p + n). Every check (the ids included, through embed) runs before the first cache is
+  /// written, so that an error leaves every layer's cache as it was.
+  template <class TokensDerived>
+  RowMatrix<Scalar> run_cached(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
+                               const DecodeOptions& options, StackCache<Scalar>& cache) const {
+    check_cache(cache);
+    const Index batch = tokens.rows();
+    const Index n = tokens.cols();
+    const Index first = cache.next_position();
+    APEX_CHECK(batch == cache.batch(), "[stack] tokens batch ("
+                                           << batch << ") must equal the cache's batch ("
+                                           << cache.batch() << ")");
+    APEX_CHECK(n >= 1,
+               "[stack] tokens must hold at least one token per sequence (got " << n << ")");
+    APEX_CHECK(n <= config_.max_positions - first,
+               "[stack] positions [" << first << ", " << first + n << ") exceed max_positions ("
+                                     << config_.max_positions << ")");
+    APEX_CHECK(global_layers_ == 0 || n <= cache.capacity() - first,
+               "[stack] positions [" << first << ", " << first + n
+                                     << ") exceed the cache's capacity (" << cache.capacity()
+                                     << "): a full cache does not grow by itself; reserve() a "
+                                        "larger one");
+    APEX_CHECK(prefix == 0 || first >= prefix || (first == 0 && n >= prefix),
+               "[stack] prefix (" << prefix << ") must lie inside the first chunk");
+    RowMatrix<Scalar> x = embed(embedding_, tokens);  // checks every id
+    RowMatrix<Scalar> normed(x.rows(), x.cols());
+    RowMatrix<Scalar> attended(x.rows(), x.cols());
+    const RmsNormParams norm{config_.norm_eps};
+    for (Index l = 0; l < config_.num_layers; ++l) {
+      const auto at = static_cast<std::size_t>(l);
+      rms_norm(x, norm_gammas_[at], norm, normed);
+      const PositionMask rule =
+          layer_mask(l, LayerMaskParams{prefix, config_.window, config_.global_every});
+      auto& layer_cache = cache.layers_[at];
+      if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layers_[at])) {
+        auto& latent = std::get<LatentCache<Scalar>>(layer_cache);
+        const AttentionLayerParams<Scalar> params = layer_params(*mla, first);
+        const MlaPath path =
+            options.mla == MlaPath::kAuto ? mla_cheaper_path(config_.global, n) : options.mla;
+        if (path == MlaPath::kAbsorbed) {
+          mla->forward_absorbed(normed, rule, params, absorbed_[at], latent, attended);
+        } else {
+          mla->forward_cached(normed, rule, params, latent, attended);
+        }
+      } else {
+        const auto& gqa = std::get<GroupedQueryAttention<Scalar>>(layers_[at]);
+        gqa.forward_cached(normed, rule, layer_params(gqa, first),
+                           std::get<SlidingWindowCache<Scalar>>(layer_cache), attended);
+      }
+      x += attended;
+    }
+    cache.next_ = first + n;
+    if (first == 0) cache.prefix_ = prefix;
+    if (options.logits == LogitRows::kLast) {
+      RowMatrix<Scalar> last(batch, x.cols());
+      for (Index b = 0; b < batch; ++b) last.row(b) = x.row(b * n + n - 1);
+      rms_norm(last, final_gamma_, norm, RowRef<Scalar>(last));
+      return lm_head(last, embedding_);
+    }
+    rms_norm(x, final_gamma_, norm, normed);
+    return lm_head(normed, embedding_);
+  }
+
+  StackConfig config_;
+  RowMatrix<Scalar> embedding_;
+  std::vector<Vector<Scalar>> norm_gammas_;
+  Vector<Scalar> final_gamma_;
+  std::vector<Layer> layers_;
+  RopeTable<Scalar> local_rope_;
+  RopeTable<Scalar> global_rope_;
+  double softmax_multiplier_ = 1.0;  ///< YaRN's softmax-scale multiplier (1 without YaRN)
+  Index global_layers_ = 0;
+  std::vector<MlaAbsorbedWeights<Scalar>> absorbed_;  ///< per layer; empty for local layers
+};
+
+}  // namespace apex

@@ -1,0 +1,572 @@
+// SPDX-License-Identifier: MIT
+// Decoding layer by layer: GroupedQueryAttention::forward_cached (full and sliding-window
+// caches, MHA and GQA configs) and MultiHeadLatentAttention::forward_cached (naive) and
+// forward_absorbed, fed a sequence one token (or one chunk) at a time, against the layer's own
+// forward() over the whole sequence, which is itself tested against plain loops in gqa_test and
+// mla_test. Also absorbed against naive MLA on random weights, chunked against one-shot prefill,
+// and bad input.
+#include <apex/gqa.hpp>
+#include <apex/kv_cache.hpp>
+#include <apex/mask.hpp>
+#include <apex/mha.hpp>
+#include <apex/mla.hpp>
+#include <apex/rope.hpp>
+#include <apex/sdpa.hpp>
+#include <apex/yarn.hpp>
+
+#include <gtest/gtest.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace {
+
+using apex::AttentionLayerParams;
+using apex::AttentionMask;
+using apex::GqaConfig;
+using apex::GroupedQueryAttention;
+using apex::Index;
+using apex::KvCache;
+using apex::LatentCache;
+using apex::MlaConfig;
+using apex::MultiHeadLatentAttention;
+using apex::PositionMask;
+using apex::RopeTable;
+using apex::RowMatrix;
+using apex::SlidingWindowCache;
+using apex::testing::expect_invalid;
+using apex::testing::random_matrix;
+
+// Sequence length of the one-token-at-a-time tests: with W = 64 the ring wraps 15 times. (The
+// whole file takes about 1 s in release and well under a minute in the debug preset with
+// AddressSanitizer and UndefinedBehaviorSanitizer, so debug builds run the same length.)
+constexpr Index kTokens = 1000;
+constexpr Index kWindow = 64;
+
+// Decoding tests make tens of thousands of calls on tiny shapes, and every apex::sdpa call forks
+// an OpenMP team, whose fork/join dominates such calls and, on a loaded machine (ctest -j2 on
+// two cores), can wait a whole scheduler time slice. Results do not depend on the number of
+// threads (sdpa_fast_test checks this bit for bit), so these tests run on one thread: their
+// runtime then does not depend on what else the machine is doing.
+class OneThread {
+ public:
+  OneThread() {
+#ifdef _OPENMP
+    saved_ = omp_get_max_threads();
+    omp_set_num_threads(1);
+#endif
+  }
+  ~OneThread() {
+#ifdef _OPENMP
+    omp_set_num_threads(saved_);
+#endif
+  }
+  OneThread(const OneThread&) = delete;
+  OneThread& operator=(const OneThread&) = delete;
+
+ private:
+  int saved_ = 1;
+};
+
+constexpr Index kBatch = 2;
+
+// Decoding against one forward pass: |Δ| ≤ tol · max|row| for every row of the outputs. Both
+// sides run the same formulas in the same scalar type but sum in different orders (different
+// key blocks, partial softmaxes merged by log-sum-exp, and for absorbed MLA (q W_UKᵀ)·c instead
+// of q·(c W_UK)); with O(1) inputs and softmaxes over up to 1000 keys that is a few hundred
+// float ulps, well inside 1e-4. A wrong position, key or scale moves rows by O(0.1).
+template <class Scalar>
+constexpr double kTol = std::is_same_v<Scalar, float> ? 1e-4 : 1e-11;
+
+template <class Scalar>
+void expect_rows_close(const RowMatrix<Scalar>& actual, const RowMatrix<Scalar>& expected,
+                       double tol, const std::string& what) {
+  ASSERT_EQ(actual.rows(), expected.rows()) << what;
+  ASSERT_EQ(actual.cols(), expected.cols()) << what;
+  Index failures = 0;
+  for (Index r = 0; r < expected.rows() && failures < 5; ++r) {
+    const double scale = expected.row(r).cwiseAbs().maxCoeff();
+    const double error = (actual.row(r) - expected.row(r)).cwiseAbs().maxCoeff();
+    if (error > tol * std::max(scale, 1e-30)) {
+      ADD_FAILURE() << what << ": row " << r << " differs by " << error << " (row max " << scale
+                    << ")";
+      ++failures;
+    }
+  }
+}
+
+// Rows [first, first + n) of every batch block of x [B*T, cols].
+template <class Scalar>
+RowMatrix<Scalar> rows_of(const RowMatrix<Scalar>& x, Index batch, Index first, Index n) {
+  const Index total = x.rows() / batch;
+  RowMatrix<Scalar> chunk(batch * n, x.cols());
+  for (Index b = 0; b < batch; ++b) chunk.middleRows(b * n, n) = x.middleRows(b * total + first, n);
+  return chunk;
+}
+
+// Feeds x [B*T, d] to step(chunk [B*n, d], position) -> [B*n, d]: first `first` tokens, then
+// chunks cycling through `pattern`, and reassembles the outputs as [B*T, d].
+template <class Scalar, class Step>
+RowMatrix<Scalar> run_in_chunks(const RowMatrix<Scalar>& x, Index batch, Index first,
+                                const std::vector<Index>& pattern, Step step) {
+  const Index total = x.rows() / batch;
+  RowMatrix<Scalar> result(x.rows(), x.cols());
+  Index position = 0;
+  std::size_t next = 0;
+  while (position < total) {
+    Index n = position == 0 ? first : pattern[next++ % pattern.size()];
+    n = std::min(n, total - position);
+    const RowMatrix<Scalar> out = step(rows_of(x, batch, position, n), position);
+    for (Index b = 0; b < batch; ++b) {
+      result.middleRows(b * total + position, n) = out.middleRows(b * n, n);
+    }
+    position += n;
+  }
+  return result;
+}
+
+// The RoPE table and softmax scale of a test variant: plain RoPE, or YaRN with s = 8 over an
+// original context of 128 (so positions up to 1024 are in reach and kTokens runs far past L).
+template <class Scalar>
+struct RopeSetup {
+  RopeTable<Scalar> table;
+  apex::SdpaParams attention;
+};
+
+template <class Scalar>
+RopeSetup<Scalar> rope_setup(bool yarn, Index rotary, Index qk_dim,
+                             apex::YarnTemperature temperature) {
+  if (!yarn) return {RopeTable<Scalar>(kTokens, rotary), {}};
+  apex::YarnParams p;
+  p.scale = 8.0;
+  p.original_context = 128;
+  p.temperature = temperature;
+  apex::SdpaParams attention;
+  attention.scale = apex::yarn_softmax_scale_multiplier(p) / std::sqrt(static_cast<double>(qk_dim));
+  return {apex::yarn_table<Scalar>(kTokens, rotary, 0, apex::RopePairing::kInterleaved, p),
+          attention};
+}
+
+template <class Scalar>
+AttentionLayerParams<Scalar> layer_params(const RopeSetup<Scalar>& setup, Index position) {
+  AttentionLayerParams<Scalar> params;
+  params.rope = &setup.table;
+  params.attention = setup.attention;
+  params.position_offset = position;
+  return params;
+}
+
+PositionMask rule_with(PositionMask rule, Index prefix) {
+  rule.prefix = prefix;
+  return rule;
+}
+
+template <class Layer, class Scalar>
+RowMatrix<Scalar> forward_oracle(const Layer& layer, const RowMatrix<Scalar>& x,
+                                 const PositionMask& rule, const RopeSetup<Scalar>& setup) {
+  AttentionMask<Scalar> mask;
+  mask.positions = rule;
+  return layer.forward(x, kBatch, mask, layer_params(setup, 0));
+}
+
+struct Variant {
+  Index prefix;
+  bool yarn;
+  std::string name() const {
+    return "prefix " + std::to_string(prefix) + (yarn ? ", YaRN" : ", plain RoPE");
+  }
+};
+const std::vector<Variant> kVariants = {{0, false}, {9, false}, {0, true}, {9, true}};
+
+// One token at a time after the prefix (or after the first token when there is none).
+Index first_chunk(const Variant& v) { return std::max<Index>(v.prefix, 1); }
+
+// ---------------------------------------------------------------------------------------------
+// One token at a time = one forward pass (float, N = kTokens)
+// ---------------------------------------------------------------------------------------------
+
+TEST(Decode, MhaWithFullCacheMatchesForwardOneTokenAtATime) {
+  const OneThread one_thread;
+  const auto layer = GroupedQueryAttention<float>::random(GqaConfig::multi_head(16, 2, 8), 101);
+  const RowMatrix<float> x = random_matrix<float>(kBatch * kTokens, 16, 102);
+  for (const Variant& v : kVariants) {
+    const auto setup = rope_setup<float>(v.yarn, 8, 8, apex::YarnTemperature::kInTables);
+    const PositionMask rule = rule_with(apex::causal_mask(), v.prefix);
+    KvCache<float> cache = layer.make_cache(kBatch, kTokens);
+    const RowMatrix<float> decoded =
+        run_in_chunks(x, kBatch, first_chunk(v), {1}, [&](const RowMatrix<float>& c, Index p) {
+          return layer.forward_cached(c, rule, layer_params(setup, p), cache);
+        });
+    expect_rows_close(decoded, forward_oracle(layer, x, rule, setup), kTol<float>,
+                      "MHA, " + v.name());
+    EXPECT_EQ(cache.next_position(), kTokens);
+  }
+}
+
+TEST(Decode, GqaWithSlidingWindowCacheMatchesForwardOneTokenAtATime) {
+  const OneThread one_thread;
+  const auto layer = GroupedQueryAttention<float>::random(GqaConfig{16, 4, 2, 6}, 111);
+  const RowMatrix<float> x = random_matrix<float>(kBatch * kTokens, 16, 112);
+  for (const Variant& v : kVariants) {
+    const auto setup = rope_setup<float>(v.yarn, 6, 6, apex::YarnTemperature::kSoftmaxScale);
+    const PositionMask rule = rule_with(apex::sliding_window_mask(kWindow), v.prefix);
+    const RowMatrix<float> expected = forward_oracle(layer, x, rule, setup);
+    // The ring of W = 64 slots, which wraps many times...
+    SlidingWindowCache<float> ring = layer.make_window_cache(kBatch, kWindow);
+    const std::int64_t ring_bytes = ring.bytes();
+    const RowMatrix<float> decoded =
+        run_in_chunks(x, kBatch, first_chunk(v), {1}, [&](const RowMatrix<float>& c, Index p) {
+          RowMatrix<float> out = layer.forward_cached(c, rule, layer_params(setup, p), ring);
+          EXPECT_EQ(ring.bytes(), ring_bytes);
+          return out;
+        });
+    expect_rows_close(decoded, expected, kTol<float>, "GQA, window cache, " + v.name());
+    EXPECT_EQ(ring.next_position(), kTokens);
+    // ... and a full cache under the same windowed rule.
+    KvCache<float> full = layer.make_cache(kBatch, kTokens);
+    const RowMatrix<float> decoded_full =
+        run_in_chunks(x, kBatch, first_chunk(v), {1}, [&](const RowMatrix<float>& c, Index p) {
+          return layer.forward_cached(c, rule, layer_params(setup, p), full);
+        });
+    expect_rows_close(decoded_full, expected, kTol<float>, "GQA, full cache, " + v.name());
+  }
+}
+
+// MLA layers for the tests: H_kr = H_kv as §9.3 writes it, and one shared K_rope head.
+MlaConfig mla_config(Index rope_key_heads) {
+  MlaConfig c;
+  c.d_model = 16;
+  c.d_q = 10;
+  c.d_kv = 12;
+  c.num_q_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 6;
+  c.rope_dim = 4;
+  c.num_rope_key_heads = rope_key_heads;
+  return c;
+}
+
+TEST(Decode, MlaNaiveAndAbsorbedMatchForwardOneTokenAtATime) {
+  const OneThread one_thread;
+  for (const Index h_kr : {Index{0}, Index{1}}) {
+    const MlaConfig config = mla_config(h_kr);
+    const auto layer = MultiHeadLatentAttention<float>::random(config, 121 + h_kr);
+    const auto absorbed = apex::absorb_mla_weights(layer);
+    const RowMatrix<float> x = random_matrix<float>(kBatch * kTokens, 16, 122);
+    for (const Variant& v : kVariants) {
+      const auto setup = rope_setup<float>(
+          v.yarn, config.rope_dim, config.qk_dim(),
+          v.prefix == 0 ? apex::YarnTemperature::kInTables : apex::YarnTemperature::kSoftmaxScale);
+      const PositionMask rule = rule_with(apex::causal_mask(), v.prefix);
+      const RowMatrix<float> expected = forward_oracle(layer, x, rule, setup);
+      const std::string name = "H_kr " + std::to_string(config.rope_key_heads()) + ", " + v.name();
+
+      LatentCache<float> naive_cache = layer.make_cache(kBatch, kTokens);
+      const RowMatrix<float> naive =
+          run_in_chunks(x, kBatch, first_chunk(v), {1}, [&](const RowMatrix<float>& c, Index p) {
+            return layer.forward_cached(c, rule, layer_params(setup, p), naive_cache);
+          });
+      expect_rows_close(naive, expected, kTol<float>, "MLA naive, " + name);
+
+      LatentCache<float> cache = layer.make_cache(kBatch, kTokens);
+      const RowMatrix<float> decoded =
+          run_in_chunks(x, kBatch, first_chunk(v), {1}, [&](const RowMatrix<float>& c, Index p) {
+            return layer.forward_absorbed(c, rule, layer_params(setup, p), absorbed, cache);
+          });
+      expect_rows_close(decoded, expected, kTol<float>, "MLA absorbed, " + name);
+      // The cache holds exactly c_kv and K_rope: d_kv + H_kr·d_r values per token.
+      EXPECT_EQ(cache.row_width(), apex::mla_cache_values_per_token(config));
+      EXPECT_EQ(cache.bytes(), static_cast<std::int64_t>(kBatch * kTokens) *
+                                   apex::mla_cache_values_per_token(config) *
+                                   static_cast<std::int64_t>(sizeof(float)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Absorbed = naive MLA on random weights, float and double, every folding
+// ---------------------------------------------------------------------------------------------
+
+template <class Scalar>
+class DecodeTyped : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(DecodeTyped, Scalars, apex::testing::ScalarName);
+
+// Absorbed against naive: the same attention with the products associated differently, on O(1)
+// values through at most three chained products of length ≤ 16: tens of ulps.
+template <class Scalar>
+constexpr double kAbsorbTol = std::is_same_v<Scalar, float> ? 2e-5 : 1e-12;
+
+TYPED_TEST(DecodeTyped, AbsorbedMlaEqualsNaiveMlaForEveryFolding) {
+  const OneThread one_thread;
+  using Scalar = TypeParam;
+  struct Shape {
+    Index h_q, h_kv, h_kr, d_q, d_kv, d_h, d_r;
+  };
+  // Grouped with per-group and shared K_rope heads, multi-query, multi-head, and widths where
+  // the folded products are larger (d_kv > d_h) or smaller than their factors.
+  const std::vector<Shape> shapes = {{4, 2, 2, 10, 12, 6, 4},
+                                     {4, 2, 1, 10, 12, 6, 4},
+                                     {6, 1, 1, 7, 9, 5, 2},
+                                     {3, 3, 3, 8, 5, 7, 6},
+                                     {4, 4, 1, 16, 4, 8, 2}};
+  const std::vector<apex::MlaFold> folds = {apex::MlaFold::kFactored, apex::MlaFold::kMultiplied,
+                                            apex::MlaFold::kAuto};
+  for (const Shape& s : shapes) {
+    MlaConfig c;
+    c.d_model = 13;
+    c.d_q = s.d_q;
+    c.d_kv = s.d_kv;
+    c.num_q_heads = s.h_q;
+    c.num_kv_heads = s.h_kv;
+    c.head_dim = s.d_h;
+    c.rope_dim = s.d_r;
+    c.num_rope_key_heads = s.h_kr;
+    const auto layer = MultiHeadLatentAttention<Scalar>::random(c, 131);
+    const RopeTable<Scalar> table(64, s.d_r);
+    const Index total = 23;
+    const RowMatrix<Scalar> x = random_matrix<Scalar>(kBatch * total, c.d_model, 132);
+    const PositionMask rule = rule_with(apex::causal_mask(), 3);
+    AttentionLayerParams<Scalar> params;
+    params.rope = &table;
+    for (const apex::MlaFold query : folds) {
+      for (const apex::MlaFold output : folds) {
+        const auto absorbed = apex::absorb_mla_weights(layer, apex::MlaAbsorbParams{query, output});
+        EXPECT_EQ(absorbed.query_multiplied(), query == apex::MlaFold::kMultiplied ||
+                                                   (query == apex::MlaFold::kAuto &&
+                                                    s.d_q * s.d_kv <= s.d_h * (s.d_q + s.d_kv)));
+        LatentCache<Scalar> naive_cache = layer.make_cache(kBatch, total);
+        LatentCache<Scalar> cache = layer.make_cache(kBatch, total);
+        const std::vector<Index> pattern = {1, 1, 2, 1, 4, 1};
+        run_in_chunks(x, kBatch, 7, pattern, [&](const RowMatrix<Scalar>& chunk, Index p) {
+          params.position_offset = p;
+          const RowMatrix<Scalar> naive = layer.forward_cached(chunk, rule, params, naive_cache);
+          const RowMatrix<Scalar> fast =
+              layer.forward_absorbed(chunk, rule, params, absorbed, cache);
+          expect_rows_close(fast, naive, kAbsorbTol<Scalar>,
+                            "H_q " + std::to_string(s.h_q) + ", H_kv " + std::to_string(s.h_kv) +
+                                ", H_kr " + std::to_string(s.h_kr) + ", position " +
+                                std::to_string(p));
+          return fast;
+        });
+        // Both paths cache the same latent rows.
+        EXPECT_EQ(apex::merge_heads(cache.rows()), apex::merge_heads(naive_cache.rows()));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chunked prefill = one-shot prefill
+// ---------------------------------------------------------------------------------------------
+
+TYPED_TEST(DecodeTyped, ChunkedPrefillEqualsOneShotPrefill) {
+  const OneThread one_thread;
+  using Scalar = TypeParam;
+  const Index prompt = 45, total = 52, prefix = 6, window = 8;
+  const auto gqa = GroupedQueryAttention<Scalar>::random(GqaConfig{16, 4, 2, 6}, 141);
+  const auto mla = MultiHeadLatentAttention<Scalar>::random(mla_config(0), 142);
+  const auto absorbed = apex::absorb_mla_weights(mla);
+  const RopeTable<Scalar> gqa_table(64, 6);
+  const RopeTable<Scalar> mla_table(64, 4);
+  const RowMatrix<Scalar> x = random_matrix<Scalar>(kBatch * total, 16, 143);
+  const PositionMask causal = rule_with(apex::causal_mask(), prefix);
+  const PositionMask windowed = rule_with(apex::sliding_window_mask(window), prefix);
+
+  // Runs the prompt (in one call, or in chunks whose first holds the prefix) and then the rest
+  // of the sequence one token at a time; returns every output.
+  const auto run = [&](const auto& layer, const RopeTable<Scalar>& table, const PositionMask& rule,
+                       auto make_cache, auto call, const std::vector<Index>& chunks) {
+    auto cache = make_cache();
+    AttentionLayerParams<Scalar> params;
+    params.rope = &table;
+    std::vector<Index> pattern = chunks;
+    pattern.push_back(prompt);  // sentinel: chunks beyond the prompt are single tokens
+    RowMatrix<Scalar> result(x.rows(), x.cols());
+    Index position = 0;
+    std::size_t next = 0;
+    while (position < total) {
+      const Index n = position < prompt ? std::min(pattern[next++], prompt - position) : 1;
+      params.position_offset = position;
+      const RowMatrix<Scalar> out =
+          call(layer, rows_of(x, kBatch, position, n), rule, params, cache);
+      for (Index b = 0; b < kBatch; ++b) {
+        result.middleRows(b * total + position, n) = out.middleRows(b * n, n);
+      }
+      position += n;
+    }
+    return result;
+  };
+  const auto plain = [](const auto& layer, const RowMatrix<Scalar>& chunk, const PositionMask& rule,
+                        const AttentionLayerParams<Scalar>& params,
+                        auto& cache) { return layer.forward_cached(chunk, rule, params, cache); };
+  const auto absorbed_call = [&](const auto& layer, const RowMatrix<Scalar>& chunk,
+                                 const PositionMask& rule,
+                                 const AttentionLayerParams<Scalar>& params, auto& cache) {
+    return layer.forward_absorbed(chunk, rule, params, absorbed, cache);
+  };
+  const auto ring = [&] { return gqa.make_window_cache(kBatch, window); };
+  const auto full = [&] { return gqa.make_cache(kBatch, total); };
+  const auto latent = [&] { return mla.make_cache(kBatch, total); };
+
+  const std::vector<std::vector<Index>> chunkings = {{7, 1, 12, 3, 9}, {6, 6, 6}, {20, 25}};
+  for (const auto& chunks : chunkings) {
+    const std::string name = "first chunk " + std::to_string(chunks.front());
+    expect_rows_close(run(gqa, gqa_table, windowed, ring, plain, chunks),
+                      run(gqa, gqa_table, windowed, ring, plain, {prompt}), kTol<Scalar>,
+                      "GQA window cache, " + name);
+    expect_rows_close(run(gqa, gqa_table, causal, full, plain, chunks),
+                      run(gqa, gqa_table, causal, full, plain, {prompt}), kTol<Scalar>,
+                      "GQA full cache, " + name);
+    expect_rows_close(run(mla, mla_table, causal, latent, plain, chunks),
+                      run(mla, mla_table, causal, latent, plain, {prompt}), kTol<Scalar>,
+                      "MLA naive, " + name);
+    expect_rows_close(run(mla, mla_table, causal, latent, absorbed_call, chunks),
+                      run(mla, mla_table, causal, latent, plain, {prompt}), kTol<Scalar>,
+                      "MLA absorbed, " + name);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: clear exceptions, cache and output unchanged
+// ---------------------------------------------------------------------------------------------
+
+TEST(Decode, BadGqaCallsThrowAndLeaveCacheAndOutputUnchanged) {
+  const auto layer = GroupedQueryAttention<float>::random(GqaConfig{12, 4, 2, 6}, 151);
+  const RopeTable<float> table(32, 6);
+  const RowMatrix<float> x = random_matrix<float>(kBatch * 5, 12, 152);
+  const PositionMask rule = apex::causal_mask();
+  AttentionLayerParams<float> params;
+  params.rope = &table;
+  KvCache<float> cache = layer.make_cache(kBatch, 6);
+  layer.forward_cached(x, rule, params, cache);  // positions [0, 5)
+  const RowMatrix<float> keys = apex::merge_heads(cache.keys());
+  const RowMatrix<float> values = apex::merge_heads(cache.values());
+  const RowMatrix<float> sentinel = RowMatrix<float>::Constant(kBatch, 12, -3.0f);
+  RowMatrix<float> out = sentinel;
+  const auto call = [&](const RowMatrix<float>& chunk, const PositionMask& r, Index position) {
+    AttentionLayerParams<float> p = params;
+    p.position_offset = position;
+    layer.forward_cached(chunk, r, p, cache, out);
+  };
+  const auto unchanged = [&](const char* what) {
+    EXPECT_EQ(cache.next_position(), 5) << what;
+    EXPECT_EQ(apex::merge_heads(cache.keys()), keys) << what;
+    EXPECT_EQ(apex::merge_heads(cache.values()), values) << what;
+    EXPECT_EQ(out, sentinel) << what;
+  };
+  const RowMatrix<float> one = random_matrix<float>(kBatch, 12, 153);
+  expect_invalid([&] { call(one, rule, 3); },
+                 "[gqa] position_offset (3) goes backwards: the cache's next position is 5");
+  unchanged("backwards");
+  expect_invalid([&] { call(one, rule, 6); },
+                 "[gqa] position_offset (6) skips ahead: the cache's next position is 5");
+  unchanged("skip");
+  const RowMatrix<float> two = random_matrix<float>(kBatch * 2, 12, 154);
+  RowMatrix<float> out2 = RowMatrix<float>::Constant(kBatch * 2, 12, -3.0f);
+  AttentionLayerParams<float> at5 = params;
+  at5.position_offset = 5;
+  expect_invalid([&] { layer.forward_cached(two, rule, at5, cache, out2); },
+                 {"[kv_cache] appending 2 tokens at position 5 would exceed the capacity (6)",
+                  "never grows by itself"});
+  EXPECT_EQ(out2, RowMatrix<float>::Constant(kBatch * 2, 12, -3.0f));
+  unchanged("capacity");
+  const RowMatrix<float> three_rows = random_matrix<float>(3, 12, 155);
+  expect_invalid([&] { layer.forward_cached(three_rows, rule, at5, cache); },
+                 "[gqa] x rows (3) must be a multiple of batch (2)");
+  unchanged("batch");
+  KvCache<float> other_heads(kBatch, 4, 6, 8);
+  expect_invalid([&] { layer.forward_cached(one, rule, params, other_heads, out); },
+                 "[gqa] cache num_kv_heads (4) and head_dim (6) must equal the layer's "
+                 "num_kv_heads (2) and head_dim (6)");
+  EXPECT_EQ(other_heads.next_position(), 0);
+  PositionMask offset = rule;
+  offset.query_offset = 5;
+  expect_invalid([&] { call(one, offset, 5); }, "query_offset/key_offset must be unset");
+  unchanged("offset");
+
+  // A sliding-window cache needs a causal windowed rule within its W.
+  SlidingWindowCache<float> ring = layer.make_window_cache(kBatch, 4);
+  expect_invalid([&] { layer.forward_cached(one, rule, params, ring, out); },
+                 "[gqa] a SlidingWindowCache of W = 4 needs a causal mask with a window of at most "
+                 "4 (got none)");
+  expect_invalid(
+      [&] { layer.forward_cached(one, apex::sliding_window_mask(5), params, ring, out); },
+      "(got 5)");
+  // A prefix must lie inside the first chunk.
+  expect_invalid(
+      [&] { layer.forward_cached(x, rule_with(apex::sliding_window_mask(4), 6), params, ring); },
+      "[gqa] prefix P (6) must lie within one chunk starting at position 0 (this chunk covers "
+      "[0, 5))");
+  EXPECT_EQ(ring.next_position(), 0);
+  EXPECT_EQ(out, sentinel);
+}
+
+TEST(Decode, BadMlaCallsThrowAndLeaveCacheAndOutputUnchanged) {
+  const MlaConfig config = mla_config(0);
+  const auto layer = MultiHeadLatentAttention<double>::random(config, 161);
+  const auto absorbed = apex::absorb_mla_weights(layer);
+  const RopeTable<double> table(16, config.rope_dim);
+  const RowMatrix<double> x = random_matrix<double>(kBatch * 4, 16, 162);
+  AttentionLayerParams<double> params;
+  params.rope = &table;
+  LatentCache<double> cache = layer.make_cache(kBatch, 5);
+  layer.forward_absorbed(x, apex::causal_mask(), params, absorbed, cache);
+  const RowMatrix<double> rows = apex::merge_heads(cache.rows());
+  const RowMatrix<double> sentinel = RowMatrix<double>::Constant(kBatch * 2, 16, 9.0);
+  RowMatrix<double> out = sentinel;
+  const auto unchanged = [&](const char* what) {
+    EXPECT_EQ(cache.next_position(), 4) << what;
+    EXPECT_EQ(apex::merge_heads(cache.rows()), rows) << what;
+    EXPECT_EQ(out, sentinel) << what;
+  };
+  const RowMatrix<double> two = random_matrix<double>(kBatch * 2, 16, 163);
+  params.position_offset = 4;
+  expect_invalid(
+      [&] { layer.forward_absorbed(two, apex::causal_mask(), params, absorbed, cache, out); },
+      "[latent_cache] appending 2 tokens at position 4 would exceed the capacity (5)");
+  unchanged("capacity, absorbed");
+  expect_invalid([&] { layer.forward_cached(two, apex::causal_mask(), params, cache, out); },
+                 "[latent_cache] appending 2 tokens at position 4 would exceed the capacity (5)");
+  unchanged("capacity, naive");
+  params.position_offset = 1;
+  RowMatrix<double> out1 = RowMatrix<double>::Constant(kBatch, 16, 9.0);
+  expect_invalid(
+      [&] {
+        layer.forward_absorbed(two.topRows(kBatch), apex::causal_mask(), params, absorbed, cache,
+                               out1);
+      },
+      "[mla] position_offset (1) goes backwards: the cache's next position is 4");
+  EXPECT_EQ(out1, RowMatrix<double>::Constant(kBatch, 16, 9.0));
+  unchanged("backwards");
+  params.position_offset = 4;
+  LatentCache<double> wrong(kBatch, config.d_kv, 1, config.rope_dim, 8);
+  expect_invalid([&] { layer.forward_cached(two, apex::causal_mask(), params, wrong, out); },
+                 "[mla] cache latent_dim, rope_heads, rope_dim (12, 1, 4) must equal the layer's "
+                 "d_kv, H_kr, d_r (12, 2, 4)");
+  const auto other = MultiHeadLatentAttention<double>::random(mla_config(1), 164);
+  const auto other_absorbed = apex::absorb_mla_weights(other);
+  expect_invalid(
+      [&] { layer.forward_absorbed(two, apex::causal_mask(), params, other_absorbed, cache, out); },
+      "[mla] absorbed weights were folded from a layer of another shape");
+  unchanged("absorbed weights");
+  AttentionLayerParams<double> no_rope = params;
+  no_rope.rope = nullptr;
+  expect_invalid(
+      [&] { layer.forward_absorbed(two, apex::causal_mask(), no_rope, absorbed, cache, out); },
+      "[mla] params.rope (null) must be a RoPE table");
+  unchanged("rope");
+}
+
+}  // namespace

@@ -1,0 +1,363 @@
+// SPDX-License-Identifier: MIT
+// Tests for §7: multi-head attention after the projections (per-head sdpa, concat, W_O), the
+// layout conversions, the §7.3 parameter count and the §7.4 KV-cache size.
+#include <apex/mha.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace {
+
+using apex::AttentionMask;
+using apex::HeadsTensor;
+using apex::HeadsView;
+using apex::Index;
+using apex::RowMatrix;
+using apex::testing::expect_close;
+using apex::testing::expect_invalid;
+using apex::testing::random_matrix;
+using MatrixXd = Eigen::MatrixXd;
+
+// Tolerance, per element: |actual − expected| ≤ kTol · max(1, |expected|). Inputs are O(1);
+// every output is a chain of short dot products (length ≤ 16), one softmax over ≤ 9 keys and the
+// W_O product (length ≤ 12). The classical bound for a dot product of length n is n·u·Σ|terms|,
+// here ≲ 16 · u · 4 with u the unit roundoff (6e-8 in float, 1.1e-16 in double): 4e-6 and 7e-15.
+// Observed errors are ~20× below these; a wrong head, scale or mask moves results by O(0.1).
+template <class Scalar>
+constexpr double kTol = std::is_same_v<Scalar, float> ? 4e-6 : 1e-14;
+
+// ---------------------------------------------------------------------------------------------
+// Plain double-precision reference, written from §6.2 and §7.2 for clarity.
+// ---------------------------------------------------------------------------------------------
+
+// Which (b, h, i, j) pairs may attend; i, j are row indices of the head's q and k.
+using AllowFn = bool (*)(Index b, Index h, Index i, Index j, Index s_q, Index s_k);
+
+bool allow_all(Index, Index, Index, Index, Index, Index) { return true; }
+// Causal with the queries as the last S_q of the S_k positions.
+bool allow_causal(Index, Index, Index i, Index j, Index s_q, Index s_k) {
+  return j <= s_k - s_q + i;
+}
+
+// One head: out[i] = Σ_j softmax_j(scale · q_i·k_j) v_j over the allowed j; zeros if none.
+MatrixXd plain_head(const MatrixXd& q, const MatrixXd& k, const MatrixXd& v, double scale,
+                    const std::vector<std::vector<bool>>& allowed) {
+  MatrixXd out = MatrixXd::Zero(q.rows(), v.cols());
+  for (Index i = 0; i < q.rows(); ++i) {
+    std::vector<double> scores;
+    std::vector<Index> keys;
+    double best = -std::numeric_limits<double>::infinity();
+    for (Index j = 0; j < k.rows(); ++j) {
+      if (!allowed[static_cast<std::size_t>(i)][static_cast<std::size_t>(j)]) continue;
+      double dot = 0.0;
+      for (Index c = 0; c < q.cols(); ++c) dot += q(i, c) * k(j, c);
+      scores.push_back(scale * dot);
+      keys.push_back(j);
+      best = std::max(best, scale * dot);
+    }
+    double total = 0.0;
+    for (double& s : scores) total += (s = std::exp(s - best));
+    for (std::size_t n = 0; n < keys.size(); ++n) {
+      for (Index c = 0; c < v.cols(); ++c) out(i, c) += scores[n] / total * v(keys[n], c);
+    }
+  }
+  return out;
+}
+
+template <class T>
+MatrixXd head_as_double(const HeadsView<T>& view, Index b, Index h) {
+  return view.head(b, h).template cast<double>();
+}
+
+// §7.2: out = Concat_h Attention(Q_h, K_g, V_g) · W_O, g = h / (H_q / H_kv).
+template <class T, class Allow>
+MatrixXd plain_mha(const HeadsView<T>& q, const HeadsView<T>& k, const HeadsView<T>& v,
+                   const MatrixXd& w_o, Allow allow) {
+  const Index s_q = q.seq();
+  const Index s_k = k.seq();
+  const Index group = q.heads() / k.heads();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.dim()));
+  MatrixXd concat(q.batch() * s_q, q.heads() * v.dim());
+  for (Index b = 0; b < q.batch(); ++b) {
+    for (Index h = 0; h < q.heads(); ++h) {
+      std::vector<std::vector<bool>> allowed(static_cast<std::size_t>(s_q),
+                                             std::vector<bool>(static_cast<std::size_t>(s_k)));
+      for (Index i = 0; i < s_q; ++i) {
+        for (Index j = 0; j < s_k; ++j) {
+          allowed[static_cast<std::size_t>(i)][static_cast<std::size_t>(j)] =
+              allow(b, h, i, j, s_q, s_k);
+        }
+      }
+      concat.block(b * s_q, h * v.dim(), s_q, v.dim()) =
+          plain_head(head_as_double(q, b, h), head_as_double(k, b, h / group),
+                     head_as_double(v, b, h / group), scale, allowed);
+    }
+  }
+  return concat * w_o;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Worked examples
+// ---------------------------------------------------------------------------------------------
+
+TEST(Mha, S7_3_ParameterCount) {
+  // W_Q, W_K, W_V: d × H_q·d_h each; W_O: H_q·d_h × d.
+  const std::int64_t d = 7168;
+  const std::int64_t h_q = 56;
+  const std::int64_t d_h = 128;  // H_q · d_h = 7168 = d
+  const std::int64_t per_matrix = d * h_q * d_h;
+  EXPECT_EQ(apex::mha_parameter_count(d, h_q, d_h), 3 * per_matrix + h_q * d_h * d);
+  EXPECT_EQ(apex::mha_parameter_count(d, h_q, d_h), 4 * d * d);  // 4d² when H_q·d_h = d
+  EXPECT_EQ(apex::mha_parameter_count(d, h_q, d_h), 205'520'896);
+  // H_q·d_h ≠ d: the count is 4·d·H_q·d_h, not 4d².
+  EXPECT_EQ(apex::mha_parameter_count(1024, 16, 128), 4 * 1024 * 2048);
+}
+
+TEST(Mha, S7_4_KvCacheSize) {
+  const std::int64_t context = std::int64_t{128} * 1024;
+  const std::int64_t gib = std::int64_t{1} << 30;
+  // §7.4 prints "4 GB per layer"; K and V together take 8 GiB, 4 GiB is K alone (SEED-NOTES.md).
+  EXPECT_EQ(apex::kv_cache_bytes(1, context, 128, 128, 2), 8 * gib);
+  EXPECT_EQ(apex::kv_cache_bytes(1, context, 128, 128, 2) / 2, 4 * gib);
+  EXPECT_EQ(apex::kv_cache_values_per_token(128, 128), 32768);
+  // Linear in every factor: batch 3, FP32.
+  EXPECT_EQ(apex::kv_cache_bytes(3, context, 128, 128, 4), 48 * gib);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layout conversion
+// ---------------------------------------------------------------------------------------------
+
+TEST(Mha, SplitHeadsIsTheDocumentsReshape) {
+  const Index batch = 2, seq = 3, heads = 4, dim = 5;
+  RowMatrix<double> x(batch * seq, heads * dim);
+  for (Index r = 0; r < x.rows(); ++r) {
+    for (Index c = 0; c < x.cols(); ++c) x(r, c) = static_cast<double>(1000 * r + c);
+  }
+  const HeadsTensor<double> t = apex::split_heads(x, batch, heads);
+  ASSERT_EQ(t.batch(), batch);
+  ASSERT_EQ(t.heads(), heads);
+  ASSERT_EQ(t.seq(), seq);
+  ASSERT_EQ(t.dim(), dim);
+  for (Index b = 0; b < batch; ++b) {
+    for (Index h = 0; h < heads; ++h) {
+      for (Index s = 0; s < seq; ++s) {
+        for (Index j = 0; j < dim; ++j) {
+          // Contiguous [B, H, S, D]: element (b, h, s, j) at ((b·H + h)·S + s)·D + j.
+          EXPECT_EQ(t.data()[((b * heads + h) * seq + s) * dim + j], x(b * seq + s, h * dim + j));
+        }
+      }
+    }
+  }
+  EXPECT_EQ(apex::merge_heads(t), x);
+  // The token-major view sees the same elements without a copy.
+  const auto view = HeadsView<const double>::token_major(x.data(), batch, seq, heads, dim);
+  EXPECT_EQ(apex::merge_heads(view), x);
+}
+
+TEST(Mha, MergeHeadsHonoursRowStride) {
+  const HeadsTensor<float> t = apex::split_heads(random_matrix<float>(6, 8, 1), 2, 4);
+  RowMatrix<float> wide = RowMatrix<float>::Constant(6, 11, -7.0f);
+  apex::merge_heads(t.view(), apex::RowRef<float>(wide.middleCols(2, 8)));
+  EXPECT_EQ(RowMatrix<float>(wide.middleCols(2, 8)), apex::merge_heads(t));
+  EXPECT_TRUE((wide.leftCols(2).array() == -7.0f).all());
+  EXPECT_TRUE((wide.rightCols(1).array() == -7.0f).all());
+}
+
+// ---------------------------------------------------------------------------------------------
+// multi_head_attention against the plain loop
+// ---------------------------------------------------------------------------------------------
+
+template <class Scalar>
+class MhaTyped : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(MhaTyped, Scalars, apex::testing::ScalarName);
+
+// Shapes that are multiples of nothing in particular: B = 2, H_q = 3, S_q = 5, S_k = 7,
+// d_qk = 5, d_v = 3, d = 7. Q as a contiguous tensor, K and V token-major (projection layout).
+template <class Scalar>
+struct Problem {
+  Index batch = 2, heads = 3, kv_heads = 3, s_q = 5, s_k = 7, d_qk = 5, d_v = 3, d = 7;
+  HeadsTensor<Scalar> q;
+  RowMatrix<Scalar> k, v, w_o;
+
+  explicit Problem(Index num_kv_heads, Index queries = 5) : kv_heads(num_kv_heads), s_q(queries) {
+    q = apex::split_heads(random_matrix<Scalar>(batch * s_q, heads * d_qk, 11), batch, heads);
+    k = random_matrix<Scalar>(batch * s_k, kv_heads * d_qk, 12);
+    v = random_matrix<Scalar>(batch * s_k, kv_heads * d_v, 13);
+    w_o = random_matrix<Scalar>(heads * d_v, d, 14);
+  }
+  HeadsView<const Scalar> q_view() const { return q.view(); }
+  HeadsView<const Scalar> k_view() const {
+    return HeadsView<const Scalar>::token_major(k.data(), batch, s_k, kv_heads, d_qk);
+  }
+  HeadsView<const Scalar> v_view() const {
+    return HeadsView<const Scalar>::token_major(v.data(), batch, s_k, kv_heads, d_v);
+  }
+  MatrixXd w_o_double() const { return w_o.template cast<double>(); }
+};
+
+TYPED_TEST(MhaTyped, MatchesPlainPerHeadLoop) {
+  using Scalar = TypeParam;
+  for (const Index kv_heads : {Index{3}, Index{1}}) {  // MHA, and MQA through the same call
+    SCOPED_TRACE("kv_heads " + std::to_string(kv_heads));
+    const Problem<Scalar> p(kv_heads);
+    const RowMatrix<Scalar> out =
+        apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), {}, {}, p.w_o);
+    expect_close(out, plain_mha(p.q_view(), p.k_view(), p.v_view(), p.w_o_double(), allow_all),
+                 kTol<Scalar>);
+  }
+}
+
+TYPED_TEST(MhaTyped, CausalWithFewerQueriesThanKeys) {
+  using Scalar = TypeParam;
+  for (const Index queries : {Index{1}, Index{5}, Index{7}}) {  // decode step, chunk, prompt
+    SCOPED_TRACE("S_q " + std::to_string(queries));
+    const Problem<Scalar> p(3, queries);
+    AttentionMask<Scalar> mask;
+    mask.positions = apex::causal_mask();
+    RowMatrix<Scalar> out(p.batch * queries, p.d);
+    apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), mask, {}, p.w_o, out);
+    expect_close(out, plain_mha(p.q_view(), p.k_view(), p.v_view(), p.w_o_double(), allow_causal),
+                 kTol<Scalar>);
+  }
+}
+
+// A dense mask per batch and head; row 2 of (b = 1, h = 0) forbids every key (-> zeros).
+bool allow_pattern(Index b, Index h, Index i, Index j, Index, Index) {
+  if (b == 1 && h == 0 && i == 2) return false;
+  return (b + 2 * h + i + 3 * j) % 4 != 0;
+}
+
+TYPED_TEST(MhaTyped, DenseMaskPerBatchAndHead) {
+  using Scalar = TypeParam;
+  const Problem<Scalar> p(3);
+  Eigen::Matrix<bool, Eigen::Dynamic, 1> storage(p.batch * p.heads * p.s_q * p.s_k);
+  const auto allowed = HeadsView<bool>::contiguous(storage.data(), p.batch, p.heads, p.s_q, p.s_k);
+  for (Index b = 0; b < p.batch; ++b) {
+    for (Index h = 0; h < p.heads; ++h) {
+      for (Index i = 0; i < p.s_q; ++i) {
+        for (Index j = 0; j < p.s_k; ++j)
+          allowed.head(b, h)(i, j) = allow_pattern(b, h, i, j, 0, 0);
+      }
+    }
+  }
+  AttentionMask<Scalar> mask;
+  mask.allowed = allowed;
+  const RowMatrix<Scalar> out =
+      apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), mask, {}, p.w_o);
+  expect_close(out, plain_mha(p.q_view(), p.k_view(), p.v_view(), p.w_o_double(), allow_pattern),
+               kTol<Scalar>);
+}
+
+bool allow_shared(Index, Index, Index i, Index j, Index, Index) { return (i + j) % 3 != 1; }
+
+TYPED_TEST(MhaTyped, SharedDenseMask) {
+  using Scalar = TypeParam;
+  const Problem<Scalar> p(3);
+  apex::BoolMatrix shared(p.s_q, p.s_k);
+  for (Index i = 0; i < p.s_q; ++i) {
+    for (Index j = 0; j < p.s_k; ++j) shared(i, j) = allow_shared(0, 0, i, j, 0, 0);
+  }
+  AttentionMask<Scalar> mask;
+  mask.allowed = apex::as_heads_view(shared);
+  const RowMatrix<Scalar> out =
+      apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), mask, {}, p.w_o);
+  expect_close(out, plain_mha(p.q_view(), p.k_view(), p.v_view(), p.w_o_double(), allow_shared),
+               kTol<Scalar>);
+}
+
+// The documented aliasing: out may be the storage Q was read from.
+TYPED_TEST(MhaTyped, OutMayOverwriteTheQueries) {
+  using Scalar = TypeParam;
+  const Index batch = 2, heads = 2, seq = 4, dim = 3;
+  RowMatrix<Scalar> q = random_matrix<Scalar>(batch * seq, heads * dim, 21);
+  const RowMatrix<Scalar> k = random_matrix<Scalar>(batch * seq, heads * dim, 22);
+  const RowMatrix<Scalar> v = random_matrix<Scalar>(batch * seq, heads * dim, 23);
+  const RowMatrix<Scalar> w_o = random_matrix<Scalar>(heads * dim, heads * dim, 24);
+  const auto view = [&](const RowMatrix<Scalar>& m) {
+    return HeadsView<const Scalar>::token_major(m.data(), batch, seq, heads, dim);
+  };
+  const RowMatrix<Scalar> expected =
+      apex::multi_head_attention(view(q), view(k), view(v), {}, {}, w_o);
+  apex::multi_head_attention(view(q), view(k), view(v), {}, {}, w_o, apex::RowRef<Scalar>(q));
+  EXPECT_EQ(q, expected);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: the message names the argument, and the output keeps its sentinel values.
+// ---------------------------------------------------------------------------------------------
+
+constexpr double kSentinel = 12345.0;
+
+TEST(Mha, RejectsQueryHeadsNotAMultipleOfKvHeads) {
+  Problem<double> p(3);
+  const RowMatrix<double> k = random_matrix<double>(p.batch * p.s_k, 2 * p.d_qk, 1);
+  const RowMatrix<double> v = random_matrix<double>(p.batch * p.s_k, 2 * p.d_v, 2);
+  const auto kv = HeadsView<const double>::token_major(k.data(), p.batch, p.s_k, 2, p.d_qk);
+  const auto vv = HeadsView<const double>::token_major(v.data(), p.batch, p.s_k, 2, p.d_v);
+  RowMatrix<double> out = RowMatrix<double>::Constant(p.batch * p.s_q, p.d, kSentinel);
+  expect_invalid([&] { apex::multi_head_attention(p.q_view(), kv, vv, {}, {}, p.w_o, out); },
+                 {"[multi_head_attention] num_q_heads (3) must be a multiple of num_kv_heads (2)"});
+  EXPECT_TRUE((out.array() == kSentinel).all());
+}
+
+TEST(Mha, RejectsWrongOutputProjection) {
+  const Problem<double> p(3);
+  const RowMatrix<double> w_o = random_matrix<double>(p.heads * p.d_v + 1, p.d, 3);
+  RowMatrix<double> out = RowMatrix<double>::Constant(p.batch * p.s_q, p.d, kSentinel);
+  expect_invalid(
+      [&] { apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), {}, {}, w_o, out); },
+      {"[multi_head_attention] w_o rows (10) must equal H_q*d_v = 3*3 = 9"});
+  EXPECT_TRUE((out.array() == kSentinel).all());
+}
+
+TEST(Mha, RejectsWrongOutputShape) {
+  const Problem<double> p(3);
+  RowMatrix<double> out = RowMatrix<double>::Constant(p.batch * p.s_q, p.d + 1, kSentinel);
+  expect_invalid(
+      [&] { apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), {}, {}, p.w_o, out); },
+      {"[multi_head_attention] out shape [10, 8] must be [B*S_q, d] = [10, 7]"});
+  EXPECT_TRUE((out.array() == kSentinel).all());
+}
+
+TEST(Mha, RejectsWrongMaskShape) {
+  const Problem<double> p(3);
+  const apex::BoolMatrix shared = apex::BoolMatrix::Constant(p.s_q, p.s_k + 1, true);
+  AttentionMask<double> mask;
+  mask.allowed = apex::as_heads_view(shared);
+  RowMatrix<double> out = RowMatrix<double>::Constant(p.batch * p.s_q, p.d, kSentinel);
+  expect_invalid(
+      [&] { apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), mask, {}, p.w_o, out); },
+      {"[multi_head_attention] allowed mask shape [5, 8] must be [S_q, S_k] = [5, 7]"});
+  EXPECT_TRUE((out.array() == kSentinel).all());
+}
+
+TEST(Mha, SplitAndMergeRejectBadShapes) {
+  const RowMatrix<float> x = random_matrix<float>(6, 8, 5);
+  expect_invalid([&] { (void)apex::split_heads(x, 4, 2); },
+                 {"[split_heads] batch (4) must be >= 1 and divide the rows of x (6)"});
+  expect_invalid([&] { (void)apex::split_heads(x, 2, 3); },
+                 {"[split_heads] heads (3) must be >= 1 and divide the columns of x (8)"});
+  HeadsTensor<float> wrong(2, 4, 3, 3);
+  wrong.view().head(0, 0).setConstant(7.0f);
+  expect_invalid([&] { apex::split_heads(x, 2, 4, wrong.view()); },
+                 {"[split_heads] out shape [2, 4, 3, 3] must be [B, H, S, d_h] = [2, 4, 3, 2]"});
+  EXPECT_TRUE((wrong.head(0, 0).array() == 7.0f).all());
+  const HeadsTensor<float> t = apex::split_heads(x, 2, 4);
+  RowMatrix<float> out = RowMatrix<float>::Constant(6, 9, 7.0f);
+  expect_invalid([&] { apex::merge_heads(t.view(), out); },
+                 {"[merge_heads] out shape [6, 9] must be [B*S, H*d_h] = [6, 8]"});
+  EXPECT_TRUE((out.array() == 7.0f).all());
+}
+
+}  // namespace

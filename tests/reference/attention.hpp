@@ -1,0 +1,116 @@
+// SPDX-License-Identifier: MIT
+// Plain reference loops for attention (§6, §8) and its masks (§10, §11), in double precision.
+// They are written from the documents' formulas for clarity, not speed, and independently of the
+// library: nothing here uses apex::PositionMask or apex::reference, so a test that compares the
+// library with these loops checks the library's rule, not a copy of it.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+
+namespace apex_test {
+
+using Index = Eigen::Index;
+using MatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using VectorD = Eigen::VectorXd;
+
+// ---- masks ---------------------------------------------------------------------------------
+
+/// §10.2: mask[i, j] = 1 iff 0 <= i - j < W and j <= i.
+inline bool sliding_window_allows(Index i, Index j, Index window) {
+  return 0 <= i - j && i - j < window && j <= i;
+}
+
+/// §11.2: layer l is global iff l mod F_g = F_g - 1.
+inline bool is_global(Index layer, Index global_every) {
+  return layer % global_every == global_every - 1;
+}
+
+/// A masking rule on absolute positions, spelled out the way §10-§11 describe it.
+struct MaskRule {
+  bool causal = false;  ///< forbid keys after the query
+  Index window = 0;     ///< 0: no window; otherwise keep only keys with i - j < window (§10.2)
+  Index prefix = 0;     ///< positions [0, prefix) see each other in both directions (§11.1)
+};
+
+/// Whether the query at absolute position i may attend to the key at absolute position j.
+inline bool rule_allows(const MaskRule& rule, Index i, Index j) {
+  // §11.1 "All prefix tokens attend to all prefix tokens": positions 0 .. P-1 on both sides.
+  const bool query_in_prefix = 0 <= i && i < rule.prefix;
+  const bool key_in_prefix = 0 <= j && j < rule.prefix;
+  if (query_in_prefix && key_in_prefix) return true;
+  if (!rule.causal) return true;
+  if (j > i) return false;                                    // causal: no key from the future
+  if (rule.window > 0 && i - j >= rule.window) return false;  // §10.2: 0 <= i - j < W
+  return true;
+}
+
+/// §11.1 on one sequence of positions 0 .. S-1: the APEX-1 mask of a layer. global = true is the
+/// "full causal" regime, otherwise the "causal + window W" regime; the prefix P applies to both.
+inline bool apex_layer_allows(Index i, Index j, bool global, Index prefix, Index window) {
+  if (i < prefix && j < prefix) return true;  // prefix bidirectional
+  if (j > i) return false;                    // causal
+  if (global) return true;                    // full causal history
+  return i - j < window;                      // local: the last W positions, itself included
+}
+
+// ---- attention -----------------------------------------------------------------------------
+
+struct AttentionResult {
+  MatrixD out;  ///< [S_q, d_v]
+  VectorD lse;  ///< [S_q], natural log of Σ_j exp(score_ij) over the allowed keys; -inf if none
+};
+
+/// softmax(softcap(scale · Q Kᵀ) + bias, forbidden → -inf) V for one head (§6.2), row by row:
+///   1. S = scale · Q Kᵀ (the whole S_q × S_k matrix, materialised),
+///   2. soft-capping c·tanh(s/c) when softcap > 0,
+///   3. keys with allowed(i, j) false are dropped; the bias (if given) is added to the rest,
+///   4. softmax over the remaining keys, subtracting the row maximum first,
+///   5. out_i = Σ_j p_ij v_j over the remaining keys only (a dropped key's value is never read).
+/// A row with no remaining key (all forbidden, or every score -inf) is zeros with lse = -inf.
+///   q: [S_q, d_qk], k: [S_k, d_qk], v: [S_k, d_v], bias: null or [S_q, S_k]
+inline AttentionResult attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
+                                 const std::function<bool(Index, Index)>& allowed,
+                                 const MatrixD* bias, double scale, double softcap) {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  const Index s_q = q.rows();
+  const Index s_k = k.rows();
+  MatrixD scores(s_q, s_k);
+  for (Index i = 0; i < s_q; ++i) {
+    for (Index j = 0; j < s_k; ++j) {
+      if (!allowed(i, j)) {
+        scores(i, j) = kNegInf;
+        continue;
+      }
+      double dot = 0.0;
+      for (Index c = 0; c < q.cols(); ++c) dot += q(i, c) * k(j, c);
+      double s = scale * dot;
+      if (softcap > 0.0) s = softcap * std::tanh(s / softcap);
+      if (bias != nullptr) s += (*bias)(i, j);
+      scores(i, j) = s;
+    }
+  }
+  AttentionResult result{MatrixD::Zero(s_q, v.cols()), VectorD::Constant(s_q, kNegInf)};
+  for (Index i = 0; i < s_q; ++i) {
+    double row_max = kNegInf;
+    for (Index j = 0; j < s_k; ++j) row_max = std::max(row_max, scores(i, j));
+    if (row_max == kNegInf) continue;  // nothing to attend to: zeros, lse = -inf
+    double total = 0.0;
+    for (Index j = 0; j < s_k; ++j) {
+      if (scores(i, j) != kNegInf) total += std::exp(scores(i, j) - row_max);
+    }
+    for (Index j = 0; j < s_k; ++j) {
+      if (scores(i, j) == kNegInf) continue;
+      const double p = std::exp(scores(i, j) - row_max) / total;
+      for (Index c = 0; c < v.cols(); ++c) result.out(i, c) += p * v(j, c);
+    }
+    result.lse(i) = row_max + std::log(total);
+  }
+  return result;
+}
+
+}  // namespace apex_test
