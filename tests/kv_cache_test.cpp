@@ -278,14 +278,14 @@ TEST(KvCache, BadAppendsThrowAndLeaveTheCacheUnchanged) {
 
 TEST(KvCache, BadWindowAndLatentAppendsThrowAndLeaveTheCacheUnchanged) {
   SlidingWindowCache<double> ring(1, 2, 3, 4);
-  const RowMatrix<double> six = random_matrix<double>(6, 2 * 3, 31);
+  const RowMatrix<double> six = random_matrix<double>(6, 6, 31);
   ring.append(heads_of(six, 1, 2), heads_of(six, 1, 2), 0);
   const RowMatrix<double> segment0 = apex::merge_heads(ring.segments()[0].keys);
-  const RowMatrix<double> one = random_matrix<double>(1, 2 * 3, 32);
+  const RowMatrix<double> one = random_matrix<double>(1, 6, 32);
   expect_invalid(
       [&] { ring.append(heads_of(one, 1, 2), heads_of(one, 1, 2), 4); },
       "[sliding_window_cache] position (4) goes backwards: the cache's next position is 6");
-  const RowMatrix<double> other = random_matrix<double>(2, 2 * 3, 33);
+  const RowMatrix<double> other = random_matrix<double>(2, 6, 33);
   expect_invalid([&] { ring.append(heads_of(other, 2, 2), heads_of(other, 2, 2), 6); },
                  "[sliding_window_cache] chunk batch (k 2, v 2) must equal the cache's batch (1)");
   EXPECT_EQ(ring.next_position(), 6);

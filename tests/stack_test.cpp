@@ -83,7 +83,7 @@ TEST(Stack, ForwardEqualsTheComposedFormulas) {
 
   const apex::RopeTable<double> local_rope(config.max_positions, config.local.head_dim);
   const apex::RopeTable<double> global_rope(config.max_positions, config.global.rope_dim);
-  const apex::RowMatrix<double> table = stack.embedding();
+  const apex::RowMatrix<double>& table = stack.embedding();
   const apex::Vector<double> ones = apex::Vector<double>::Ones(config.d_model);
   apex::RowMatrix<double> x =
       apex::reference::embed(table, tokens, std::sqrt(static_cast<double>(config.d_model)));
@@ -211,7 +211,7 @@ TEST(Stack, YarnForwardEqualsTheComposedFormulas) {
     apex::SdpaParams local_attention, global_attention;
     local_attention.scale = multiplier / std::sqrt(static_cast<double>(config.local.head_dim));
     global_attention.scale = multiplier / std::sqrt(static_cast<double>(config.global.qk_dim()));
-    const apex::RowMatrix<double> table = stack.embedding();
+    const apex::RowMatrix<double>& table = stack.embedding();
     const apex::Vector<double> ones = apex::Vector<double>::Ones(config.d_model);
     apex::RowMatrix<double> x =
         apex::reference::embed(table, tokens, std::sqrt(static_cast<double>(config.d_model)));
@@ -498,7 +498,7 @@ TEST(Stack, S7_4_S9_4_Apex1LargeCacheMemory) {
   EXPECT_EQ(m.total_bytes, 4032 * kMiB);  // 60 × 16 MiB + 12 × 256 MiB
   // The same 72 layers as multi-head attention with full caches: 72 × 8 GiB (§7.4, corrected).
   const std::int64_t mha = 72 * apex::kv_cache_bytes(1, 131072, 128, 128, 2);
-  EXPECT_EQ(mha, 576 * 1024 * kMiB);
+  EXPECT_EQ(mha, std::int64_t{576} * 1024 * kMiB);
   EXPECT_EQ(mha / m.total_bytes, 146);  // 146.3× less memory
   // With one shared K_rope head (DeepSeek's layout) the global layers need 576 values per token.
   c.global.num_rope_key_heads = 1;

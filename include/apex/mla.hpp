@@ -235,9 +235,12 @@ class MultiHeadLatentAttention;
 /// itself is apex::sdpa on the decompressed heads (d_qk = d_h + d_r, d_v = d_h), grouped when
 /// H_kv < H_q, followed by W_O: the same multi_head_attention as every other layer.
 ///
-/// This forward decompresses K and V for the whole block, which is the right computation for a
-/// prompt (prefill). The latent's benefit is in what a decoder caches (c_kv and K_rope); the
-/// layer is immutable after construction and forward may run from several threads at once.
+/// forward() decompresses K and V for the whole block, which is the right computation for a
+/// prompt. The latent's benefit is in what a decoder caches (c_kv and K_rope, a LatentCache):
+/// forward_cached() decodes against it naively (decompressing the cache at every call) and
+/// forward_absorbed() with the folded weights of absorb_mla_weights (decompressing nothing).
+/// The layer is immutable after construction; its members are const and may run from several
+/// threads at once (on different caches).
 template <class Scalar>
 class MultiHeadLatentAttention {
  public:
