@@ -446,6 +446,242 @@ TYPED_TEST(SdpaFast, DecodingSplitOverChunksEqualsReference) {
   }
 }
 
+// ---- non-finite input: the policy documented on apex::sdpa
+// ---------------------------------------
+
+/// The kernels a policy test runs: the default blocks, small blocks (many boundaries and decode
+/// chunks), Eigen's GEMM kernel everywhere and the streaming kernel everywhere.
+std::vector<std::pair<const char*, std::optional<apex::detail::FlashBlocking>>> kernels() {
+  apex::detail::FlashBlocking small;
+  small.stacked_rows = 16;
+  small.key_block = 16;
+  small.stream_key_block = 8;
+  small.decode_chunk = 40;
+  apex::detail::FlashBlocking gemm;
+  gemm.stream_rows = 0;
+  apex::detail::FlashBlocking streaming;
+  streaming.stream_rows = Index{1} << 20;
+  return {
+      {"default", std::nullopt}, {"small blocks", small}, {"GEMM", gemm}, {"streaming", streaming}};
+}
+
+/// Whether query row i of head h (batch b) may see key j under the problem's masks.
+template <class Scalar>
+bool sees(const Problem<Scalar>& p, Index b, Index h, Index i, Index j) {
+  const PositionMask& m = p.mask.positions;
+  const Index first = m.first_query_position(p.shape.s_q, p.shape.s_k);
+  if (!m.allows(first + i, m.key_offset + j)) return false;
+  if (p.allowed && !p.allowed->view().head(b, h)(i, j)) return false;
+  if (p.bias && p.bias->view().head(0, h)(i, j) == -std::numeric_limits<Scalar>::infinity()) {
+    return false;
+  }
+  return true;
+}
+
+/// Poisons key j of (batch 0, key/value head 0): NaN in its key (so every row that sees it has
+/// a NaN score) or only in one value column. Then, on every kernel: the rows that see the key
+/// are NaN (the whole row, or that column), and every other row equals the clean reference.
+template <class Scalar>
+void check_poisoned_key(const Case& c, Index j, bool poison_key, std::uint32_t seed) {
+  const Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
+  Problem<Scalar> p(c.shape, c.layout, seed);
+  p.mask.positions = c.positions;
+  p.params.softcap = c.softcap;
+  if (c.dense == Dense::kBoolean) p.add_boolean(0.7);
+  if (c.dense == Dense::kBias) p.add_bias(0.1);
+  Outputs<Scalar> clean(c.shape, c.layout);
+  run_reference(p, clean);
+  if (poison_key) p.k.view().head(0, 0)(j, 0) = nan;
+  p.v.view().head(0, 0)(j, c.shape.d_v - 1) = nan;
+  const Index group = c.shape.q_heads / c.shape.kv_heads;
+  const double tol = Tolerance<Scalar>::kRelative * 10.0;  // O(1) values: a normwise bound
+  for (const auto& [name, blocking] : kernels()) {
+    Outputs<Scalar> got(c.shape, c.layout);
+    run_fast(p, got, blocking);
+    for (Index b = 0; b < c.shape.batch; ++b) {
+      for (Index h = 0; h < c.shape.q_heads; ++h) {
+        for (Index i = 0; i < c.shape.s_q; ++i) {
+          const auto row = got.out.view().head(b, h).row(i);
+          const auto ref = clean.out.view().head(b, h).row(i);
+          const Scalar lse = got.lse.view().head(b, h)(i, 0);
+          const bool hit = b == 0 && h / group == 0 && sees(p, b, h, i, j);
+          SCOPED_TRACE(std::string(c.name) + ", " + name + ", key " + std::to_string(j) + ", b " +
+                       std::to_string(b) + " h " + std::to_string(h) + " row " + std::to_string(i));
+          if (hit && poison_key) {
+            ASSERT_TRUE(row.array().isNaN().all()) << row;
+            ASSERT_TRUE(std::isnan(lse));
+          } else if (hit) {
+            ASSERT_TRUE(std::isnan(row(c.shape.d_v - 1))) << row;
+            const Index d = c.shape.d_v - 1;
+            ASSERT_TRUE(row.head(d).allFinite()) << row;
+            ASSERT_LE((row.head(d).template cast<double>() - ref.head(d).template cast<double>())
+                          .cwiseAbs()
+                          .maxCoeff(),
+                      tol);
+          } else {
+            ASSERT_TRUE(row.allFinite() && !std::isnan(lse)) << row;  // lse = -inf: no key
+            ASSERT_LE(
+                (row.template cast<double>() - ref.template cast<double>()).cwiseAbs().maxCoeff(),
+                tol);
+          }
+        }
+      }
+    }
+  }
+}
+
+// A NaN or ±inf in a key or value reaches exactly the rows that may see that key: never the rows
+// a causal, window, prefix, boolean or -inf-bias mask hides it from (0·NaN would, through a
+// weight of exp(-inf) = 0), never other heads or batches. Every case of the table, a key in the
+// middle and the last key, on every kernel.
+TYPED_TEST(SdpaFast, NonFiniteKeysAndValuesReachOnlyTheRowsThatSeeThem) {
+  std::uint32_t seed = 500;
+  for (const Case& c : cases()) {
+    if (c.shape.s_q * c.shape.s_k > 70000) continue;
+    for (const Index j : {c.shape.s_k / 2, c.shape.s_k - 1}) {
+      check_poisoned_key<TypeParam>(c, j, /*poison_key=*/true, ++seed);
+      check_poisoned_key<TypeParam>(c, j, /*poison_key=*/false, ++seed);
+    }
+  }
+}
+
+// A NaN in one query row makes that row NaN (out and lse) and no other.
+TYPED_TEST(SdpaFast, NaNQueryPoisonsOnlyItsRow) {
+  using Scalar = TypeParam;
+  for (const Case& c : cases()) {
+    if (c.shape.s_q * c.shape.s_k > 70000) continue;
+    Problem<Scalar> p(c.shape, c.layout, 600);
+    p.mask.positions = c.positions;
+    if (c.dense == Dense::kBias) p.add_bias(0.1);
+    Outputs<Scalar> clean(c.shape, c.layout);
+    run_reference(p, clean);
+    const Index row = c.shape.s_q - 1;
+    p.q.view().head(0, 0)(row, 0) = std::numeric_limits<Scalar>::quiet_NaN();
+    const bool sees_any = [&] {
+      for (Index j = 0; j < c.shape.s_k; ++j) {
+        if (sees(p, 0, 0, row, j)) return true;
+      }
+      return false;
+    }();
+    for (const auto& [name, blocking] : kernels()) {
+      SCOPED_TRACE(std::string(c.name) + ", " + name);
+      Outputs<Scalar> got(c.shape, c.layout);
+      run_fast(p, got, blocking);
+      for (Index b = 0; b < c.shape.batch; ++b) {
+        for (Index h = 0; h < c.shape.q_heads; ++h) {
+          for (Index i = 0; i < c.shape.s_q; ++i) {
+            const auto out = got.out.view().head(b, h).row(i);
+            if (b == 0 && h == 0 && i == row && sees_any) {
+              ASSERT_TRUE(out.array().isNaN().all()) << out;
+              ASSERT_TRUE(std::isnan(got.lse.view().head(b, h)(i, 0)));
+            } else {
+              ASSERT_EQ(out.allFinite(), true) << "b " << b << " h " << h << " row " << i;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Logits far from 0 (±1e4, ±1e30) give the correctly rounded softmax: the maximum is subtracted
+// before exp, so nothing overflows, and a logit 2e30 below the maximum weighs exactly 0. q = 0
+// makes every score the bias exactly, so the expected weights follow from the stored logits, in
+// double.
+TYPED_TEST(SdpaFast, ExtremeLogitsGiveTheExactSoftmax) {
+  using Scalar = TypeParam;
+  const Shape shape{1, 1, 1, 1, 6, 4, 3};
+  for (const double big : {1e4, 1e30}) {
+    Problem<Scalar> p(shape, Layout::kContiguous, 31);
+    p.q.view().head(0, 0).setZero();
+    p.add_bias(0.0);
+    const double logits[] = {big, big, big - 1.0, -big, 0.0, big - 2.0};
+    for (Index j = 0; j < shape.s_k; ++j) {
+      p.bias->view().head(0, 0)(0, j) = static_cast<Scalar>(logits[j]);
+    }
+    double max_logit = -std::numeric_limits<double>::infinity();
+    for (Index j = 0; j < shape.s_k; ++j) {
+      max_logit = std::max(max_logit, static_cast<double>(p.bias->view().head(0, 0)(0, j)));
+    }
+    double weights[6];
+    double total = 0.0;
+    for (Index j = 0; j < shape.s_k; ++j) {
+      weights[j] = std::exp(static_cast<double>(p.bias->view().head(0, 0)(0, j)) - max_logit);
+      total += weights[j];
+    }
+    for (const auto& [name, blocking] : kernels()) {
+      SCOPED_TRACE(std::string(name) + ", logits of " + std::to_string(big));
+      Outputs<Scalar> got(shape, Layout::kContiguous);
+      run_fast(p, got, blocking);
+      for (Index c = 0; c < shape.d_v; ++c) {
+        double expected = 0.0;
+        for (Index j = 0; j < shape.s_k; ++j) {
+          expected += weights[j] / total * static_cast<double>(p.v.view().head(0, 0)(j, c));
+        }
+        EXPECT_NEAR(static_cast<double>(got.out.view().head(0, 0)(0, c)), expected,
+                    Tolerance<Scalar>::kRelative);
+      }
+      EXPECT_NEAR(static_cast<double>(got.lse.view().head(0, 0)(0, 0)), max_logit + std::log(total),
+                  Tolerance<Scalar>::kRelative * max_logit);
+    }
+  }
+}
+
+// Soft-capping with an additive -inf mask: the cap bounds the scores, the -inf still forbids (it
+// is added after the cap), a forbidden key's NaN value stays out, and a row whose every key is
+// -inf gives zeros on every kernel.
+TYPED_TEST(SdpaFast, MinusInfinityBiasWithSoftcap) {
+  using Scalar = TypeParam;
+  const Shape shape{1, 2, 1, 9, 40, 16, 8};
+  Problem<Scalar> p(shape, Layout::kContiguous, 21);
+  p.params.softcap = 2.0;
+  p.params.scale = 10.0;  // scores of size 10, capped at 2
+  p.add_bias(0.3);
+  for (Index j = 0; j < shape.s_k; ++j) {
+    p.bias->view().head(0, 1)(4, j) = -std::numeric_limits<Scalar>::infinity();
+  }
+  // NaN in the values of keys hidden from every row of head 0, row 0.
+  for (Index j = 0; j < shape.s_k; ++j) {
+    if (!sees(p, 0, 0, 0, j))
+      p.v.view().head(0, 0)(j, 0) = std::numeric_limits<Scalar>::quiet_NaN();
+  }
+  Outputs<Scalar> ref(shape, Layout::kContiguous);
+  run_reference(p, ref);
+  ASSERT_TRUE(ref.out.view().head(0, 0).row(0).allFinite());
+  for (const auto& [name, blocking] : kernels()) {
+    SCOPED_TRACE(name);
+    Outputs<Scalar> got(shape, Layout::kContiguous);
+    run_fast(p, got, blocking);
+    EXPECT_TRUE(got.out.view().head(0, 0).row(0).allFinite());
+    EXPECT_LE((got.out.view().head(0, 0).row(0).template cast<double>() -
+               ref.out.view().head(0, 0).row(0).template cast<double>())
+                  .cwiseAbs()
+                  .maxCoeff(),
+              Tolerance<Scalar>::kRelative * 10.0);
+    EXPECT_TRUE(got.out.view().head(0, 1).row(4).isZero(0.0));
+    EXPECT_EQ(got.lse.view().head(0, 1)(4, 0), -std::numeric_limits<Scalar>::infinity());
+  }
+}
+
+// merge_attention keeps a NaN row NaN, rather than dropping it beside a side with no keys.
+TYPED_TEST(SdpaFast, MergeKeepsNaNRows) {
+  using Scalar = TypeParam;
+  using Rows = apex::RowMatrix<Scalar>;
+  const Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
+  const Scalar neg_inf = -std::numeric_limits<Scalar>::infinity();
+  Rows a = Rows::Ones(2, 3);
+  Rows b = Rows::Zero(2, 3);
+  apex::Vector<Scalar> lse_a(2), lse_b(2);
+  lse_a << nan, Scalar(0.5);
+  lse_b << neg_inf, nan;
+  a(0, 0) = nan;
+  Rows out(2, 3);
+  apex::Vector<Scalar> lse(2);
+  apex::merge_attention(a, lse_a, b, lse_b, out, lse);
+  EXPECT_TRUE(out.array().isNaN().all()) << out;
+  EXPECT_TRUE(lse.array().isNaN().all()) << lse;
+}
+
 // ---- threads ------------------------------------------------------------------------------------
 // The output must be bit-identical whatever the number of threads: the tasks and the order of
 // every reduction are fixed by the shapes alone.

@@ -30,6 +30,7 @@ struct SdpaParams {
 /// (shared by the heads) or H_q. For a single [S_q, S_k] matrix use as_heads_view(matrix).
 template <class Scalar>
 struct AttentionMask {
+  /// The position rule (causal, window, prefix, offsets); the default allows every pair.
   PositionMask positions;
   HeadsView<const bool> allowed;  ///< true = may attend; empty = no dense mask
   HeadsView<const Scalar> bias;   ///< added to the scores; -inf forbids; empty = no bias
@@ -49,11 +50,26 @@ inline void check_mask_view_shape(Index batch, Index heads, Index rows, Index co
 }
 
 /// Every precondition of sdpa on [B, H, S, D] views; throws before anything is written.
+/// A view's extents must be >= 0 (a view can be built with any numbers).
+template <class T>
+void check_extents(const HeadsView<T>& view, const char* op, const char* name) {
+  APEX_CHECK(view.batch() >= 0 && view.heads() >= 0 && view.seq() >= 0 && view.dim() >= 0,
+             "[" << op << "] " << name << " shape [" << view.batch() << ", " << view.heads() << ", "
+                 << view.seq() << ", " << view.dim() << "] must not be negative");
+}
+
 template <class Scalar>
 void check_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
                 const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
                 const SdpaParams& params, const HeadsView<Scalar>& out,
                 const HeadsView<Scalar>& lse, const char* op) {
+  check_extents(q, op, "q");
+  check_extents(k, op, "k");
+  check_extents(v, op, "v");
+  check_extents(out, op, "output");
+  check_extents(lse, op, "log-sum-exp");
+  check_extents(mask.allowed, op, "allowed mask");
+  check_extents(mask.bias, op, "bias");
   APEX_CHECK(k.dim() == q.dim(), "[" << op << "] key width d_qk (" << k.dim()
                                      << ") must equal the query width " << q.dim());
   APEX_CHECK(v.seq() == k.seq(), "[" << op << "] value length S_k (" << v.seq()
@@ -72,7 +88,7 @@ void check_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k
              "[" << op << "] scale (" << *params.scale << ") must be finite");
   APEX_CHECK(std::isfinite(params.softcap) && params.softcap >= 0.0,
              "[" << op << "] softcap (" << params.softcap << ") must be >= 0 (0 = off)");
-  check_position_mask(mask.positions, op);
+  check_position_mask(mask.positions, q.seq(), k.seq(), op);
   if (!mask.allowed.empty()) {
     check_mask_view_shape(mask.allowed.batch(), mask.allowed.heads(), mask.allowed.seq(),
                           mask.allowed.dim(), q.batch(), q.heads(), q.seq(), k.seq(), op,
@@ -101,7 +117,10 @@ inline double softmax_scale(const SdpaParams& params, Index d_qk) {
 /// One (query, key) score after scaling, soft-capping, masking and bias; -inf when forbidden.
 /// `allowed_row` and `bias_row` may be null.
 inline double masked_score(double scaled, double softcap, bool allowed, double bias) {
-  if (!allowed) return -std::numeric_limits<double>::infinity();
+  // A bias of -inf is a mask too: it forbids the key whatever the score (even NaN).
+  if (!allowed || bias == -std::numeric_limits<double>::infinity()) {
+    return -std::numeric_limits<double>::infinity();
+  }
   if (softcap > 0.0) scaled = softcap * std::tanh(scaled / softcap);
   return scaled + bias;
 }
@@ -161,7 +180,13 @@ void sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
           const double bias = mask.bias.empty() ? 0.0 : double(mask.bias.head(b, h)(i, j));
           scores(j) =
               detail::masked_score(scale * qd.row(i).dot(kd.row(j)), params.softcap, allowed, bias);
-          row_max = std::max(row_max, scores(j));
+          // A NaN score sticks (std::max would drop it).
+          if (std::isnan(scores(j)) || scores(j) > row_max) row_max = scores(j);
+        }
+        if (std::isnan(row_max)) {  // a NaN among the allowed scores: the row is NaN
+          out_head.row(i).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+          if (!lse.empty()) lse.head(b, h)(i, 0) = std::numeric_limits<Scalar>::quiet_NaN();
+          continue;
         }
         if (row_max == -std::numeric_limits<double>::infinity()) {
           out_head.row(i).setZero();
@@ -211,6 +236,11 @@ RowMatrix<typename DQ::Scalar> sdpa(const Eigen::MatrixBase<DQ>& q, const Eigen:
 /// with scale = 1/√d_qk unless SdpaParams says otherwise. Causality and windows are measured in
 /// absolute positions (see PositionMask for the alignment of S_q queries against S_k keys).
 /// A query row whose every key is forbidden gets zeros (and lse = -inf), never NaN.
+/// Non-finite input, on this path and the reference alike: a forbidden key never reaches the
+/// output, whatever its key, value or bias hold (NaN included); a NaN score among a row's
+/// allowed keys (NaN in q_i, in an allowed k_j or in bias_ij) makes that row's out and lse NaN;
+/// a NaN or ±inf value v_j reaches exactly the rows that give key j a non-zero weight. Other
+/// rows, heads and batches are unaffected. A bias of -inf forbids the key.
 ///   q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v]
 ///   -> out: [B, H_q, S_q, d_v], lse (optional): [B, H_q, S_q, 1], the natural-log
 ///      log-sum-exp of each row's scores, for merge_attention.
@@ -272,7 +302,8 @@ RowMatrix<typename DQ::Scalar> sdpa(const Eigen::MatrixBase<DQ>& q, const Eigen:
 /// Merges two attention results over disjoint key sets A and B into the result over A ∪ B:
 ///   lse = log(e^lse_a + e^lse_b),  out = (e^(lse_a - lse) out_a + e^(lse_b - lse) out_b).
 /// This is what makes split-key (flash-decoding) attention exact. A side whose lse is -inf
-/// (no allowed key) contributes nothing; if both are -inf the row is zeros with lse -inf.
+/// (no allowed key) contributes nothing; if both are -inf the row is zeros with lse -inf; if
+/// either is NaN (a NaN row of sdpa) the row is NaN.
 ///   out_a, out_b: [S_q, d_v], lse_a, lse_b: [S_q] -> out: [S_q, d_v], lse: [S_q]
 /// out and lse may alias out_a and lse_a (accumulate in place). Allocates nothing.
 template <class DA, class LA, class DB, class LB>
@@ -297,6 +328,11 @@ void merge_attention(const Eigen::MatrixBase<DA>& out_a, const Eigen::MatrixBase
   for (Index i = 0; i < rows; ++i) {
     const Scalar la = lse_a(i);
     const Scalar lb = lse_b(i);
+    if (std::isnan(la) || std::isnan(lb)) {  // a NaN row stays NaN, as sdpa leaves it
+      out.row(i).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+      lse(i) = std::numeric_limits<Scalar>::quiet_NaN();
+      continue;
+    }
     const Scalar m = std::max(la, lb);
     if (m == kNegInf) {
       out.row(i).setZero();

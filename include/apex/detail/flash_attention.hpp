@@ -22,7 +22,7 @@
 //
 // Key blocks are streamed in order; each row keeps a running maximum m and sum l:
 //   S    = Qs·K_jᵀ                         Eigen's GEMM micro-kernel (gebp)
-//   S    = softcap(S), then mask, + bias   only where needed (see MASK-AWARE SKIPPING)
+//   S    = softcap(S), + bias, then mask   the mask only where needed (MASK-AWARE SKIPPING)
 //   m'   = max(m, max_j S)                 a row with nothing allowed yet keeps m' = -inf
 //   P    = exp(S − m'),  α = exp(m − m')   Eigen's vectorised exp over whole rows
 //   l    = α·l + Σ_j P
@@ -30,6 +30,13 @@
 // and at the end out = acc / l, lse = m + log l. A row that saw no allowed key gets zeros and
 // lse = -inf, as in the reference. The scale is folded into Qs when it is copied; the natural
 // exp is kept (Eigen 3.4 has no vectorised exp2, and its exp already works in base 2 inside).
+//
+// NON-FINITE INPUT (the policy of apex::sdpa). A forbidden key never reaches the output: its
+// score is selected to -inf after softcap and bias and its weight to exactly 0, and a block
+// that may hide keys and holds a NaN or ±inf value adds only the keys each row sees
+// (update_visible_keys; a check of the block's values, O(Bk·d_v), decides). A NaN score among
+// a row's allowed keys makes that row NaN (out and lse), tracked explicitly rather than left to
+// NaN arithmetic, which max and comparisons would drop; other rows are unaffected.
 //
 // MASK-AWARE SKIPPING. Each (query block, key block) pair is classified on absolute positions
 // with classify_block: kNone skips the block (no product at all), kAll needs no mask work, and
@@ -211,6 +218,7 @@ template <class Scalar>
 class FlashBlock {
  public:
   static constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  static constexpr Scalar kNaN = std::numeric_limits<Scalar>::quiet_NaN();
 
   /// Query rows [q0, q0 + bq) of the G heads that share key/value head (b, kv_head), against
   /// key blocks of at most key_block rows, with the GEMM kernel or the streaming one.
@@ -279,6 +287,8 @@ class FlashBlock {
     }
 
     if (coverage == BlockCoverage::kPartial) fill_position_tile(query_pos, key_pos, n);
+    const bool may_hide_keys =
+        coverage == BlockCoverage::kPartial || !p_.allowed.empty() || !p_.bias.empty();
     bool rescale = false;
     for (Index r = 0; r < rows_; ++r) {
       RowArray s(scores_ + r * ld_s_, n);
@@ -287,18 +297,41 @@ class FlashBlock {
       // softcap(x) = c·tanh(x / c) on the scaled score, before the mask and the bias, so that
       // a forbidden key stays forbidden (SdpaParams::softcap).
       if (p_.softcap > 0) s = p_.softcap * (s * (Scalar(1) / p_.softcap)).tanh();
-      if (coverage == BlockCoverage::kPartial) s = s.min(RowArray(position_tile_ + i * ld_s_, n));
+      if (!p_.bias.empty()) {
+        // A bias of -inf forbids the key even where the score is NaN (NaN + -inf is NaN).
+        const ConstRowArray bias = bias_row(g, i, k0, n);
+        s = (bias == kNegInf).select(kNegInf, s + bias);
+      }
+      // The masks come last and select rather than add, so that a forbidden key's score is
+      // -inf whatever its key or bias held (NaN included).
+      if (coverage == BlockCoverage::kPartial) {
+        s = (ConstRowArray(position_tile_ + i * ld_s_, n) > Scalar(0)).select(s, kNegInf);
+      }
       if (!p_.allowed.empty()) apply_allowed(s, g, i, k0, n);
-      if (!p_.bias.empty()) s += bias_row(g, i, k0, n);
 
       const Scalar old_max = row_max_[r];
-      const Scalar new_max = std::max(old_max, s.maxCoeff());
+      const Scalar block_max = s.template maxCoeff<Eigen::PropagateNaN>();
+      if (std::isnan(block_max) || std::isnan(old_max)) {
+        // A NaN score among the allowed keys (NaN in q, in an allowed k, or in the bias): the
+        // row's result is NaN (finish_row), and nothing else depends on it.
+        row_max_[r] = kNaN;
+        s.setZero();
+        row_scale_[r] = Scalar(1);
+        continue;
+      }
+      const Scalar new_max = std::max(old_max, block_max);
       if (new_max == kNegInf) {  // nothing allowed so far: P = 0, the state is unchanged
         s.setZero();
         row_scale_[r] = Scalar(1);
         continue;
       }
-      s = (s - new_max).exp();
+      // Eigen's vectorised exp clamps its argument (exp(-inf) is 5.6e-309 in double), so where
+      // keys may be hidden their weights are set to exactly 0.
+      if (may_hide_keys) {
+        s = (s == kNegInf).select(Scalar(0), (s - new_max).exp());
+      } else {
+        s = (s - new_max).exp();
+      }
       const Scalar alpha = old_max == new_max ? Scalar(1) : std::exp(old_max - new_max);
       row_scale_[r] = alpha;
       rescale = rescale || alpha != Scalar(1);
@@ -311,7 +344,11 @@ class FlashBlock {
       }
     }
 
-    if (streaming()) {
+    // P(r, j) = 0 for a forbidden key, and 0·NaN = NaN: where a block may hide keys and holds a
+    // value that is not finite, only the keys each row may see are added.
+    if (may_hide_keys && p_.d_v > 0 && !values_finite(k0, n)) {
+      update_visible_keys(k0, n);
+    } else if (streaming()) {
       stream_update(k0, n);
     } else if (p_.d_v > 0) {
       // accᵀ += V_jᵀ·Pᵀ: d_v × M column-major, i.e. acc (M × d_v) row-major.
@@ -323,10 +360,15 @@ class FlashBlock {
   }
 
   /// Stacked row r normalised, out_row = acc_r / l_r, and returns its lse = m_r + log l_r; a row
-  /// that saw no allowed key is written as zeros and returns -inf.
+  /// that saw no allowed key is written as zeros and returns -inf, a row with a NaN score (or an
+  /// infinite one, whose weight is inf - inf) is written as NaN and returns NaN.
   template <class OutRow>
   Scalar finish_row(Index r, OutRow&& out_row) const {
     const Scalar total = row_sum_[r];
+    if (std::isnan(row_max_[r]) || std::isnan(total)) {
+      out_row.setConstant(kNaN);
+      return kNaN;
+    }
     if (!(total > Scalar(0))) {
       out_row.setZero();
       return kNegInf;
@@ -476,13 +518,31 @@ class FlashBlock {
   }
 
   /// position_tile(i, j) = +inf where the PositionMask allows query q0 + i and key k0 + j and
-  /// -inf where it forbids the pair, so that min(score, tile) masks without a branch.
+  /// -inf where it forbids the pair.
   void fill_position_tile(Index query_pos, Index key_pos, Index n) {
     constexpr Scalar kPosInf = std::numeric_limits<Scalar>::infinity();
     for (Index i = 0; i < bq_; ++i) {
       Scalar* tile = position_tile_ + i * ld_s_;
       for (Index j = 0; j < n; ++j) {
         tile[j] = p_.positions.allows(query_pos + i, key_pos + j) ? kPosInf : kNegInf;
+      }
+    }
+  }
+
+  /// Whether values k0 .. k0 + n - 1 are all finite.
+  bool values_finite(Index k0, Index n) const {
+    return p_.v.head(b_, kv_head_).middleRows(k0, n).allFinite();
+  }
+
+  /// acc_r += Σ_j P(r, j) v_j over the keys with P(r, j) ≠ 0 only, one row at a time: the slow
+  /// path of blocks whose hidden keys may hold NaN or ±inf values.
+  void update_visible_keys(Index k0, Index n) {
+    const auto v_head = p_.v.head(b_, kv_head_);
+    for (Index r = 0; r < rows_; ++r) {
+      Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>> acc(acc_ + r * ld_acc_, p_.d_v);
+      const Scalar* prob = scores_ + r * ld_s_;
+      for (Index j = 0; j < n; ++j) {
+        if (prob[j] != Scalar(0)) acc.noalias() += prob[j] * v_head.row(k0 + j);
       }
     }
   }
@@ -628,8 +688,17 @@ void flash_sdpa(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>&
       const Index h = kv_head * p.group + g;
       const auto part = [&](Index c) { return first + (c * rows + r) * record; };
       Scalar max_lse = FlashBlock<Scalar>::kNegInf;
-      for (Index c = 0; c < chunks; ++c) max_lse = std::max(max_lse, part(c)[p.d_v]);
+      bool nan = false;
+      for (Index c = 0; c < chunks; ++c) {
+        max_lse = std::max(max_lse, part(c)[p.d_v]);
+        nan = nan || std::isnan(part(c)[p.d_v]);
+      }
       auto out_row = out.head(b, h).row(i);
+      if (nan) {  // a chunk whose row is NaN (FlashBlock::finish_row) makes the row NaN
+        out_row.setConstant(FlashBlock<Scalar>::kNaN);
+        if (!lse.empty()) lse.head(b, h)(i, 0) = FlashBlock<Scalar>::kNaN;
+        continue;
+      }
       out_row.setZero();
       Scalar total = 0;
       if (max_lse != FlashBlock<Scalar>::kNegInf) {
