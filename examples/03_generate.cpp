@@ -157,7 +157,7 @@ int run() {
   const double recompute_estimate = static_cast<double>(stride) * sampled_recompute;
   std::printf(
       "\nRecomputing the whole sequence at every step: about %.0f ms for the %lld steps "
-      "(every %lld-th step timed)\n",
+      "(every %lldth step timed)\n",
       1e3 * recompute_estimate, static_cast<long long>(new_tokens), static_cast<long long>(stride));
   std::printf("Speed-up of decoding with caches: %.1fx overall, %.1fx on the timed steps\n",
               recompute_estimate / decode_seconds, sampled_recompute / sampled_decode);

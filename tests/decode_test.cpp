@@ -54,31 +54,6 @@ using apex::testing::random_matrix;
 constexpr Index kTokens = 1000;
 constexpr Index kWindow = 64;
 
-// Decoding tests make tens of thousands of calls on tiny shapes, and every apex::sdpa call forks
-// an OpenMP team, whose fork/join dominates such calls and, on a loaded machine (ctest -j2 on
-// two cores), can wait a whole scheduler time slice. Results do not depend on the number of
-// threads (sdpa_fast_test checks this bit for bit), so these tests run on one thread: their
-// runtime then does not depend on what else the machine is doing.
-class OneThread {
- public:
-  OneThread() {
-#ifdef _OPENMP
-    saved_ = omp_get_max_threads();
-    omp_set_num_threads(1);
-#endif
-  }
-  ~OneThread() {
-#ifdef _OPENMP
-    omp_set_num_threads(saved_);
-#endif
-  }
-  OneThread(const OneThread&) = delete;
-  OneThread& operator=(const OneThread&) = delete;
-
- private:
-  int saved_ = 1;
-};
-
 constexpr Index kBatch = 2;
 
 // Decoding against one forward pass: |Δ| ≤ tol · max|row| for every row of the outputs. Both
@@ -197,7 +172,7 @@ Index first_chunk(const Variant& v) { return std::max<Index>(v.prefix, 1); }
 // ---------------------------------------------------------------------------------------------
 
 TEST(Decode, MhaWithFullCacheMatchesForwardOneTokenAtATime) {
-  const OneThread one_thread;
+  const apex::testing::OneThread one_thread;
   const auto layer = GroupedQueryAttention<float>::random(GqaConfig::multi_head(16, 2, 8), 101);
   const RowMatrix<float> x = random_matrix<float>(kBatch * kTokens, 16, 102);
   for (const Variant& v : kVariants) {
@@ -215,7 +190,7 @@ TEST(Decode, MhaWithFullCacheMatchesForwardOneTokenAtATime) {
 }
 
 TEST(Decode, GqaWithSlidingWindowCacheMatchesForwardOneTokenAtATime) {
-  const OneThread one_thread;
+  const apex::testing::OneThread one_thread;
   const auto layer = GroupedQueryAttention<float>::random(GqaConfig{16, 4, 2, 6}, 111);
   const RowMatrix<float> x = random_matrix<float>(kBatch * kTokens, 16, 112);
   for (const Variant& v : kVariants) {
@@ -258,10 +233,11 @@ MlaConfig mla_config(Index rope_key_heads) {
 }
 
 TEST(Decode, MlaNaiveAndAbsorbedMatchForwardOneTokenAtATime) {
-  const OneThread one_thread;
+  const apex::testing::OneThread one_thread;
   for (const Index h_kr : {Index{0}, Index{1}}) {
     const MlaConfig config = mla_config(h_kr);
-    const auto layer = MultiHeadLatentAttention<float>::random(config, 121 + h_kr);
+    const auto layer =
+        MultiHeadLatentAttention<float>::random(config, static_cast<std::uint32_t>(121 + h_kr));
     const auto absorbed = apex::absorb_mla_weights(layer);
     const RowMatrix<float> x = random_matrix<float>(kBatch * kTokens, 16, 122);
     for (const Variant& v : kVariants) {
@@ -309,7 +285,7 @@ template <class Scalar>
 constexpr double kAbsorbTol = std::is_same_v<Scalar, float> ? 2e-5 : 1e-12;
 
 TYPED_TEST(DecodeTyped, AbsorbedMlaEqualsNaiveMlaForEveryFolding) {
-  const OneThread one_thread;
+  const apex::testing::OneThread one_thread;
   using Scalar = TypeParam;
   struct Shape {
     Index h_q, h_kv, h_kr, d_q, d_kv, d_h, d_r;
@@ -371,7 +347,7 @@ TYPED_TEST(DecodeTyped, AbsorbedMlaEqualsNaiveMlaForEveryFolding) {
 // ---------------------------------------------------------------------------------------------
 
 TYPED_TEST(DecodeTyped, ChunkedPrefillEqualsOneShotPrefill) {
-  const OneThread one_thread;
+  const apex::testing::OneThread one_thread;
   using Scalar = TypeParam;
   const Index prompt = 45, total = 52, prefix = 6, window = 8;
   const auto gqa = GroupedQueryAttention<Scalar>::random(GqaConfig{16, 4, 2, 6}, 141);
@@ -435,6 +411,37 @@ TYPED_TEST(DecodeTyped, ChunkedPrefillEqualsOneShotPrefill) {
                       run(mla, mla_table, causal, latent, plain, {prompt}), kTol<Scalar>,
                       "MLA absorbed, " + name);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The projections of a decoding step, spread over threads
+// ---------------------------------------------------------------------------------------------
+
+// A few rows against a large weight are cut into fixed column blocks (512, 512, 476 here), so
+// the result is the product's, to rounding, and bit-identical for any number of threads.
+TYPED_TEST(DecodeTyped, FewRowProjectionsAreSplitIntoFixedBlocks) {
+  using Scalar = TypeParam;
+  const RowMatrix<Scalar> x = random_matrix<Scalar>(3, 700, 171);
+  const RowMatrix<Scalar> w = random_matrix<Scalar>(700, 1500, 172);
+  const RowMatrix<Scalar> w_t = w.transpose();
+  const Eigen::MatrixXd expected = x.template cast<double>() * w.template cast<double>();
+  // Dot products of 700 terms of size O(1): |error| ≲ 700·u·Σ|terms|, about 3e-3 in float at
+  // worst and far less in practice; relative to the largest output (about 25).
+  const double tol =
+      (std::is_same_v<Scalar, float> ? 1e-5 : 1e-13) * expected.cwiseAbs().maxCoeff();
+  const RowMatrix<Scalar> plain = apex::detail::project_rows<Scalar>(x, w);
+  const RowMatrix<Scalar> transposed = apex::detail::project_rows<Scalar>(x, w_t.transpose());
+  EXPECT_LE((plain.template cast<double>() - expected).cwiseAbs().maxCoeff(), tol);
+  EXPECT_LE((transposed.template cast<double>() - expected).cwiseAbs().maxCoeff(), tol);
+#ifdef _OPENMP
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const RowMatrix<Scalar> one = apex::detail::project_rows<Scalar>(x, w);
+  omp_set_num_threads(2);
+  const RowMatrix<Scalar> two = apex::detail::project_rows<Scalar>(x, w);
+  omp_set_num_threads(saved);
+  EXPECT_EQ(one, two);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -551,7 +558,9 @@ TEST(Decode, BadMlaCallsThrowAndLeaveCacheAndOutputUnchanged) {
   unchanged("backwards");
   params.position_offset = 4;
   LatentCache<double> wrong(kBatch, config.d_kv, 1, config.rope_dim, 8);
-  expect_invalid([&] { layer.forward_cached(two, apex::causal_mask(), params, wrong, out); },
+  AttentionLayerParams<double> at0 = params;
+  at0.position_offset = 0;
+  expect_invalid([&] { layer.forward_cached(two, apex::causal_mask(), at0, wrong, out); },
                  "[mla] cache latent_dim, rope_heads, rope_dim (12, 1, 4) must equal the layer's "
                  "d_kv, H_kr, d_r (12, 2, 4)");
   const auto other = MultiHeadLatentAttention<double>::random(mla_config(1), 164);

@@ -74,12 +74,22 @@ TEST(Embedding, S2_4_WorkedExample) {
 }
 
 TEST(Embedding, S2_5_TiedParameterCount) {
-  static_assert(apex::tied_parameters_saved(151643, 7168) == 1086977024);
   EXPECT_EQ(apex::tied_parameters_saved(151643, 7168), std::int64_t{1086977024});
   // §2.5 rounds it to 1.09B.
   EXPECT_NEAR(static_cast<double>(apex::tied_parameters_saved(151643, 7168)) / 1e9, 1.09, 0.005);
   // The saving is exactly the size of an untied output projection [V, d].
   EXPECT_EQ(apex::tied_parameters_saved(3, 4), 12);
+}
+
+TEST(Embedding, TiedParameterCountRejectsNegativeOrOverflowingSizes) {
+  const std::int64_t max = std::numeric_limits<std::int64_t>::max();
+  expect_invalid([] { (void)apex::tied_parameters_saved(-1, 7168); },
+                 {"[tied_parameters_saved] vocab*d", "(-1 x 7168)", "must not be negative"});
+  // (2^63 - 2)·3 does not fit in 64 bits: rejected, not wrapped.
+  expect_invalid([&] { (void)apex::tied_parameters_saved(max - 1, 3); },
+                 {"[tied_parameters_saved] vocab*d", "overflows 64 bits"});
+  EXPECT_EQ(apex::tied_parameters_saved(max, 1), max);
+  EXPECT_EQ(apex::tied_parameters_saved(0, max), 0);
 }
 
 TEST(Embedding, ExplicitScaleAndPlainLookup) {

@@ -207,6 +207,38 @@ TEST(Gqa, ParameterCount) {
   }
 }
 
+TEST(Gqa, ParameterCountRejectsNegativeOrOverflowingArguments) {
+  const std::int64_t huge = std::int64_t{1} << 62;
+  expect_invalid([&] { (void)apex::gqa_parameter_count(huge, 2, 1, 1); },
+                 {"[gqa_parameter_count] 2*d*H_q*d_h", "overflows 64 bits"});
+  expect_invalid([] { (void)apex::gqa_parameter_count(7168, 128, -8, 128); },
+                 {"[gqa_parameter_count] 2*d*H_kv*d_h", "must not be negative"});
+  // Each half fits (2^62 each), their sum 2^63 does not.
+  expect_invalid([&] { (void)apex::gqa_parameter_count(huge / 2, 1, 1, 1); },
+                 {"[gqa_parameter_count] 2*d*H_q*d_h + 2*d*H_kv*d_h", "fit in 64 bits"});
+}
+
+TEST(Gqa, RejectsConfigsWhoseSizesOverflow) {
+  // H_q·d_h = 2^62·4 wraps to 0: the layer would be built with zero-width projections.
+  const Index huge = Index{1} << 62;
+  expect_invalid(
+      [&] {
+        (void)GroupedQueryAttention<float>::random({1, huge, 1, 4}, 1);
+      },
+      {"[gqa] num_q_heads*head_dim", "overflows 64 bits"});
+  // Widths that fit, weights that do not: 2·d·H_q·d_h = 2 · 2^40 · 2^12 · 2^12 = 2^65.
+  const GqaConfig wide{Index{1} << 40, Index{1} << 12, 1, Index{1} << 12};
+  expect_invalid([&] { (void)GroupedQueryAttention<float>::random(wide, 1); },
+                 {"[gqa] weight count 2*d_model*num_q_heads*head_dim", "overflows 64 bits"});
+  // The constructor checks the config before the weights' shapes.
+  expect_invalid([&] { GroupedQueryAttention<float> layer(wide, GqaWeights<float>{}); },
+                 "[gqa] weight count");
+  // A count that fits whose bytes do not: 2^61 doubles (d·d_h·(2·H_q + 2·H_kv) with H_kv = H_q).
+  const GqaConfig heavy{Index{1} << 30, Index{1} << 15, Index{1} << 15, Index{1} << 14};
+  expect_invalid([&] { (void)GroupedQueryAttention<double>::random(heavy, 1); },
+                 {"[gqa] weight bytes", "overflows 64 bits"});
+}
+
 TEST(Gqa, RandomWeightsAreSeededAndFanInScaled) {
   const GqaConfig config{256, 4, 2, 64};
   const auto a = GroupedQueryAttention<double>::random(config, 42);
@@ -419,8 +451,51 @@ TEST(Gqa, RejectsRopeTableTooShort) {
   f.out.setConstant(kSentinel);
   params.position_offset = 6;  // positions 6, 7, 8 do not
   expect_invalid([&] { f.layer.forward(x, 2, {}, params, f.out); },
-                 {"[gqa] positions [6, 9) must be below the RoPE table's max_positions (8)"});
+                 {"[gqa] positions [position_offset, position_offset + S) = [6, 6 + 3) must be "
+                  "below the RoPE table's max_positions (8)"});
   EXPECT_TRUE(f.untouched());
+}
+
+TEST(Gqa, RejectsPositionOffsetNearTheTopOfTheRange) {
+  // position_offset + S overflows: the check compares without forming the sum, before any RoPE.
+  ForwardFixture f;
+  const RowMatrix<float> x = random_matrix<float>(6, 16, 1);
+  const RopeTable<float> table(8, 4);
+  AttentionLayerParams<float> params;
+  params.rope = &table;
+  const Index max = std::numeric_limits<Index>::max();
+  for (const Index offset : {max, max - 2, Index{8}}) {
+    params.position_offset = offset;
+    expect_invalid([&] { f.layer.forward(x, 2, {}, params, f.out); },
+                   {"[gqa] positions [position_offset, position_offset + S) = [" +
+                        std::to_string(offset) + ", " + std::to_string(offset) + " + 3)",
+                    "must be below the RoPE table's max_positions (8)"});
+    expect_invalid([&] { (void)f.layer.project(x, 2, params); }, "[gqa] positions");
+  }
+  EXPECT_TRUE(f.untouched());
+}
+
+TEST(Gqa, CachedForwardRejectsPositionsBeyondTheIndexRange) {
+  // A sliding-window cache holds only W tokens, so its next position can be anything: a chunk
+  // that would end beyond the largest Index is rejected, and the cache and out stay unchanged.
+  ForwardFixture f;
+  apex::SlidingWindowCache<float> cache = f.layer.make_window_cache(1, 4);
+  const Index max = std::numeric_limits<Index>::max();
+  // One token's K (or V) row, [2 heads × 4], repeated max - 2 times by a zero row stride: after
+  // appending it the cache sits at position max - 2.
+  const RowMatrix<float> kv = RowMatrix<float>::Constant(1, 8, 0.5f);
+  const apex::HeadsView<const float> many(kv.data(), 1, 2, max - 2, 4, 0, 4, 0);
+  cache.append(many, many, 0);
+  ASSERT_EQ(cache.next_position(), max - 2);
+  const RowMatrix<float> x = random_matrix<float>(3, 16, 1);
+  RowMatrix<float> out = RowMatrix<float>::Constant(3, 16, kSentinel);
+  AttentionLayerParams<float> params;
+  params.position_offset = max - 2;
+  expect_invalid(
+      [&] { f.layer.forward_cached(x, apex::sliding_window_mask(4), params, cache, out); },
+      {"[gqa] position_offset + n (9223372036854775805 + 3)", "fit in 64 bits"});
+  EXPECT_TRUE((out.array() == kSentinel).all());
+  EXPECT_EQ(cache.next_position(), max - 2);
 }
 
 TEST(Gqa, RejectsRopeTableOfAnotherHeadDim) {

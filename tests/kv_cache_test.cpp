@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -176,7 +177,7 @@ TYPED_TEST(KvCacheTyped, LatentCacheHoldsExactlyCkvAndKropePerToken) {
   cache.reserve(12);
   EXPECT_EQ(cache.rows().head(1, 0).row(4), rows2.row(3));
   EXPECT_EQ(cache.bytes(),
-            static_cast<std::int64_t>(batch * 12 * cache.row_width() * sizeof(Scalar)));
+            batch * 12 * cache.row_width() * static_cast<std::int64_t>(sizeof(Scalar)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -311,6 +312,61 @@ TEST(KvCache, BadWindowAndLatentAppendsThrowAndLeaveTheCacheUnchanged) {
                  "[latent_cache] rope_dim d_r (3) must be even");
 }
 
+TEST(KvCache, ChunksOfNegativeLengthAreRejected) {
+  // A view may claim -1 rows; appending it used to pass every check and leave size() at -1.
+  const float data[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  const HeadsView<const float> negative(data, 1, 1, -1, 2, 0, 0, 2);
+  KvCache<float> cache(1, 1, 2, 4);
+  const RowMatrix<float> two = random_matrix<float>(2, 2, 41);
+  cache.append(heads_of(two, 1, 1), heads_of(two, 1, 1), 0);
+  const RowMatrix<float> keys_before = apex::merge_heads(cache.keys());
+  expect_invalid([&] { cache.append(negative, negative, 2); },
+                 "[kv_cache] chunk length n (-1) must be >= 0");
+  expect_invalid([&] { cache.check_append(negative, negative, 2); }, "[kv_cache] chunk length");
+  EXPECT_EQ(cache.size(), 2);
+  EXPECT_EQ(apex::merge_heads(cache.keys()), keys_before);
+
+  SlidingWindowCache<float> ring(1, 1, 2, 3);
+  ring.append(heads_of(two, 1, 1), heads_of(two, 1, 1), 0);
+  const RowMatrix<float> held = apex::merge_heads(ring.segments()[0].keys);
+  expect_invalid([&] { ring.append(negative, negative, 2); },
+                 "[sliding_window_cache] chunk length n (-1) must be >= 0");
+  EXPECT_EQ(ring.next_position(), 2);
+  EXPECT_EQ(apex::merge_heads(ring.segments()[0].keys), held);
+  // The attention over the ring checks the chunk the same way, before writing out.
+  RowMatrix<float> out = RowMatrix<float>::Constant(1, 2, 99.0f);
+  const RowMatrix<float> q = random_matrix<float>(1, 2, 42);
+  expect_invalid(
+      [&] {
+        apex::sdpa_with_window_cache<float>(heads_of(q, 1, 1), negative, negative,
+                                            apex::sliding_window_mask(3), {}, ring,
+                                            HeadsView<float>::token_major(out.data(), 1, 1, 1, 2));
+      },
+      "[sdpa_with_window_cache] chunk length n (-1) must be >= 0");
+  EXPECT_TRUE((out.array() == 99.0f).all());
+}
+
+TEST(KvCache, WindowPositionsBeyondTheIndexRangeAreRejected) {
+  // The ring keeps W tokens, so nothing else bounds its next position: a chunk (here one row
+  // repeated by a zero row stride) that would carry it past the largest Index is rejected.
+  const Index max = std::numeric_limits<Index>::max();
+  const RowMatrix<float> row = RowMatrix<float>::Constant(1, 2, 0.5f);
+  SlidingWindowCache<float> ring(1, 1, 2, 3);
+  const HeadsView<const float> almost_all(row.data(), 1, 1, max - 1, 2, 0, 0, 0);
+  ring.append(almost_all, almost_all, 0);
+  ASSERT_EQ(ring.next_position(), max - 1);
+  EXPECT_EQ(ring.size(), 3);
+  const HeadsView<const float> two(row.data(), 1, 1, 2, 2, 0, 0, 0);
+  expect_invalid(
+      [&] { ring.append(two, two, max - 1); },
+      {"[sliding_window_cache] position + n (9223372036854775806 + 2)", "fit in 64 bits"});
+  EXPECT_EQ(ring.next_position(), max - 1);
+  // One more token still fits: its position is max - 1, the next is max.
+  const HeadsView<const float> one(row.data(), 1, 1, 1, 2, 0, 0, 0);
+  ring.append(one, one, max - 1);
+  EXPECT_EQ(ring.next_position(), max);
+}
+
 TEST(KvCache, WindowAttentionRejectsARuleTheRingCannotServe) {
   SlidingWindowCache<float> ring(1, 1, 2, 4);
   const RowMatrix<float> q = random_matrix<float>(1, 2, 41);
@@ -398,6 +454,34 @@ TEST(KvCache, WindowBytesAreCappedAtW) {
   EXPECT_EQ(apex::sliding_window_cache_bytes(1, 100, 4096, 8, 128, 2), 2 * 100 * 8 * 128 * 2);
   EXPECT_EQ(apex::sliding_window_cache_bytes(3, 1 << 20, 4096, 8, 128, 2),
             3LL * 2 * 4096 * 8 * 128 * 2);
+}
+
+TEST(KvCache, SizesBeyond64BitsAreRejectedNotWrapped) {
+  // 2^62 · 4 wraps to 0 in 64 bits: a cache of that size would claim storage it does not have.
+  const Index huge = Index{1} << 62;
+  expect_invalid([&] { KvCache<float>(1, huge, 4, 1); },
+                 {"[kv_cache] B*H*slots*d_h", "overflows 64 bits"});
+  expect_invalid([&] { SlidingWindowCache<float>(1, 4, 1, huge); },
+                 {"[sliding_window_cache]", "overflows 64 bits"});
+  expect_invalid([&] { LatentCache<float>(1, 1, huge, 4, 1); },
+                 {"[latent_cache] H_kr*d_r", "overflows 64 bits"});
+  KvCache<float> cache(1, 4, 1, 2);
+  expect_invalid([&] { cache.reserve(huge); }, {"[kv_cache]", "overflows 64 bits"});
+  EXPECT_EQ(cache.capacity(), 2);
+  LatentCache<float> latent(1, 2, 1, 2, 2);
+  expect_invalid([&] { latent.reserve(huge); }, {"[latent_cache]", "overflows 64 bits"});
+  EXPECT_EQ(latent.capacity(), 2);
+  expect_invalid([&] { (void)apex::sliding_window_cache_bytes(huge, 8, 4, 1, 1, 2); },
+                 {"[sliding_window_cache_bytes]", "overflows 64 bits"});
+  // d_kv + H_kr·d_r = max + 1 does not fit.
+  const Index max = std::numeric_limits<Index>::max();
+  expect_invalid([&] { (void)apex::latent_cache_bytes(1, 1, max, 1, 1, 1); },
+                 "[latent_cache_bytes] d_kv + H_kr*d_r");
+  expect_invalid([&] { (void)apex::kv_cache_bytes(-1, 1, 1, 1, 2); },
+                 "[kv_cache_bytes] 2*B*S*H_kv*d_h*bytes");
+  apex::CacheComparisonParams p = apex1_large(8);
+  p.num_q_heads = huge;
+  expect_invalid([&] { (void)apex::cache_comparison(p); }, {"[cache_comparison]", "overflows"});
 }
 
 }  // namespace

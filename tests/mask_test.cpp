@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -466,6 +467,61 @@ TEST(Mask, RejectsBadPositionMaskAndLeavesOutputUntouched) {
   EXPECT_TRUE(out.all());
   expect_invalid([] { apex::build_mask(apex::causal_mask(), -1, 3); },
                  "[build_mask] num_queries (-1) must be >= 0");
+}
+
+TEST(Mask, RejectsSizesWhoseElementCountOverflows) {
+  // S_q·S_k = 2^64: an invalid argument, found before anything is allocated (not bad_alloc).
+  const Index big = Index{1} << 32;
+  expect_invalid([&] { (void)apex::build_mask(apex::causal_mask(), big, big); },
+                 {"[build_mask] num_queries*num_keys", "overflows 64 bits"});
+  expect_invalid([&] { (void)apex::build_mask(5, big, LayerMaskParams{}); },
+                 {"[build_mask] S*S", "overflows 64 bits"});
+  // A zero side is an empty mask, however long the other.
+  EXPECT_EQ(apex::build_mask(apex::causal_mask(), 0, Index{1} << 62).size(), 0);
+}
+
+/// The value, hidden from the optimiser: with a visible constant GCC proves that the loop the
+/// rejected call never reaches would overflow, and -Werror then stops the build.
+Index opaque(Index value) {
+  volatile Index hidden = value;
+  return hidden;
+}
+
+TEST(Mask, RejectsOffsetsWhosePositionsOverflow) {
+  const Index max = std::numeric_limits<Index>::max();
+  PositionMask rule = apex::causal_mask();
+  rule.key_offset = opaque(max - 1);  // keys at max - 1, max, max + 1, ...: the third is no Index
+  BoolMatrix out = BoolMatrix::Constant(1, 4, true);
+  expect_invalid([&] { apex::build_mask(rule, out); },
+                 {"[build_mask] key_offset (9223372036854775806) + S_k (4)",
+                  "must not exceed the largest position 9223372036854775807"});
+  EXPECT_TRUE(out.all());
+  expect_invalid([&] { (void)apex::build_mask(rule, 1, 4); }, "[build_mask] key_offset");
+  PositionMask late = apex::causal_mask();
+  late.query_offset = opaque(max);  // the end of the query range, max + 1, is no Index
+  expect_invalid([&] { apex::build_mask(late, out); },
+                 {"[build_mask] query_offset (9223372036854775807) + S_q (1)", "largest position"});
+  EXPECT_TRUE(out.all());
+}
+
+TEST(Mask, PositionsUpToTheLargestIndexAreExact) {
+  // Keys [max - 4, max) and, bottom-right aligned, queries [max - 2, max): every position and
+  // every difference is formed without overflow (UndefinedBehaviorSanitizer checks that).
+  const Index max = std::numeric_limits<Index>::max();
+  PositionMask rule = apex::sliding_window_mask(2);
+  rule.key_offset = max - 4;
+  const BoolMatrix mask = apex::build_mask(rule, 2, 4);
+  for (Index i = 0; i < 2; ++i) {
+    for (Index j = 0; j < 4; ++j) {
+      EXPECT_EQ(mask(i, j), apex_test::sliding_window_allows(i + 2, j, 2)) << i << ", " << j;
+    }
+  }
+  // Top-left: queries at [max - 1, max), against the same keys.
+  rule.query_offset = max - 1;
+  const BoolMatrix late = apex::build_mask(rule, 1, 4);
+  BoolMatrix expected(1, 4);
+  expected << false, false, true, true;  // keys max - 2 and max - 1, W = 2
+  EXPECT_EQ(late, expected);
 }
 
 TEST(Mask, RejectsRenderRowOutOfRange) {

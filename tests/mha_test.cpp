@@ -133,6 +133,26 @@ TEST(Mha, S7_4_KvCacheSize) {
   EXPECT_EQ(apex::kv_cache_bytes(3, context, 128, 128, 4), 48 * gib);
 }
 
+TEST(Mha, SizeHelpersRejectNegativeOrOverflowingArguments) {
+  // 4 · 2^62 wraps to 0 in 64 bits: rejected, never returned wrapped.
+  const std::int64_t huge = std::int64_t{1} << 62;
+  expect_invalid([&] { (void)apex::mha_parameter_count(huge, 4, 1); },
+                 {"[mha_parameter_count] 4*d*H_q*d_h", "overflows 64 bits"});
+  expect_invalid([] { (void)apex::mha_parameter_count(7168, -56, 128); },
+                 {"[mha_parameter_count] 4*d*H_q*d_h", "must not be negative"});
+  expect_invalid([&] { (void)apex::kv_cache_values_per_token(huge, 2); },
+                 {"[kv_cache_values_per_token] 2*H_kv*d_h", "overflows 64 bits"});
+  expect_invalid([] { (void)apex::kv_cache_values_per_token(8, -1); },
+                 {"[kv_cache_values_per_token] 2*H_kv*d_h", "must not be negative"});
+  expect_invalid([&] { (void)apex::kv_cache_bytes(huge, 4, 1, 1, 2); },
+                 {"[kv_cache_bytes] 2*B*S*H_kv*d_h*bytes", "overflows 64 bits"});
+  expect_invalid([] { (void)apex::kv_cache_bytes(1, -131072, 128, 128, 2); },
+                 {"[kv_cache_bytes] 2*B*S*H_kv*d_h*bytes", "must not be negative"});
+  // The largest representable results are still returned.
+  EXPECT_EQ(apex::kv_cache_values_per_token(huge / 2, 1), huge);
+  EXPECT_EQ(apex::mha_parameter_count(0, huge, huge), 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Layout conversion
 // ---------------------------------------------------------------------------------------------
@@ -162,6 +182,40 @@ TEST(Mha, SplitHeadsIsTheDocumentsReshape) {
   // The token-major view sees the same elements without a copy.
   const auto view = HeadsView<const double>::token_major(x.data(), batch, seq, heads, dim);
   EXPECT_EQ(apex::merge_heads(view), x);
+}
+
+TEST(Mha, SplitAndMergeOfNoTokens) {
+  // x has no rows, so its data is null: nothing is copied and no pointer is offset from it
+  // (UndefinedBehaviorSanitizer checks the latter), whatever batch divides the 0 rows.
+  const RowMatrix<double> x(0, 6);
+  for (const Index batch : {Index{1}, Index{3}, Index{1} << 40}) {
+    const HeadsTensor<double> t = apex::split_heads(x, batch, 2);
+    EXPECT_EQ(t.batch(), batch);
+    EXPECT_EQ(t.heads(), 2);
+    EXPECT_EQ(t.seq(), 0);
+    EXPECT_EQ(t.dim(), 3);
+    const RowMatrix<double> back = apex::merge_heads(t);
+    EXPECT_EQ(back.rows(), 0);
+    EXPECT_EQ(back.cols(), 6);
+  }
+  // No columns: heads of width 0.
+  const RowMatrix<float> narrow(4, 0);
+  const HeadsTensor<float> t = apex::split_heads(narrow, 2, 5);
+  EXPECT_EQ(t.dim(), 0);
+  RowMatrix<float> back(4, 0);
+  apex::merge_heads(t.view(), back);
+  EXPECT_EQ(back.rows(), 4);
+}
+
+TEST(Mha, MergeHeadsRejectsNegativeExtents) {
+  // [-1, 1, -1, 2]: B·S = 1 and H·d_h = 2 match a 1 × 2 output, but the extents are not a shape.
+  const float data[2] = {1.0f, 2.0f};
+  const HeadsView<const float> heads(data, -1, 1, -1, 2, 0, 0, 2);
+  RowMatrix<float> out = RowMatrix<float>::Constant(1, 2, 7.0f);
+  expect_invalid([&] { apex::merge_heads(heads, out); },
+                 {"[merge_heads] heads shape [-1, 1, -1, 2] must have no negative extent"});
+  EXPECT_TRUE((out.array() == 7.0f).all());
+  expect_invalid([&] { (void)apex::merge_heads(heads); }, "[merge_heads]");
 }
 
 TEST(Mha, MergeHeadsHonoursRowStride) {
@@ -340,6 +394,22 @@ TEST(Mha, RejectsWrongMaskShape) {
       [&] { apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), mask, {}, p.w_o, out); },
       {"[multi_head_attention] allowed mask shape [5, 8] must be [S_q, S_k] = [5, 7]"});
   EXPECT_TRUE((out.array() == kSentinel).all());
+}
+
+TEST(Mha, RejectsAConcatenationBeyond64Bits) {
+  // Views may claim any extents (here with zero strides over two values): B·S_q·H_q·d_v =
+  // 2^32 · 2^32 · 2 cannot be allocated, and must be rejected rather than wrapped.
+  const double data[2] = {1.0, 2.0};
+  const Index big = Index{1} << 32;
+  const HeadsView<const double> q(data, big, 1, big, 2, 0, 0, 0);
+  const HeadsView<const double> kv(data, big, 1, 1, 2, 0, 0, 0);
+  const RowMatrix<double> w_o = RowMatrix<double>::Ones(2, 3);
+  RowMatrix<double> out = RowMatrix<double>::Constant(2, 3, kSentinel);
+  expect_invalid([&] { apex::multi_head_attention(q, kv, kv, {}, {}, w_o, out); },
+                 {"[multi_head_attention] B*H*S*D", "overflows 64 bits"});
+  EXPECT_TRUE((out.array() == kSentinel).all());
+  expect_invalid([&] { (void)apex::multi_head_attention(q, kv, kv, {}, {}, w_o); },
+                 {"[multi_head_attention] B*S_q", "overflows 64 bits"});
 }
 
 TEST(Mha, SplitAndMergeRejectBadShapes) {

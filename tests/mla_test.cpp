@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -437,6 +438,43 @@ TEST(Mla, RejectsWeightShapeMismatch) {
                  {"[mla] W_KR shape [14, 4] must be [14, 8]"});
 }
 
+TEST(Mla, RejectsConfigsWhoseSizesOverflow) {
+  // H_q·d_h = 2^62·4 wraps to 0: the shape table would list zero-width matrices.
+  MlaConfig c = small_config(0);
+  c.num_q_heads = Index{1} << 62;
+  c.num_kv_heads = 1;
+  for (const auto& call : std::vector<std::function<void()>>{
+           [&] { (void)apex::mla_parameter_table(c); }, [&] { (void)apex::mla_parameter_count(c); },
+           [&] { (void)apex::mla_cache_ratio(c); },
+           [&] { (void)MultiHeadLatentAttention<float>::random(c, 1); }}) {
+    expect_invalid(call, {"[mla] 2*num_q_heads*head_dim", "overflows 64 bits"});
+  }
+  // The cached row d_kv + H_kr·d_r.
+  c = small_config(1);
+  c.d_kv = std::numeric_limits<Index>::max() - 1;
+  expect_invalid([&] { (void)apex::mla_cache_values_per_token(c); },
+                 {"[mla] d_kv + H_kr*rope_dim", "fit in 64 bits"});
+  // Widths that fit, W_DKV that does not: d·d_kv = 2^32 · 2^34.
+  c = small_config(0);
+  c.d_model = Index{1} << 32;
+  c.d_kv = Index{1} << 34;
+  expect_invalid([&] { (void)apex::mla_parameter_count(c); },
+                 {"[mla] W_DKV count d_model*d_kv", "overflows 64 bits"});
+  // Every matrix fits, their sum does not: W_DKV and W_DQ have 2^62 weights each.
+  c = small_config(0);
+  c.d_model = Index{1} << 31;
+  c.d_q = Index{1} << 31;
+  c.d_kv = Index{1} << 31;
+  expect_invalid([&] { (void)apex::mla_parameter_table(c); },
+                 {"[mla] weight count", "fit in 64 bits"});
+  // A count that fits (about 2^61) whose bytes in double do not.
+  c.d_model = Index{1} << 30;
+  c.d_q = Index{1} << 30;
+  c.d_kv = Index{1} << 30;
+  expect_invalid([&] { (void)MultiHeadLatentAttention<double>::random(c, 1); },
+                 {"[mla] weight bytes", "overflows 64 bits"});
+}
+
 struct ForwardFixture {
   MlaConfig config = small_config(0);
   MultiHeadLatentAttention<float> layer = MultiHeadLatentAttention<float>::random(config, 1);
@@ -475,7 +513,8 @@ TEST(Mla, RejectsRopeTableTooShort) {
   f.out.setConstant(kSentinel);
   params.position_offset = 3;
   expect_invalid([&] { f.layer.forward(x, 1, {}, params, f.out); },
-                 {"[mla] positions [3, 9) must be below the RoPE table's max_positions (8)"});
+                 {"[mla] positions [position_offset, position_offset + S) = [3, 3 + 6) must be "
+                  "below the RoPE table's max_positions (8)"});
   EXPECT_TRUE(f.untouched());
 }
 
@@ -490,6 +529,39 @@ TEST(Mla, RejectsMissingOrMismatchedRopeTable) {
   expect_invalid([&] { f.layer.forward(x, 1, {}, params, f.out); },
                  {"[mla] RoPE table head_dim (6) must equal rope_dim d_r (4)"});
   EXPECT_TRUE(f.untouched());
+}
+
+TEST(Mla, RejectsPositionOffsetNearTheTopOfTheRange) {
+  // position_offset + S overflows: the layer compares without forming the sum, before RoPE.
+  ForwardFixture f;
+  const RowMatrix<float> x = random_matrix<float>(6, 14, 1);
+  AttentionLayerParams<float> params = f.params();
+  const Index max = std::numeric_limits<Index>::max();
+  params.position_offset = max;
+  expect_invalid([&] { f.layer.forward(x, 1, {}, params, f.out); },
+                 {"[mla] positions [position_offset, position_offset + S) = [" +
+                      std::to_string(max) + ", " + std::to_string(max) + " + 6)",
+                  "max_positions (8)"});
+  expect_invalid([&] { (void)f.layer.decompress(x, 2, params); }, "[mla] positions");
+  EXPECT_TRUE(f.untouched());
+}
+
+TEST(Mla, ForwardOnNoTokens) {
+  // An empty x has null data; the layer must not cut its (empty) projections into blocks.
+  const MlaConfig c = small_config(0);
+  const auto layer = MultiHeadLatentAttention<double>::random(c, 7);
+  const RopeTable<double> table(8, c.rope_dim);
+  AttentionLayerParams<double> params;
+  params.rope = &table;
+  const RowMatrix<double> x(0, c.d_model);
+  const apex::ProjectedQkv<double> p = layer.decompress(x, 3, params);
+  EXPECT_EQ(p.q.rows(), 0);
+  EXPECT_EQ(p.q.cols(), c.num_q_heads * c.qk_dim());
+  EXPECT_EQ(p.k.cols(), c.num_kv_heads * c.qk_dim());
+  EXPECT_EQ(p.v.cols(), c.num_kv_heads * c.head_dim);
+  const RowMatrix<double> out = layer.forward(x, 3, {}, params);
+  EXPECT_EQ(out.rows(), 0);
+  EXPECT_EQ(out.cols(), c.d_model);
 }
 
 TEST(Mla, RejectsWrongOutputShape) {

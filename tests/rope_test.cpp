@@ -388,6 +388,67 @@ TEST(Rope, FloatTablesAreAccurateAtPositionOneMillion) {
   EXPECT_GT(worst_float_angle, 1e-3);
 }
 
+// A float table of 2^20 positions, the largest position included (max_positions − 1), against
+// an independent double computation: θ_i from the formula, the angle m·θ_i formed once in
+// double and cos/sin evaluated (argument reduction included) in double. Each entry must be
+// that value rounded to float. Tolerance per entry: 2^-24·|v| (float's unit roundoff, the
+// rounding of v to float) plus 2^-30 for the two double computations of the angle, which may
+// differ by a few ε relative: m·θ ≤ 2^20 and 2^20·4ε < 2^-30. Forming the angle in float, or
+// accumulating it over m, is off by ~1e-2 here (checked below, so the test can fail).
+// Memory: 2 tables × 2^20 × 8 floats = 64 MiB.
+double float_rounding_tolerance(double value) { return std::ldexp(std::abs(value), -24) + 0x1p-30; }
+
+TEST(Rope, FloatTableOf2To20PositionsIsExactToFloatRounding) {
+  const Index positions = Index{1} << 20, head_dim = 8;
+  const double base = 10000.0;
+  const RopeTable<float> table(positions, head_dim);
+  ASSERT_EQ(table.max_positions(), positions);
+  // The documented size: [max_positions, rotary_dim] each, nothing more.
+  EXPECT_EQ(table.cos().rows(), positions);
+  EXPECT_EQ(table.cos().cols(), head_dim);
+  EXPECT_EQ(table.sin().size(), positions * head_dim);
+
+  const std::vector<double> theta = apex::reference::rope_theta(head_dim, base);
+  std::vector<Index> checked_positions;
+  for (Index m = 0; m < positions; m += 4099) checked_positions.push_back(m);
+  for (Index m = positions - 64; m < positions; ++m) checked_positions.push_back(m);
+  checked_positions.push_back(positions / 2);
+  double worst_excess = -1.0, worst_float_angle = 0.0;
+  for (const Index m : checked_positions) {
+    for (Index i = 0; i < head_dim / 2; ++i) {
+      const double angle = static_cast<double>(m) * theta[static_cast<std::size_t>(i)];
+      const double c = std::cos(angle), s = std::sin(angle);
+      for (const Index j : {2 * i, 2 * i + 1}) {  // interleaved: both features of pair i
+        const double dc = std::abs(static_cast<double>(table.cos()(m, j)) - c);
+        const double ds = std::abs(static_cast<double>(table.sin()(m, j)) - s);
+        worst_excess = std::max(
+            {worst_excess, dc - float_rounding_tolerance(c), ds - float_rounding_tolerance(s)});
+        EXPECT_LE(dc, float_rounding_tolerance(c)) << "cos at m " << m << " feature " << j;
+        EXPECT_LE(ds, float_rounding_tolerance(s)) << "sin at m " << m << " feature " << j;
+      }
+      const float float_angle =
+          static_cast<float>(m) * static_cast<float>(theta[static_cast<std::size_t>(i)]);
+      worst_float_angle =
+          std::max(worst_float_angle, std::abs(std::cos(static_cast<double>(float_angle)) - c));
+    }
+  }
+  EXPECT_LE(worst_excess, 0.0);
+  EXPECT_GT(worst_float_angle, 1e-3);
+
+  // The last position is usable by apply_rope and agrees with the double reference; one past
+  // it is rejected.
+  std::mt19937 rng(20);
+  const RowMatrix<float> x = random_matrix<float>(1, 2 * head_dim, rng);
+  const Eigen::MatrixXd expected = apex::reference::rope(
+      to_double(x), {static_cast<long long>(positions - 1)}, theta, head_dim, false);
+  EXPECT_LE(max_abs_diff(to_double(apex::rope(table, positions - 1, x)), expected),
+            kernel_tolerance<float>());
+  RowMatrix<float> y = x;
+  expect_invalid([&] { apex::apply_rope(table, positions, y); },
+                 {"[rope]", "position id (1048576)"});
+  EXPECT_EQ(y, x);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad input: each throws std::invalid_argument naming the argument, and leaves x untouched.
 
@@ -441,6 +502,146 @@ TEST(Rope, RejectsBadTableParameters) {
         RopeTable<double>::from_cos_sin(c, s, 8, RopePairing::kInterleaved, RopeCacheWidth::kHalf);
       },
       {"[rope]", "sin shape [5, 2]", "cos shape [4, 2]"});
+}
+
+constexpr Index kHugePositions = Index{1} << 62;
+
+// Whether a table's cos or sin still holds `before`: the shapes first, since == needs equal
+// shapes (a rejected assignment must leave the old table in place).
+template <class Scalar>
+bool unchanged(const RowMatrix<Scalar>& now, const RowMatrix<Scalar>& before) {
+  return now.rows() == before.rows() && now.cols() == before.cols() && now == before;
+}
+
+TEST(Rope, RejectsTablesTooLargeToAddress) {
+  // Each table on the left is rejected by a std::invalid_argument, not std::bad_alloc: the
+  // entry count max_positions·rotary_dim or the byte count 2·entries·sizeof(Scalar) does not
+  // fit in 64 bits. The table assigned to keeps its contents.
+  RopeTable<float> table(4, 2);
+  const RowMatrix<float> before = table.cos();
+  const Vector<double> theta = Vector<double>::Constant(1, 0.5);
+  expect_invalid(
+      [&] {
+        table =
+            RopeTable<float>::from_frequencies(theta, kHugePositions, 2, RopePairing::kInterleaved);
+      },
+      {"[rope]", "max_positions x rotary_dim", "(4611686018427387904 x 2)", "overflows"});
+  // 2^60 · 2 entries fit, but 2^61 entries × 2 tables × 4 bytes = 2^64 bytes do not.
+  expect_invalid(
+      [&] {
+        table =
+            RopeTable<float>::from_frequencies(theta, Index{1} << 60, 2, RopePairing::kInterleaved);
+      },
+      {"[rope]", "table bytes", "overflows"});
+  expect_invalid([&] { table = RopeTable<float>(Index{1} << 50, Index{1} << 20); },
+                 {"[rope]", "max_positions x rotary_dim", "overflows"});
+  EXPECT_TRUE(unchanged(table.cos(), before));
+  EXPECT_EQ(table.max_positions(), 4);
+}
+
+TEST(Rope, ChecksEveryArgumentBeforeAllocating) {
+  // rotary_dim = 2^62 would need 2^61 frequencies (and far more for the table): every
+  // argument is checked first, so these are std::invalid_argument and never std::bad_alloc.
+  expect_invalid(
+      [] {
+        RopeTable<float>(0, kHugePositions, RopeParams{10000.0, kHugePositions});
+      },
+      {"[rope]", "max_positions (0)", "at least 1"});
+  expect_invalid([] { RopeTable<float>(1, Index{1} << 40, RopeParams{1.0}); },
+                 {"[rope]", "base (1)"});
+  // 2^61 entries fit an Index, 2^61 × 2 tables × 8 bytes do not.
+  expect_invalid([] { RopeTable<double>(1, Index{1} << 61); },
+                 {"[rope]", "table bytes", "overflows"});
+}
+
+TEST(Rope, RejectsFrequenciesWhoseAnglesOverflow) {
+  // θ = 1e308 is finite, but m·θ = inf at m = 2 and cos(inf) is NaN.
+  RopeTable<double> table(4, 2);
+  const RowMatrix<double> before = table.sin();
+  Vector<double> theta(2);
+  theta << 1.0, 1e308;
+  expect_invalid(
+      [&] { table = RopeTable<double>::from_frequencies(theta, 3, 4, RopePairing::kInterleaved); },
+      {"[rope]", "largest angle", "(max_positions - 1) * max theta = (2) * (1e+308)", "finite"});
+  EXPECT_TRUE(unchanged(table.sin(), before));
+  // With one position the only angle is 0·θ = 0: accepted, and finite.
+  table = RopeTable<double>::from_frequencies(theta, 1, 4, RopePairing::kInterleaved);
+  EXPECT_TRUE(table.cos().allFinite() && table.sin().allFinite());
+  EXPECT_EQ(table.cos()(0, 3), 1.0);
+  // The largest position whose angle is finite is accepted: (P − 1)·θ = 1e308.
+  theta << 1.0, 1e308 / 3.0;
+  table = RopeTable<double>::from_frequencies(theta, 4, 4, RopePairing::kInterleaved);
+  EXPECT_TRUE(table.cos().allFinite() && table.sin().allFinite());
+  // Negative and non-finite frequencies.
+  theta << 1.0, -1.0;
+  expect_invalid(
+      [&] { table = RopeTable<double>::from_frequencies(theta, 3, 4, RopePairing::kInterleaved); },
+      {"[rope]", "theta[1] (-1)", "finite and >= 0"});
+  theta << std::numeric_limits<double>::infinity(), 1.0;
+  expect_invalid(
+      [&] { table = RopeTable<double>::from_frequencies(theta, 3, 4, RopePairing::kInterleaved); },
+      {"[rope]", "theta[0] (inf)"});
+  EXPECT_EQ(table.max_positions(), 4);
+}
+
+TEST(Rope, RejectsMagnitudeOutsideTheScalarRange) {
+  // magnitude·cos is rounded to Scalar: above its largest value every entry would be infinite,
+  // below its smallest normal value flushed towards zero.
+  const Vector<double> theta = Vector<double>::Constant(1, 0.5);
+  RopeTable<float> table(4, 2);
+  const RowMatrix<float> before = table.cos();
+  for (const double magnitude :
+       {1e39, 1e-39, std::numeric_limits<double>::infinity(), std::nan(""), 0.0}) {
+    SCOPED_TRACE(magnitude);
+    expect_invalid(
+        [&] {
+          table =
+              RopeTable<float>::from_frequencies(theta, 2, 2, RopePairing::kInterleaved, magnitude);
+        },
+        {"[rope]", "magnitude (", "normal range of float"});
+    EXPECT_TRUE(unchanged(table.cos(), before));
+  }
+  // The largest float is accepted and gives finite entries; in double 1e39 is fine.
+  const auto largest =
+      RopeTable<float>::from_frequencies(theta, 3, 2, RopePairing::kInterleaved,
+                                         static_cast<double>(std::numeric_limits<float>::max()));
+  EXPECT_TRUE(largest.cos().allFinite() && largest.sin().allFinite());
+  EXPECT_EQ(largest.cos()(0, 0), std::numeric_limits<float>::max());
+  const auto wide =
+      RopeTable<double>::from_frequencies(theta, 3, 2, RopePairing::kInterleaved, 1e39);
+  EXPECT_EQ(wide.cos()(0, 0), 1e39);
+  expect_invalid(
+      [&] { RopeTable<double>::from_frequencies(theta, 3, 2, RopePairing::kInterleaved, 1e-320); },
+      {"[rope]", "magnitude (", "normal range of double"});
+}
+
+TEST(Rope, RejectsNonFiniteOrOutOfRangeCosSin) {
+  RowMatrix<double> c = RowMatrix<double>::Constant(3, 2, 0.5);
+  RowMatrix<double> s = RowMatrix<double>::Constant(3, 2, 0.5);
+  RopeTable<float> table(4, 4);
+  const RowMatrix<float> before = table.cos();
+  c(1, 0) = std::numeric_limits<double>::infinity();
+  expect_invalid(
+      [&] {
+        table = RopeTable<float>::from_cos_sin(c, s, 4, RopePairing::kInterleaved,
+                                               RopeCacheWidth::kHalf);
+      },
+      {"[rope]", "cos(1, 0) (inf)", "finite"});
+  c(1, 0) = 0.5;
+  s(2, 1) = 1e39;  // finite in double, infinite in float
+  expect_invalid(
+      [&] {
+        table = RopeTable<float>::from_cos_sin(c, s, 4, RopePairing::kInterleaved,
+                                               RopeCacheWidth::kFull);
+      },
+      {"[rope]", "sin(2, 1) (1e+39)", "(float)"});
+  s(2, 1) = std::nan("");
+  expect_invalid(
+      [&] {
+        RopeTable<double>::from_cos_sin(c, s, 4, RopePairing::kInterleaved, RopeCacheWidth::kFull);
+      },
+      {"[rope]", "sin(2, 1) (nan)"});
+  EXPECT_TRUE(unchanged(table.cos(), before));
 }
 
 class RopeBadApplication : public ::testing::Test {

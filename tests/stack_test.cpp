@@ -6,10 +6,6 @@
 
 #include <gtest/gtest.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -185,6 +181,29 @@ TEST(Stack, BadInputThrowsClearErrors) {
       "layer 5 must be MultiHeadLatentAttention");
 }
 
+TEST(Stack, ConfigSizesBeyond64BitsAreRejected) {
+  apex::StackConfig bad = small_config();
+  bad.d_model = 0;
+  bad.local.d_model = 0;
+  bad.global.d_model = 0;
+  expect_invalid([&] { apex::AttentionStack<float>::random(bad, 1); },
+                 "[stack] d_model (0) must be >= 1");
+  // V·d = 2^40 · 2^30 values: rejected before the embedding table is allocated.
+  bad = small_config();
+  bad.vocab_size = Index{1} << 40;
+  bad.d_model = Index{1} << 30;
+  bad.local.d_model = bad.d_model;
+  bad.global.d_model = bad.d_model;
+  expect_invalid([&] { apex::AttentionStack<float>::random(bad, 1); },
+                 {"[stack] embedding bytes V*d*sizeof(Scalar)", "overflows 64 bits"});
+  // A layer config whose widths overflow makes the cache size meaningless.
+  bad = small_config();
+  bad.local.num_q_heads = Index{1} << 62;
+  bad.local.num_kv_heads = 1;
+  expect_invalid([&] { (void)apex::stack_cache_memory(bad, 1, 16, 2); },
+                 {"[gqa] num_q_heads*head_dim", "overflows 64 bits"});
+}
+
 // ---------------------------------------------------------------------------------------------
 // YaRN
 // ---------------------------------------------------------------------------------------------
@@ -294,31 +313,6 @@ apex::TokenMatrix random_tokens(Index batch, Index seq, Index vocab, std::uint32
 // blocks; that is a few hundred ulps. A wrong position, key, mask or scale moves rows by O(0.1).
 constexpr double kDecodeTol = 1e-4;
 
-// Decoding tests make tens of thousands of calls on tiny shapes, and every apex::sdpa call forks
-// an OpenMP team, whose fork/join dominates such calls and, on a loaded machine (ctest -j2 on
-// two cores), can wait a whole scheduler time slice. Results do not depend on the number of
-// threads (sdpa_fast_test checks this bit for bit), so these tests run on one thread: their
-// runtime then does not depend on what else the machine is doing.
-class OneThread {
- public:
-  OneThread() {
-#ifdef _OPENMP
-    saved_ = omp_get_max_threads();
-    omp_set_num_threads(1);
-#endif
-  }
-  ~OneThread() {
-#ifdef _OPENMP
-    omp_set_num_threads(saved_);
-#endif
-  }
-  OneThread(const OneThread&) = delete;
-  OneThread& operator=(const OneThread&) = delete;
-
- private:
-  int saved_ = 1;
-};
-
 void expect_logits_close(const apex::RowMatrix<float>& actual,
                          const apex::RowMatrix<float>& expected, const std::string& what) {
   ASSERT_EQ(actual.rows(), expected.rows()) << what;
@@ -336,7 +330,7 @@ void expect_logits_close(const apex::RowMatrix<float>& actual,
 }
 
 TEST(Stack, DecodingOneTokenAtATimeMatchesForward) {
-  const OneThread one_thread;
+  const apex::testing::OneThread one_thread;
   struct Variant {
     Index prefix;
     bool yarn;
@@ -382,7 +376,7 @@ TEST(Stack, DecodingOneTokenAtATimeMatchesForward) {
 }
 
 TEST(Stack, ChunkedPrefillEqualsOneShotPrefill) {
-  const OneThread one_thread;
+  const apex::testing::OneThread one_thread;
   const apex::StackConfig config = decode_config(false);
   const auto stack = apex::AttentionStack<double>::random(config, 31);
   const Index batch = 2, prompt_len = 70, total = 80, prefix = 6;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Helpers shared by the test programs: deterministic random inputs, the check that a call is
-// rejected with std::invalid_argument and a given message, and element-wise closeness checks.
+// rejected with std::invalid_argument and a given message, element-wise closeness checks and a
+// guard that runs a scope on one thread.
 // Tolerances are not set here: each test file states its own, with the reason.
 #pragma once
 
@@ -19,7 +20,38 @@
 #include <utility>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace apex::testing {
+
+/// Runs the enclosing scope on one OpenMP thread. Decoding tests make tens of thousands of calls
+/// on tiny shapes, where forking an OpenMP team costs more than the work and, on a loaded
+/// machine (ctest -j2 on two cores), can wait a whole scheduler time slice. Results do not
+/// depend on the number of threads (sdpa_fast_test checks this bit for bit), so such tests run
+/// on one thread and their runtime does not depend on what else the machine is doing.
+class OneThread {
+ public:
+  OneThread() {
+#ifdef _OPENMP
+    saved_ = omp_get_max_threads();
+    omp_set_num_threads(1);
+#endif
+  }
+  ~OneThread() {
+#ifdef _OPENMP
+    omp_set_num_threads(saved_);
+#endif
+  }
+  OneThread(const OneThread&) = delete;
+  OneThread& operator=(const OneThread&) = delete;
+
+#ifdef _OPENMP
+ private:
+  int saved_ = 1;
+#endif
+};
 
 /// Names typed tests after their scalar: `RopeTyped/float.Name` rather than `RopeTyped/0.Name`.
 struct ScalarName {

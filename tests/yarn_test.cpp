@@ -317,6 +317,65 @@ TYPED_TEST(YarnTyped, TableAppliedMatchesReference) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Long positions (§4.7 decision: angles in double)
+
+// A float YaRN table of 2^20 positions (s = 32 over L = 32768: exactly the extended context),
+// the last position included, against an independent double computation: θ' from the
+// reference of SEED-NOTES.md steps 1–5, the angle m·θ' formed once in double, cos/sin
+// (argument reduction included) in double, times the factor 0.1·ln(32) + 1. Each entry must be
+// that value rounded to float. Tolerance per entry: 2^-24·|v| (float's unit roundoff) plus
+// M·2^-30 for the two double computations of θ', which agree to 4ε relative (MatchesReference):
+// m·θ' ≤ 2^20, so the angles differ by < 2^20·4ε < 2^-30. An angle formed in float is off by
+// ~1e-2 here (checked below, so the test can fail). Memory: 2 × 2^20 × 8 floats = 64 MiB.
+TEST(Yarn, FloatTableOf2To20PositionsIsExactToFloatRounding) {
+  const Index positions = Index{1} << 20, d = 8;
+  YarnParams p;
+  p.scale = 32.0;
+  p.original_context = 32768;
+  const auto table = apex::yarn_table<float>(positions, d, 0, RopePairing::kHalfSplit, p);
+  ASSERT_EQ(table.max_positions(), positions);
+  EXPECT_EQ(table.cos().size(), positions * d);  // the documented size, nothing more
+  const double magnitude = 0.1 * std::log(32.0) + 1.0;
+  const std::vector<double> theta =
+      apex::reference::yarn_theta(d, p.base, p.scale, 32768.0, p.beta_fast, p.beta_slow, true);
+  // The range is not degenerate for this configuration: some pair is really scaled.
+  EXPECT_LT(theta.back(), apex::rope_frequencies(d, p.base)(d / 2 - 1));
+  const auto tolerance = [&](double v) {
+    return std::ldexp(std::abs(v), -24) + magnitude * 0x1p-30;
+  };
+
+  std::vector<Index> checked_positions;
+  for (Index m = 0; m < positions; m += 4099) checked_positions.push_back(m);
+  for (Index m = positions - 64; m < positions; ++m) checked_positions.push_back(m);
+  double worst_float_angle = 0.0;
+  for (const Index m : checked_positions) {
+    for (Index i = 0; i < d / 2; ++i) {
+      const double t = theta[static_cast<std::size_t>(i)];
+      const double angle = static_cast<double>(m) * t;
+      const double c = magnitude * std::cos(angle), s = magnitude * std::sin(angle);
+      for (const Index j : {i, i + d / 2}) {  // half-split: both features of pair i
+        EXPECT_LE(std::abs(static_cast<double>(table.cos()(m, j)) - c), tolerance(c))
+            << "cos at m " << m << " feature " << j;
+        EXPECT_LE(std::abs(static_cast<double>(table.sin()(m, j)) - s), tolerance(s))
+            << "sin at m " << m << " feature " << j;
+      }
+      const float float_angle = static_cast<float>(m) * static_cast<float>(t);
+      worst_float_angle = std::max(
+          worst_float_angle, std::abs(magnitude * std::cos(static_cast<double>(float_angle)) - c));
+    }
+  }
+  EXPECT_GT(worst_float_angle, 1e-3);
+
+  // The last position rotates like the double reference.
+  std::mt19937 rng(21);
+  const RowMatrix<float> x = random_matrix<float>(2, 2 * d, rng);
+  const Eigen::MatrixXd expected = apex::reference::rope(
+      x.cast<double>(), {positions - 2, positions - 1}, theta, d, true, magnitude);
+  EXPECT_LE((apex::rope(table, positions - 2, x).cast<double>() - expected).cwiseAbs().maxCoeff(),
+            kernel_tolerance<float>(magnitude));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Bad input
 
 TEST(Yarn, RejectsScaleBelowOne) {
@@ -364,6 +423,131 @@ TEST(Yarn, RejectsBadDimensionsAndFactors) {
   YarnParams q = p;
   q.attention_factor = -1.0;
   expect_invalid([&] { apex::yarn_attention_factor(q); }, {"[yarn]", "attention_factor (-1)"});
+}
+
+// Whether a table's cos or sin still holds `before`: the shapes first, since == needs equal
+// shapes (a rejected assignment must leave the old table in place).
+template <class Scalar>
+bool unchanged(const RowMatrix<Scalar>& now, const RowMatrix<Scalar>& before) {
+  return now.rows() == before.rows() && now.cols() == before.cols() && now == before;
+}
+
+TEST(Yarn, RejectsMscaleGivingANonPositiveTemperature) {
+  // get(32, -20) = 1 − 2·ln(32) = −5.93: no usable temperature.
+  YarnParams p = example_params();
+  p.mscale = -20.0;
+  expect_invalid([&] { apex::yarn_attention_factor(p); },
+                 {"[yarn]", "mscale (-20)", "get(scale, mscale)", "-5.93", "> 0"});
+  expect_invalid([&] { apex::yarn_softmax_scale_multiplier(p); }, {"[yarn]", "mscale (-20)"});
+  expect_invalid([&] { apex::yarn_table<float>(8, 8, 0, RopePairing::kInterleaved, p); },
+                 {"[yarn]", "mscale (-20)"});
+  // Just past the zero of get(s, m) at m = −10 / ln(s): get = −0.01.
+  p.scale = 16.0;
+  p.mscale = -1.01 * 10.0 / std::log(16.0);
+  expect_invalid([&] { apex::yarn_attention_factor(p); },
+                 {"[yarn]", "get(scale, mscale)", "-0.01"});
+  p.mscale.reset();
+  p.mscale_all_dim = -20.0;  // the denominator, and w of the softmax multiplier
+  expect_invalid([&] { apex::yarn_softmax_scale_multiplier(p); },
+                 {"[yarn]", "mscale_all_dim (-20)", "get(scale, mscale_all_dim)"});
+  p.mscale_all_dim = std::numeric_limits<double>::infinity();
+  expect_invalid([&] { apex::yarn_attention_factor(p); },
+                 {"[yarn]", "mscale_all_dim (inf)", "finite"});
+  // At s = 1 the temperature is 1 whatever m is: accepted.
+  p.scale = 1.0;
+  p.mscale = -20.0;
+  p.mscale_all_dim = -20.0;
+  EXPECT_EQ(apex::yarn_attention_factor(p), 1.0);
+  EXPECT_EQ(apex::yarn_softmax_scale_multiplier(p), 1.0);
+}
+
+TEST(Yarn, RejectsFactorsThatOverflow) {
+  // Each get(s, m) is finite and > 0, but their ratio or square is not.
+  YarnParams p = example_params();
+  p.mscale = 1e308;         // get = 3.47e307
+  p.mscale_all_dim = -2.6;  // get = 0.0989: the ratio overflows
+  expect_invalid([&] { apex::yarn_attention_factor(p); },
+                 {"[yarn]", "attention factor get(scale, mscale) / get(scale, mscale_all_dim)",
+                  "= inf", "finite and > 0"});
+  p.mscale.reset();
+  p.mscale_all_dim = 1e200;  // w = get² overflows
+  expect_invalid([&] { apex::yarn_softmax_scale_multiplier(p); },
+                 {"[yarn]", "softmax scale multiplier (inf)", "finite and > 0"});
+  p.mscale_all_dim.reset();
+  p.attention_factor = 1e200;
+  p.temperature = YarnTemperature::kSoftmaxScale;  // factor² overflows
+  expect_invalid([&] { apex::yarn_softmax_scale_multiplier(p); },
+                 {"[yarn]", "softmax scale multiplier (inf)", "attention factor (1e+200)"});
+  p.attention_factor = 1e-200;  // factor² underflows to 0
+  expect_invalid([&] { apex::yarn_softmax_scale_multiplier(p); },
+                 {"[yarn]", "softmax scale multiplier (0)"});
+}
+
+TEST(Yarn, CorrectionRangeIsFiniteAndNonEmptyForExtremeBetasAndBases) {
+  // β_fast and β_slow tiny: L / (2π·β) overflows, so corr(β_fast) = corr(β_slow) = +inf. Every
+  // pair turns more than β_fast times over L and keeps θ (ramp 0).
+  YarnParams tiny = example_params();
+  tiny.beta_slow = std::numeric_limits<double>::denorm_min();
+  tiny.beta_fast = 2 * std::numeric_limits<double>::denorm_min();
+  apex::YarnCorrectionRange range = apex::yarn_correction_range(32, tiny);
+  EXPECT_EQ(range.low, 31.0);  // capped at d − 1 instead of +inf
+  EXPECT_EQ(range.high, 31.0 + 0.001);
+  EXPECT_EQ(apex::yarn_frequencies(32, tiny), apex::rope_frequencies(32, tiny.base));
+  for (const YarnRegime r : apex::yarn_regimes(32, tiny)) EXPECT_EQ(r, YarnRegime::kHighFrequency);
+
+  // A base just above 1: corr(β) ≈ 3.6e13, where lo + 0.001 == lo. Every pair has θ ≈ 1 and
+  // turns ≫ β_fast times over L, so again every pair keeps θ.
+  YarnParams near_one = example_params();
+  near_one.original_context = Index{1} << 31;
+  near_one.base = 1.0 + 0x1p-40;
+  range = apex::yarn_correction_range(4, near_one);
+  EXPECT_EQ(range.low, 3.0);
+  EXPECT_EQ(range.high, 3.0 + 0.001);
+  EXPECT_EQ(apex::yarn_frequencies(4, near_one), apex::rope_frequencies(4, near_one.base));
+
+  // Where 0.001 is below the spacing of doubles at lo (d − 1 = 2^50 − 1, spacing 1/8), hi is
+  // the next double above lo. (O(1): nothing of size d is built.)
+  const Index d = Index{1} << 50;
+  range = apex::yarn_correction_range(d, near_one);
+  EXPECT_EQ(range.low, static_cast<double>(d - 1));
+  EXPECT_EQ(range.high, std::nextafter(range.low, std::numeric_limits<double>::infinity()));
+  EXPECT_LT(range.low, range.high);
+}
+
+TEST(Yarn, TableChecksEveryArgumentBeforeAllocating) {
+  // head_dim = 2^62 would need 2^61 frequencies before the table: every argument is checked
+  // first, so these are std::invalid_argument and never std::bad_alloc.
+  YarnParams p = example_params();
+  const Index huge = Index{1} << 62;
+  expect_invalid([&] { apex::yarn_table<float>(0, huge, 0, RopePairing::kInterleaved, p); },
+                 {"[yarn]", "max_positions (0)", "at least 1"});
+  expect_invalid([&] { apex::yarn_table<float>(1, huge, 0, RopePairing::kInterleaved, p); },
+                 {"[yarn]", "table bytes", "overflows"});
+  expect_invalid([&] { apex::yarn_table<double>(huge, 2, 0, RopePairing::kInterleaved, p); },
+                 {"[yarn]", "max_positions x rotary_dim", "(4611686018427387904 x 2)"});
+  p.mscale = -20.0;
+  expect_invalid(
+      [&] { apex::yarn_table<float>(1, Index{1} << 40, 0, RopePairing::kInterleaved, p); },
+      {"[yarn]", "mscale (-20)"});
+}
+
+TEST(Yarn, RejectsTableMagnitudeOutsideTheScalarRange) {
+  // A factor that float cannot hold would make every float entry infinite.
+  YarnParams p = example_params();
+  p.attention_factor = 1e39;
+  RopeTable<float> table =
+      apex::yarn_table<float>(4, 8, 0, RopePairing::kInterleaved, example_params());
+  const RowMatrix<float> before = table.cos();
+  expect_invalid([&] { table = apex::yarn_table<float>(4, 8, 0, RopePairing::kInterleaved, p); },
+                 {"[yarn]", "table magnitude (attention factor) (1e+39)", "normal range of float"});
+  EXPECT_TRUE(unchanged(table.cos(), before));
+  // Double holds it; and with the factor outside the tables, float does too.
+  const auto wide = apex::yarn_table<double>(4, 8, 0, RopePairing::kInterleaved, p);
+  EXPECT_TRUE(wide.cos().allFinite() && wide.sin().allFinite());
+  EXPECT_EQ(wide.cos()(0, 0), 1e39);
+  p.temperature = YarnTemperature::kLogits;
+  const auto outside = apex::yarn_table<float>(4, 8, 0, RopePairing::kInterleaved, p);
+  EXPECT_EQ(outside.cos()(0, 0), 1.0f);
 }
 
 }  // namespace

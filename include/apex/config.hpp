@@ -4,6 +4,9 @@
 
 #include <Eigen/Core>
 
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <type_traits>
@@ -72,6 +75,34 @@ template <class Scalar>
 constexpr void require_supported_scalar() {
   static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
                 "apex supports float and double");
+}
+
+/// a·b for non-negative a and b, or std::invalid_argument naming `what` when the product does
+/// not fit in 64 bits (sizes are products of user-given dimensions; a wrapped product would
+/// describe less memory than the object then indexes).
+inline std::int64_t checked_product(std::int64_t a, std::int64_t b, const char* op,
+                                    const char* what) {
+  APEX_CHECK(a >= 0 && b >= 0,
+             "[" << op << "] " << what << " (" << a << " x " << b << ") must not be negative");
+  APEX_CHECK(b == 0 || a <= std::numeric_limits<std::int64_t>::max() / b,
+             "[" << op << "] " << what << " (" << a << " x " << b << ") overflows 64 bits");
+  return a * b;
+}
+
+/// The product of several non-negative factors, checked as checked_product.
+inline std::int64_t checked_product(std::initializer_list<std::int64_t> factors, const char* op,
+                                    const char* what) {
+  std::int64_t result = 1;
+  for (const std::int64_t f : factors) result = checked_product(result, f, op, what);
+  return result;
+}
+
+/// a + b for non-negative a and b, checked likewise.
+inline std::int64_t checked_sum(std::int64_t a, std::int64_t b, const char* op, const char* what) {
+  APEX_CHECK(a >= 0 && b >= 0 && a <= std::numeric_limits<std::int64_t>::max() - b,
+             "[" << op << "] " << what << " (" << a << " + " << b
+                 << ") must be non-negative and fit in 64 bits");
+  return a + b;
 }
 
 }  // namespace detail

@@ -148,8 +148,9 @@ RowMatrix<typename HiddenDerived::Scalar> lm_head(const Eigen::MatrixBase<Hidden
 
 /// Parameters saved by tying the LM head to the embedding table (§2.5): V · d, the size of
 /// the output projection that is not stored. 151,643 × 7,168 = 1,086,977,024 (≈ 1.09B).
-constexpr std::int64_t tied_parameters_saved(std::int64_t vocab, std::int64_t d) {
-  return vocab * d;
+/// Throws std::invalid_argument on a negative argument or a product beyond 64 bits.
+inline std::int64_t tied_parameters_saved(std::int64_t vocab, std::int64_t d) {
+  return detail::checked_product(vocab, d, "tied_parameters_saved", "vocab*d");
 }
 
 }  // namespace apex

@@ -48,10 +48,17 @@ inline double kv_cache_ratio(Index num_kv_heads, Index num_q_heads) {
 
 /// Parameters of a grouped-query attention layer: W_Q [d, H_q·d_h], W_K and W_V
 /// [d, H_kv·d_h], W_O [H_q·d_h, d]; d·d_h·(2·H_q + 2·H_kv) in all. With H_kv = H_q this is
-/// mha_parameter_count (§7.3). No biases.
-constexpr std::int64_t gqa_parameter_count(std::int64_t d_model, std::int64_t num_q_heads,
-                                           std::int64_t num_kv_heads, std::int64_t head_dim) {
-  return 2 * d_model * num_q_heads * head_dim + 2 * d_model * num_kv_heads * head_dim;
+/// mha_parameter_count (§7.3). No biases. Throws std::invalid_argument on a negative argument
+/// or a count beyond 64 bits.
+inline std::int64_t gqa_parameter_count(std::int64_t d_model, std::int64_t num_q_heads,
+                                        std::int64_t num_kv_heads, std::int64_t head_dim) {
+  const char* op = "gqa_parameter_count";
+  // One statement each, so that the first failing product is the one reported.
+  const std::int64_t q_and_o =
+      detail::checked_product({2, d_model, num_q_heads, head_dim}, op, "2*d*H_q*d_h");
+  const std::int64_t k_and_v =
+      detail::checked_product({2, d_model, num_kv_heads, head_dim}, op, "2*d*H_kv*d_h");
+  return detail::checked_sum(q_and_o, k_and_v, op, "2*d*H_q*d_h + 2*d*H_kv*d_h");
 }
 
 /// Shape of a GroupedQueryAttention layer.
@@ -90,10 +97,21 @@ struct GqaWeights {
 
 namespace detail {
 
+/// The config's own preconditions, and that every size the layer forms from it fits in 64 bits:
+/// the widths H_q·d_h and H_kv·d_h and the weight count d·d_h·(2·H_q + 2·H_kv), which bounds
+/// every weight's element count. (Whether that many weights fit in memory is the allocator's
+/// business; a wrapped width would instead build a layer of the wrong shape.)
 inline void check_gqa_config(const GqaConfig& c) {
   APEX_CHECK(c.d_model >= 1, "[gqa] d_model (" << c.d_model << ") must be >= 1");
   APEX_CHECK(c.head_dim >= 1, "[gqa] head_dim (" << c.head_dim << ") must be >= 1");
   check_head_counts(c.num_q_heads, c.num_kv_heads, "gqa");
+  checked_product(c.num_q_heads, c.head_dim, "gqa", "num_q_heads*head_dim");
+  const std::int64_t q_and_o = checked_product({2, c.d_model, c.num_q_heads, c.head_dim}, "gqa",
+                                               "weight count 2*d_model*num_q_heads*head_dim");
+  const std::int64_t k_and_v = checked_product({2, c.d_model, c.num_kv_heads, c.head_dim}, "gqa",
+                                               "weight count 2*d_model*num_kv_heads*head_dim");
+  checked_sum(q_and_o, k_and_v, "gqa",
+              "weight count d_model*head_dim*(2*num_q_heads + 2*num_kv_heads)");
 }
 
 }  // namespace detail
@@ -134,6 +152,8 @@ class GroupedQueryAttention {
   /// W_Q, W_K, W_V, W_O, from a std::mt19937_64 seeded with `seed`.
   static GroupedQueryAttention random(const GqaConfig& config, std::uint64_t seed) {
     detail::check_gqa_config(config);
+    detail::checked_product(gqa_parameter_count(config), static_cast<std::int64_t>(sizeof(Scalar)),
+                            "gqa", "weight bytes");
     std::mt19937_64 rng(seed);
     const Index d = config.d_model;
     const Index q_width = config.num_q_heads * config.head_dim;
@@ -146,8 +166,11 @@ class GroupedQueryAttention {
     return GroupedQueryAttention(config, std::move(w));
   }
 
+  /// The configuration the layer was built with (checked at construction).
   const GqaConfig& config() const { return config_; }
+  /// The projections W_Q, W_K, W_V, W_O, read-only (shapes as in GqaWeights).
   const GqaWeights<Scalar>& weights() const { return weights_; }
+  /// Number of weights, d·d_h·(2·H_q + 2·H_kv) (gqa_parameter_count).
   std::int64_t parameter_count() const { return gqa_parameter_count(config_); }
 
   /// The projections of §8.2 with RoPE (§4) on Q and K when params.rope is set:
@@ -266,7 +289,7 @@ class GroupedQueryAttention {
         p.q_heads(), p.k_heads(), p.v_heads(), mask, params.attention, cache,
         HeadsView<Scalar>::token_major(concat.data(), batch, n, h_q, d_h));
     cache.append(p.k_heads(), p.v_heads(), params.position_offset);
-    out.noalias() = concat * weights_.w_o;
+    detail::project_rows<Scalar>(concat, weights_.w_o, out);
   }
 
   /// Value-returning forward_cached (either cache): a new [B*n, d] matrix.
@@ -298,6 +321,10 @@ class GroupedQueryAttention {
                      const AttentionLayerParams<Scalar>& params, const Cache& cache, Index held,
                      const RowRef<Scalar>& out) const {
     const Index batch = cache.batch();
+    // Positions first: params.position_offset must be the cache's next position, which also keeps
+    // the layer's own position arithmetic below far from overflow.
+    detail::check_cached_rule(mask, params.position_offset, cache.next_position(), x.rows() / batch,
+                              "gqa");
     check_input(x, batch, params);
     APEX_CHECK(cache.num_kv_heads() == config_.num_kv_heads && cache.head_dim() == config_.head_dim,
                "[gqa] cache num_kv_heads ("
@@ -305,7 +332,6 @@ class GroupedQueryAttention {
                    << ") must equal the layer's num_kv_heads (" << config_.num_kv_heads
                    << ") and head_dim (" << config_.head_dim << ")");
     const Index n = x.rows() / batch;
-    detail::check_cached_rule(mask, params.position_offset, cache.next_position(), n, "gqa");
     const detail::LayerHeads heads = attention_heads();
     AttentionMask<Scalar> positions;
     positions.positions = mask;
@@ -326,9 +352,9 @@ class GroupedQueryAttention {
   ProjectedQkv<Scalar> project_checked(const ConstRowRef<Scalar>& x, Index batch,
                                        const AttentionLayerParams<Scalar>& params) const {
     ProjectedQkv<Scalar> p = detail::empty_projection<Scalar>(batch, attention_heads());
-    p.q.noalias() = x * weights_.w_q;
-    p.k.noalias() = x * weights_.w_k;
-    p.v.noalias() = x * weights_.w_v;
+    p.q = detail::project_rows<Scalar>(x, weights_.w_q);
+    p.k = detail::project_rows<Scalar>(x, weights_.w_k);
+    p.v = detail::project_rows<Scalar>(x, weights_.w_v);
     if (params.rope != nullptr) {
       detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, p.q);
       detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, p.k);

@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -51,6 +52,15 @@
 namespace apex {
 
 namespace detail {
+
+/// Scalars of a [B, H, slots, D] buffer (K or V of a cache), checked together with the bytes of
+/// both buffers (which bytes() reports). The dimensions are already known to be >= 1.
+template <class Scalar>
+Index cache_buffer_size(Index batch, Index heads, Index slots, Index dim, const char* op) {
+  const std::int64_t values = checked_product({batch, heads, slots, dim}, op, "B*H*slots*d_h");
+  checked_product(values, 2 * static_cast<std::int64_t>(sizeof(Scalar)), op, "cache bytes");
+  return static_cast<Index>(values);
+}
 
 inline void check_append_position(Index position, Index next, const char* op) {
   APEX_CHECK(position >= next, "[" << op << "] position (" << position
@@ -72,6 +82,7 @@ void check_kv_chunk(const HeadsView<const Scalar>& k, const HeadsView<const Scal
   APEX_CHECK(k.dim() == dim && v.dim() == dim,
              "[" << op << "] chunk head width (k " << k.dim() << ", v " << v.dim()
                  << ") must equal the cache's head_dim (" << dim << ")");
+  APEX_CHECK(k.seq() >= 0, "[" << op << "] chunk length n (" << k.seq() << ") must be >= 0");
   APEX_CHECK(v.seq() == k.seq(), "[" << op << "] value chunk length (" << v.seq()
                                      << ") must equal the key chunk length (" << k.seq() << ")");
 }
@@ -118,14 +129,20 @@ class KvCache {
       : batch_(batch), heads_(num_kv_heads), dim_(head_dim) {
     detail::require_supported_scalar<Scalar>();
     detail::check_cache_dims(batch, num_kv_heads, head_dim, capacity, "kv_cache", "capacity");
+    const Index size =
+        detail::cache_buffer_size<Scalar>(batch, num_kv_heads, capacity, head_dim, "kv_cache");
     capacity_ = capacity;
-    k_ = Vector<Scalar>::Zero(batch * num_kv_heads * capacity * head_dim);
-    v_ = Vector<Scalar>::Zero(batch * num_kv_heads * capacity * head_dim);
+    k_ = Vector<Scalar>::Zero(size);
+    v_ = Vector<Scalar>::Zero(size);
   }
 
+  /// Number of sequences B cached side by side.
   Index batch() const { return batch_; }
+  /// Number of cached K/V heads H_kv (H_q for MHA, fewer for GQA/MQA).
   Index num_kv_heads() const { return heads_; }
+  /// Per-head width d_h of K and V.
   Index head_dim() const { return dim_; }
+  /// Tokens C that fit before append throws; changes only through reserve().
   Index capacity() const { return capacity_; }
   /// Tokens held: positions [0, size()).
   Index size() const { return size_; }
@@ -169,8 +186,10 @@ class KvCache {
                                               "windowed layer)");
   }
 
-  /// [B, H_kv, size(), d_h] views of the cached keys and values (head stride C·d_h).
+  /// [B, H_kv, size(), d_h] view of the cached keys (head stride C·d_h), no copy. It holds
+  /// size() as of the call, and reserve() frees the memory it points to.
   HeadsView<const Scalar> keys() const { return view(k_.data()); }
+  /// [B, H_kv, size(), d_h] view of the cached values; same layout and lifetime as keys().
   HeadsView<const Scalar> values() const { return view(v_.data()); }
 
   /// Drops the tokens at positions >= new_size (0 <= new_size <= size()). O(1).
@@ -181,11 +200,14 @@ class KvCache {
   }
 
   /// Grows the capacity to at least `capacity`, keeping the cached tokens (one copy; allocates
-  /// the new K and V, then frees the old ones). Never shrinks.
+  /// the new K and V, then frees the old ones). Never shrinks. Throws (cache unchanged) if the
+  /// new size does not fit in 64 bits.
   void reserve(Index capacity) {
     if (capacity <= capacity_) return;
-    Vector<Scalar> k = Vector<Scalar>::Zero(batch_ * heads_ * capacity * dim_);
-    Vector<Scalar> v = Vector<Scalar>::Zero(batch_ * heads_ * capacity * dim_);
+    const Index size =
+        detail::cache_buffer_size<Scalar>(batch_, heads_, capacity, dim_, "kv_cache");
+    Vector<Scalar> k = Vector<Scalar>::Zero(size);
+    Vector<Scalar> v = Vector<Scalar>::Zero(size);
     detail::write_rows(keys(), k.data(), capacity, 0, size_, 0);
     detail::write_rows(values(), v.data(), capacity, 0, size_, 0);
     k_ = std::move(k);
@@ -228,9 +250,9 @@ class SlidingWindowCache {
   /// A run of held tokens with consecutive positions [first_position, first_position + n):
   /// keys and values are [B, H_kv, n, d_h] views into the ring.
   struct Segment {
-    Index first_position = 0;
-    HeadsView<const Scalar> keys;
-    HeadsView<const Scalar> values;
+    Index first_position = 0;        ///< absolute position of the run's first token
+    HeadsView<const Scalar> keys;    ///< [B, H_kv, n, d_h] keys of the run (n = keys.seq())
+    HeadsView<const Scalar> values;  ///< [B, H_kv, n, d_h] values of the run
   };
 
   /// Allocates the ring. Throws unless batch, num_kv_heads, head_dim and window are >= 1.
@@ -239,19 +261,27 @@ class SlidingWindowCache {
     detail::require_supported_scalar<Scalar>();
     detail::check_cache_dims(batch, num_kv_heads, head_dim, window, "sliding_window_cache",
                              "window");
+    const Index size = detail::cache_buffer_size<Scalar>(batch, num_kv_heads, window, head_dim,
+                                                         "sliding_window_cache");
     window_ = window;
-    k_ = Vector<Scalar>::Zero(batch * num_kv_heads * window * head_dim);
-    v_ = Vector<Scalar>::Zero(batch * num_kv_heads * window * head_dim);
+    k_ = Vector<Scalar>::Zero(size);
+    v_ = Vector<Scalar>::Zero(size);
   }
 
+  /// Number of sequences B cached side by side.
   Index batch() const { return batch_; }
+  /// Number of cached K/V heads H_kv.
   Index num_kv_heads() const { return heads_; }
+  /// Per-head width d_h of K and V.
   Index head_dim() const { return dim_; }
+  /// Window W: the number of ring slots, i.e. the most tokens ever held (§10.2).
   Index window() const { return window_; }
   /// Absolute position of the next token (= tokens seen so far).
   Index next_position() const { return next_; }
   /// Tokens held: min(next_position(), W), positions [first_position(), next_position()).
   Index size() const { return std::min(next_, window_); }
+  /// Absolute position of the oldest held token: next_position() − size() (0 until the ring
+  /// wraps).
   Index first_position() const { return next_ - size(); }
   /// Exact bytes of the stored values: 2·B·H_kv·W·d_h·sizeof(Scalar), whatever next_position().
   std::int64_t bytes() const {
@@ -286,6 +316,9 @@ class SlidingWindowCache {
                     Index position) const {
     detail::check_kv_chunk(k, v, batch_, heads_, dim_, "sliding_window_cache");
     detail::check_append_position(position, next_, "sliding_window_cache");
+    // The ring holds only the last W tokens, so n is otherwise unbounded: the next position
+    // after the chunk must still be an Index.
+    detail::checked_sum(next_, k.seq(), "sliding_window_cache", "position + n");
   }
 
   /// The held tokens as at most two runs of consecutive positions, oldest first; an unused
@@ -347,18 +380,29 @@ class LatentCache {
     APEX_CHECK(rope_dim >= 2 && rope_dim % 2 == 0,
                "[latent_cache] rope_dim d_r (" << rope_dim << ") must be even and at least 2");
     APEX_CHECK(capacity >= 1, "[latent_cache] capacity (" << capacity << ") must be >= 1");
+    detail::checked_sum(latent_dim,
+                        detail::checked_product(rope_heads, rope_dim, "latent_cache", "H_kr*d_r"),
+                        "latent_cache", "d_kv + H_kr*d_r");
+    const Index size = storage_size(capacity);
     capacity_ = capacity;
-    rows_ = Vector<Scalar>::Zero(batch * capacity * row_width());
+    rows_ = Vector<Scalar>::Zero(size);
   }
 
+  /// Number of sequences B cached side by side.
   Index batch() const { return batch_; }
+  /// Latent width d_kv: the first d_kv values of every row (c_kv).
   Index latent_dim() const { return latent_; }
+  /// Number of cached K_rope heads H_kr.
   Index rope_heads() const { return rope_heads_; }
+  /// Width d_r of one K_rope head (even).
   Index rope_dim() const { return rope_dim_; }
   /// d_kv + H_kr·d_r: the values cached per token (mla_cache_values_per_token).
   Index row_width() const { return latent_ + rope_heads_ * rope_dim_; }
+  /// Tokens C that fit before append throws; changes only through reserve().
   Index capacity() const { return capacity_; }
+  /// Tokens held: positions [0, size()).
   Index size() const { return size_; }
+  /// Absolute position of the next token to append (= size()).
   Index next_position() const { return size_; }
   /// Exact bytes of the stored values: B·C·(d_kv + H_kr·d_r)·sizeof(Scalar).
   std::int64_t bytes() const {
@@ -438,10 +482,10 @@ class LatentCache {
   }
 
   /// Grows the capacity to at least `capacity`, keeping the cached tokens (one copy). Never
-  /// shrinks.
+  /// shrinks. Throws (cache unchanged) if the new size does not fit in 64 bits.
   void reserve(Index capacity) {
     if (capacity <= capacity_) return;
-    Vector<Scalar> rows = Vector<Scalar>::Zero(batch_ * capacity * row_width());
+    Vector<Scalar> rows = Vector<Scalar>::Zero(storage_size(capacity));
     for (Index b = 0; b < batch_; ++b) {
       Eigen::Map<RowMatrix<Scalar>>(rows.data() + b * capacity * row_width(), capacity, row_width())
           .topRows(size_) = batch_rows(b).topRows(size_);
@@ -454,6 +498,15 @@ class LatentCache {
   void clear() { size_ = 0; }
 
  private:
+  /// Scalars of [B, capacity, d_kv + H_kr·d_r], checked together with their bytes.
+  Index storage_size(Index capacity) const {
+    const std::int64_t values =
+        detail::checked_product({batch_, capacity, row_width()}, "latent_cache", "B*C*row_width");
+    detail::checked_product(values, static_cast<std::int64_t>(sizeof(Scalar)), "latent_cache",
+                            "cache bytes");
+    return static_cast<Index>(values);
+  }
+
   Eigen::Map<RowMatrix<Scalar>> batch_rows(Index b) {
     return Eigen::Map<RowMatrix<Scalar>>(rows_.data() + b * capacity_ * row_width(), capacity_,
                                          row_width());
@@ -505,6 +558,9 @@ inline void check_cached_rule(const PositionMask& rule, Index first, Index next,
                                 << ") goes backwards: the cache's next position is " << next);
   APEX_CHECK(first == next, "[" << op << "] position_offset (" << first
                                 << ") skips ahead: the cache's next position is " << next);
+  // The chunk's positions [first, first + n) and everything formed from them must be Index
+  // values (a sliding-window cache's next position is bounded by nothing else).
+  checked_sum(first, n, op, "position_offset + n");
   APEX_CHECK(rule.prefix == 0 || first >= rule.prefix || (first == 0 && n >= rule.prefix),
              "[" << op << "] prefix P (" << rule.prefix << ") must lie within one chunk starting "
                  << "at position 0 (this chunk covers [" << first << ", " << first + n
@@ -618,21 +674,30 @@ void sdpa_with_window_cache(const ConstHeadsView<Scalar>& q, const ConstHeadsVie
 // ---------------------------------------------------------------------------------------------
 
 /// Bytes of a sliding-window cache after `context` tokens: 2·B·min(S, W)·H_kv·d_h·bytes — the
-/// full-cache formula of §7.4 with S capped at W.
-constexpr std::int64_t sliding_window_cache_bytes(std::int64_t batch, std::int64_t context,
-                                                  std::int64_t window, std::int64_t num_kv_heads,
-                                                  std::int64_t head_dim,
-                                                  std::int64_t bytes_per_value) {
-  return kv_cache_bytes(batch, context < window ? context : window, num_kv_heads, head_dim,
-                        bytes_per_value);
+/// full-cache formula of §7.4 with S capped at W. Throws on a negative argument or overflow.
+inline std::int64_t sliding_window_cache_bytes(std::int64_t batch, std::int64_t context,
+                                               std::int64_t window, std::int64_t num_kv_heads,
+                                               std::int64_t head_dim,
+                                               std::int64_t bytes_per_value) {
+  APEX_CHECK(context >= 0 && window >= 0, "[sliding_window_cache_bytes] context ("
+                                              << context << ") and window (" << window
+                                              << ") must be >= 0");
+  return detail::checked_kv_cache_bytes(batch, std::min(context, window), num_kv_heads, head_dim,
+                                        bytes_per_value, "sliding_window_cache_bytes");
 }
 
 /// Bytes of a latent cache (§9.4) after `context` tokens: B·S·(d_kv + H_kr·d_r)·bytes. With
 /// rope_heads = 0 it is §9.4's count (c_kv only), which undercounts what a decoder keeps.
-constexpr std::int64_t latent_cache_bytes(std::int64_t batch, std::int64_t context,
-                                          std::int64_t latent_dim, std::int64_t rope_heads,
-                                          std::int64_t rope_dim, std::int64_t bytes_per_value) {
-  return batch * context * (latent_dim + rope_heads * rope_dim) * bytes_per_value;
+/// Throws on a negative argument or overflow.
+inline std::int64_t latent_cache_bytes(std::int64_t batch, std::int64_t context,
+                                       std::int64_t latent_dim, std::int64_t rope_heads,
+                                       std::int64_t rope_dim, std::int64_t bytes_per_value) {
+  const char* op = "latent_cache_bytes";
+  const std::int64_t width =
+      detail::checked_sum(latent_dim, detail::checked_product(rope_heads, rope_dim, op, "H_kr*d_r"),
+                          op, "d_kv + H_kr*d_r");
+  return detail::checked_product({batch, context, width, bytes_per_value}, op,
+                                 "B*S*(d_kv + H_kr*d_r)*bytes");
 }
 
 /// The dimensions the §7.4 / §8.3 / §9.4 / §10.3 cache comparisons are made at. No defaults: the
@@ -653,7 +718,7 @@ struct CacheComparisonParams {
 
 /// One row of the cache comparison.
 struct CacheComparisonRow {
-  std::string method;                 ///< "MHA", "GQA", "MQA", "MLA (§9.4)", ...
+  std::string method;                 ///< "MHA", "GQA", "MQA", "MLA (as §9.4 counts)", ...
   std::string cached;                 ///< what is stored per token
   std::int64_t values_per_token = 0;  ///< per layer and sequence (window layers: while filling)
   std::int64_t bytes_per_layer = 0;   ///< at the given context and batch
@@ -662,12 +727,12 @@ struct CacheComparisonRow {
 
 /// The §7.4, §8.3 and §9.4 tables (and the §10.3 sliding window) for one set of dimensions, one
 /// layer each, relative to multi-head attention with H_q heads:
-///   MHA            K + V, H_q heads              2·H_q·d_h per token          (§7.4, §8.3)
-///   GQA            K + V, H_kv heads             2·H_kv·d_h                   (§8.3, §9.4)
-///   MQA            K + V, one head               2·d_h                        (§8.3)
-///   GQA + window   K + V, H_kv heads, last W     2·H_kv·d_h, min(S, W) tokens (§10.3)
-///   MLA (§9.4)     c_kv only, as §9.4 counts it  d_kv
-///   MLA            c_kv + K_rope                 d_kv + H_kr·d_r              (what is cached)
+///   MHA                   K + V, H_q heads           2·H_q·d_h per token   (§7.4, §8.3)
+///   GQA                   K + V, H_kv heads          2·H_kv·d_h            (§8.3, §9.4)
+///   MQA                   K + V, one head            2·d_h                 (§8.3)
+///   GQA + window          K + V, H_kv heads, last W  2·H_kv·d_h, min(S, W) tokens (§10.3)
+///   MLA (as §9.4 counts)  c_kv only                  d_kv                  (§9.4)
+///   MLA                   c_kv + K_rope              d_kv + H_kr·d_r       (what is cached)
 /// §7.4 prints "4 GB per layer" for the MHA row at 128K, FP16; the row is 8 GiB (K and V), and
 /// §9.4's 1.6% is 1.5625% for c_kv alone (SEED-NOTES.md). Allocates the rows.
 inline std::vector<CacheComparisonRow> cache_comparison(const CacheComparisonParams& p) {
@@ -679,32 +744,38 @@ inline std::vector<CacheComparisonRow> cache_comparison(const CacheComparisonPar
                  << ", d_kv " << p.latent_dim << ", d_r " << p.rope_dim << ", H_kr " << p.rope_heads
                  << ", W " << p.window << ", S " << p.context << ", B " << p.batch << ", bytes "
                  << p.bytes_per_value << ")");
-  const std::int64_t mha =
-      kv_cache_bytes(p.batch, p.context, p.num_q_heads, p.head_dim, p.bytes_per_value);
+  const char* op = "cache_comparison";
+  const auto kv_bytes = [&](std::int64_t heads, std::int64_t tokens) {
+    return detail::checked_kv_cache_bytes(p.batch, tokens, heads, p.head_dim, p.bytes_per_value,
+                                          op);
+  };
+  const auto kv_values = [&](std::int64_t heads) {
+    return detail::checked_product({2, heads, p.head_dim}, op, "2*H*d_h");
+  };
+  const std::int64_t mha = kv_bytes(p.num_q_heads, p.context);
   const auto row = [&](std::string method, std::string cached, std::int64_t values,
                        std::int64_t bytes) {
     return CacheComparisonRow{std::move(method), std::move(cached), values, bytes,
                               static_cast<double>(bytes) / static_cast<double>(mha)};
   };
   const std::string kv_heads = std::to_string(p.num_kv_heads);
+  const std::int64_t latent_values = detail::checked_sum(
+      p.latent_dim, detail::checked_product(p.rope_heads, p.rope_dim, op, "H_kr*d_r"), op,
+      "d_kv + H_kr*d_r");
   return {
-      row("MHA", "K + V, " + std::to_string(p.num_q_heads) + " heads",
-          kv_cache_values_per_token(p.num_q_heads, p.head_dim), mha),
-      row("GQA", "K + V, " + kv_heads + " heads",
-          kv_cache_values_per_token(p.num_kv_heads, p.head_dim),
-          kv_cache_bytes(p.batch, p.context, p.num_kv_heads, p.head_dim, p.bytes_per_value)),
-      row("MQA", "K + V, 1 head", kv_cache_values_per_token(1, p.head_dim),
-          kv_cache_bytes(p.batch, p.context, 1, p.head_dim, p.bytes_per_value)),
+      row("MHA", "K + V, " + std::to_string(p.num_q_heads) + " heads", kv_values(p.num_q_heads),
+          mha),
+      row("GQA", "K + V, " + kv_heads + " heads", kv_values(p.num_kv_heads),
+          kv_bytes(p.num_kv_heads, p.context)),
+      row("MQA", "K + V, 1 head", kv_values(1), kv_bytes(1, p.context)),
       row("GQA + window", "K + V, " + kv_heads + " heads, last " + std::to_string(p.window),
-          kv_cache_values_per_token(p.num_kv_heads, p.head_dim),
-          sliding_window_cache_bytes(p.batch, p.context, p.window, p.num_kv_heads, p.head_dim,
-                                     p.bytes_per_value)),
+          kv_values(p.num_kv_heads), kv_bytes(p.num_kv_heads, std::min(p.context, p.window))),
       row("MLA (as §9.4 counts)", "c_kv only", p.latent_dim,
-          latent_cache_bytes(p.batch, p.context, p.latent_dim, 0, p.rope_dim, p.bytes_per_value)),
-      row("MLA", "c_kv + K_rope (" + std::to_string(p.rope_heads) + " heads)",
-          p.latent_dim + static_cast<std::int64_t>(p.rope_heads) * p.rope_dim,
-          latent_cache_bytes(p.batch, p.context, p.latent_dim, p.rope_heads, p.rope_dim,
-                             p.bytes_per_value)),
+          detail::checked_product({p.batch, p.context, p.latent_dim, p.bytes_per_value}, op,
+                                  "B*S*d_kv*bytes")),
+      row("MLA", "c_kv + K_rope (" + std::to_string(p.rope_heads) + " heads)", latent_values,
+          detail::checked_product({p.batch, p.context, latent_values, p.bytes_per_value}, op,
+                                  "B*S*(d_kv + H_kr*d_r)*bytes")),
   };
 }
 

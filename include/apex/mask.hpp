@@ -6,6 +6,7 @@
 #include <apex/config.hpp>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,8 +27,12 @@ namespace apex {
 /// key_offset + S_k positions, the convention of decoding with a KV cache (FlashAttention's
 /// bottom-right alignment). Set query_offset = 0 for the top-left alignment PyTorch and ONNX use
 /// when S_q != S_k and there is no cache.
+///
+/// Range: the offsets are >= 0, and the end of each range of positions, key_offset + S_k and
+/// query_offset + S_q, must itself be an Index (at most 2^63 - 1); build_mask and the attention
+/// entry points reject offsets that would overflow there.
 struct PositionMask {
-  bool causal = false;
+  bool causal = false;                ///< key j visible only if kp <= qp; false: everything allowed
   std::optional<Index> window;        ///< W >= 1; only meaningful with causal = true
   Index prefix = 0;                   ///< P >= 0: positions [0, P) attend to each other freely
   std::optional<Index> query_offset;  ///< position of query row 0; unset: key_offset + S_k - S_q
@@ -55,7 +60,11 @@ struct PositionMask {
 };
 
 /// How a rectangle of (query, key) positions relates to a PositionMask.
-enum class BlockCoverage { kNone, kPartial, kAll };
+enum class BlockCoverage {
+  kNone,     ///< no pair in the block may attend: the block can be skipped
+  kPartial,  ///< some pairs may, or the interval test cannot tell: check each pair
+  kAll       ///< every pair may attend: no mask work needed
+};
 
 /// Classifies queries [q_begin, q_end) against keys [k_begin, k_end) (absolute positions, both
 /// ranges non-empty). kNone and kAll are exact; kPartial means "check each pair" and is also the
@@ -90,6 +99,25 @@ inline void check_position_mask(const PositionMask& mask, const char* op) {
              "[" << op << "] query_offset (" << *mask.query_offset << ") must be >= 0");
   APEX_CHECK(mask.key_offset >= 0,
              "[" << op << "] key_offset (" << mask.key_offset << ") must be >= 0");
+}
+
+/// Preconditions on a PositionMask applied to S_q queries against S_k keys: those above, and
+/// that every position the rule forms is an Index: the keys' end key_offset + S_k and the
+/// queries' end (query_offset + S_q when set; under bottom-right alignment it is the keys' end).
+/// Positions, their differences and the bounds of any block of them then never overflow.
+inline void check_position_mask(const PositionMask& mask, Index num_queries, Index num_keys,
+                                const char* op) {
+  check_position_mask(mask, op);
+  constexpr Index kMax = std::numeric_limits<Index>::max();
+  APEX_CHECK(num_queries >= 0 && num_keys >= 0, "[" << op << "] S_q (" << num_queries
+                                                    << ") and S_k (" << num_keys
+                                                    << ") must be >= 0");
+  APEX_CHECK(num_keys <= kMax - mask.key_offset,
+             "[" << op << "] key_offset (" << mask.key_offset << ") + S_k (" << num_keys
+                 << ") must not exceed the largest position " << kMax);
+  APEX_CHECK(!mask.query_offset || num_queries <= kMax - *mask.query_offset,
+             "[" << op << "] query_offset (" << *mask.query_offset << ") + S_q (" << num_queries
+                 << ") must not exceed the largest position " << kMax);
 }
 
 }  // namespace detail
@@ -196,7 +224,7 @@ inline PositionMask layer_mask(Index layer, const LayerMaskParams& params) {
 /// for inspection and tests; attention itself never needs it.
 /// A row that is all false is a query with no visible key; attention returns zeros for it.
 inline void build_mask(const PositionMask& mask, Eigen::Ref<BoolMatrix> out) {
-  detail::check_position_mask(mask, "build_mask");
+  detail::check_position_mask(mask, out.rows(), out.cols(), "build_mask");
   const Index first_query = mask.first_query_position(out.rows(), out.cols());
   for (Index i = 0; i < out.rows(); ++i) {
     for (Index j = 0; j < out.cols(); ++j) {
@@ -205,11 +233,13 @@ inline void build_mask(const PositionMask& mask, Eigen::Ref<BoolMatrix> out) {
   }
 }
 
-/// Value-returning form of build_mask: [S_q, S_k] booleans. Allocates the result.
+/// Value-returning form of build_mask: [S_q, S_k] booleans. Allocates the result. Throws, before
+/// allocating, when S_q·S_k does not fit in 64 bits.
 inline BoolMatrix build_mask(const PositionMask& mask, Index num_queries, Index num_keys) {
   APEX_CHECK(num_queries >= 0, "[build_mask] num_queries (" << num_queries << ") must be >= 0");
   APEX_CHECK(num_keys >= 0, "[build_mask] num_keys (" << num_keys << ") must be >= 0");
-  detail::check_position_mask(mask, "build_mask");
+  detail::checked_product(num_queries, num_keys, "build_mask", "num_queries*num_keys");
+  detail::check_position_mask(mask, num_queries, num_keys, "build_mask");
   BoolMatrix result(num_queries, num_keys);
   build_mask(mask, result);
   return result;
@@ -223,6 +253,7 @@ inline BoolMatrix build_mask(Index layer, Index seq_len, const LayerMaskParams& 
   APEX_CHECK(params.prefix <= seq_len,
              "[build_mask] prefix P ("
                  << params.prefix << ") must not exceed the sequence length S (" << seq_len << ")");
+  detail::checked_product(seq_len, seq_len, "build_mask", "S*S");
   return build_mask(layer_mask(layer, params), seq_len, seq_len);
 }
 

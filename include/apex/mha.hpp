@@ -21,11 +21,13 @@
 #pragma once
 
 #include <apex/config.hpp>
+#include <apex/detail/parallel.hpp>
 #include <apex/mask.hpp>
 #include <apex/rope.hpp>
 #include <apex/sdpa.hpp>
 #include <apex/tensor.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -39,24 +41,42 @@ namespace apex {
 
 /// Parameters of a multi-head attention layer (§7.3): W_Q, W_K, W_V are [d, H_q·d_h] and W_O is
 /// [H_q·d_h, d], so the total is 4·d·H_q·d_h, which is 4·d² when H_q·d_h = d. No biases.
-constexpr std::int64_t mha_parameter_count(std::int64_t d_model, std::int64_t num_q_heads,
-                                           std::int64_t head_dim) {
-  return 4 * d_model * num_q_heads * head_dim;
+/// Throws std::invalid_argument on a negative argument or a count beyond 64 bits.
+inline std::int64_t mha_parameter_count(std::int64_t d_model, std::int64_t num_q_heads,
+                                        std::int64_t head_dim) {
+  return detail::checked_product({4, d_model, num_q_heads, head_dim}, "mha_parameter_count",
+                                 "4*d*H_q*d_h");
 }
 
 /// Values stored in the KV cache per token and per layer: K and V, num_kv_heads heads of
 /// head_dim each, 2·H_kv·d_h (§7.4 with H_kv = H_q; §8.3, §9.4 for fewer heads).
-constexpr std::int64_t kv_cache_values_per_token(std::int64_t num_kv_heads, std::int64_t head_dim) {
-  return 2 * num_kv_heads * head_dim;
+/// Throws std::invalid_argument on a negative argument or a count beyond 64 bits.
+inline std::int64_t kv_cache_values_per_token(std::int64_t num_kv_heads, std::int64_t head_dim) {
+  return detail::checked_product({2, num_kv_heads, head_dim}, "kv_cache_values_per_token",
+                                 "2*H_kv*d_h");
 }
+
+namespace detail {
+
+/// kv_cache_bytes with the operation named in its messages (`op`), for the functions that
+/// evaluate it on their own arguments.
+inline std::int64_t checked_kv_cache_bytes(std::int64_t batch, std::int64_t seq,
+                                           std::int64_t num_kv_heads, std::int64_t head_dim,
+                                           std::int64_t bytes_per_value, const char* op) {
+  return checked_product({2, batch, seq, num_kv_heads, head_dim, bytes_per_value}, op,
+                         "2*B*S*H_kv*d_h*bytes");
+}
+
+}  // namespace detail
 
 /// Bytes of the KV cache of one layer (§7.4): 2·B·S·H_kv·d_h·bytes_per_value, K and V.
 /// Note: §7.4 prints "4 GB per layer" for 128K tokens, 128 heads of 128, FP16; that is K
 /// alone. K and V take 2 × 131072 × 128 × 128 × 2 bytes = 8 GiB (SEED-NOTES.md).
-constexpr std::int64_t kv_cache_bytes(std::int64_t batch, std::int64_t seq,
-                                      std::int64_t num_kv_heads, std::int64_t head_dim,
-                                      std::int64_t bytes_per_value) {
-  return batch * seq * kv_cache_values_per_token(num_kv_heads, head_dim) * bytes_per_value;
+/// Throws std::invalid_argument on a negative argument or a size beyond 64 bits.
+inline std::int64_t kv_cache_bytes(std::int64_t batch, std::int64_t seq, std::int64_t num_kv_heads,
+                                   std::int64_t head_dim, std::int64_t bytes_per_value) {
+  return detail::checked_kv_cache_bytes(batch, seq, num_kv_heads, head_dim, bytes_per_value,
+                                        "kv_cache_bytes");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -86,6 +106,7 @@ void split_heads(const Eigen::MatrixBase<Derived>& x, Index batch, Index heads,
                                          << ", " << out.dim() << "] must be [B, H, S, d_h] = ["
                                          << batch << ", " << heads << ", " << seq << ", " << dim
                                          << "]");
+  if (seq == 0 || dim == 0) return;  // nothing to copy (and x's data may be null)
   const auto in = HeadsView<const Scalar>(xr.data(), batch, heads, seq, dim, seq * xr.outerStride(),
                                           dim, xr.outerStride());
   for (Index b = 0; b < batch; ++b) {
@@ -121,10 +142,16 @@ void merge_heads(const HeadsView<T>& heads, RowRef<std::remove_const_t<T>> out) 
   const Index batch = heads.batch();
   const Index seq = heads.seq();
   const Index dim = heads.dim();
-  APEX_CHECK(out.rows() == batch * seq && out.cols() == heads.heads() * dim,
-             "[merge_heads] out shape [" << out.rows() << ", " << out.cols()
-                                         << "] must be [B*S, H*d_h] = [" << batch * seq << ", "
-                                         << heads.heads() * dim << "]");
+  APEX_CHECK(batch >= 0 && heads.heads() >= 0 && seq >= 0 && dim >= 0,
+             "[merge_heads] heads shape [" << batch << ", " << heads.heads() << ", " << seq << ", "
+                                           << dim << "] must have no negative extent");
+  const Index rows = detail::checked_product(batch, seq, "merge_heads", "B*S");
+  const Index cols = detail::checked_product(heads.heads(), dim, "merge_heads", "H*d_h");
+  APEX_CHECK(out.rows() == rows && out.cols() == cols, "[merge_heads] out shape ["
+                                                           << out.rows() << ", " << out.cols()
+                                                           << "] must be [B*S, H*d_h] = [" << rows
+                                                           << ", " << cols << "]");
+  if (out.size() == 0) return;  // nothing to copy (and the data may be null)
   // Token-major [B*S, H*d_h] as [B, H, S, d_h], honouring out's row stride.
   const auto target = HeadsView<Scalar>(out.data(), batch, heads.heads(), seq, dim,
                                         seq * out.outerStride(), dim, out.outerStride());
@@ -136,6 +163,8 @@ void merge_heads(const HeadsView<T>& heads, RowRef<std::remove_const_t<T>> out) 
 /// Value-returning merge_heads: [B, H, S, d_h] -> a new [B*S, H·d_h] matrix.
 template <class T>
 RowMatrix<std::remove_const_t<T>> merge_heads(const HeadsView<T>& heads) {
+  detail::heads_tensor_size<std::remove_const_t<T>>(heads.batch(), heads.heads(), heads.seq(),
+                                                    heads.dim(), "merge_heads");
   RowMatrix<std::remove_const_t<T>> result(heads.batch() * heads.seq(),
                                            heads.heads() * heads.dim());
   merge_heads(heads, RowRef<std::remove_const_t<T>>(result));
@@ -153,6 +182,38 @@ RowMatrix<Scalar> merge_heads(const HeadsTensor<Scalar>& heads) {
 // ---------------------------------------------------------------------------------------------
 
 namespace detail {
+
+/// out = x · w for the projections of attention layers. With a few rows (a decoding step) the
+/// product is a matrix-vector product bound by reading w, which Eigen runs on one thread; it is
+/// then cut into fixed blocks of 512 columns spread over the threads (detail::parallel_for), so
+/// that w is read at the machine's bandwidth. The blocks do not depend on the number of threads,
+/// so neither does the result. More rows, or a small w: one Eigen product (which Eigen threads
+/// itself when it is large). w may be any Eigen expression with columns (a matrix, a transpose).
+/// out must have x.rows() rows and w.cols() columns and must not overlap x or w.
+template <class Scalar, class Weight>
+void project_rows(const ConstRowRef<Scalar>& x, const Weight& w, RowRef<Scalar> out) {
+  constexpr Index kFewRows = 8;
+  constexpr Index kBlock = 512;
+  constexpr Index kMinWeights = Index{1} << 18;  // below 1 MiB of float a thread team costs more
+  const Index cols = w.cols();
+  if (x.rows() > kFewRows || w.rows() * cols < kMinWeights) {
+    out.noalias() = x * w;
+    return;
+  }
+  parallel_for((cols + kBlock - 1) / kBlock, [&](Index j) {
+    const Index first = j * kBlock;
+    const Index n = std::min(kBlock, cols - first);
+    out.middleCols(first, n).noalias() = x * w.middleCols(first, n);
+  });
+}
+
+/// project_rows into a new [x.rows(), w.cols()] matrix.
+template <class Scalar, class Weight>
+RowMatrix<Scalar> project_rows(const ConstRowRef<Scalar>& x, const Weight& w) {
+  RowMatrix<Scalar> out(x.rows(), w.cols());
+  project_rows<Scalar>(x, w, out);
+  return out;
+}
 
 /// A view with the given shape and no data: for running shape checks before anything exists.
 template <class T>
@@ -193,6 +254,8 @@ void multi_head_attention(const ConstHeadsView<typename DerivedWo::Scalar>& q,
   detail::check_sdpa<Scalar>(q, k, v, mask, params,
                              detail::shape_only_view<Scalar>(batch, heads, s_q, d_v), {},
                              "multi_head_attention");
+  // The concatenation [B*S_q, H_q*d_v] is allocated below: its size must be representable.
+  detail::heads_tensor_size<Scalar>(batch, heads, s_q, d_v, "multi_head_attention");
   APEX_CHECK(w_o.rows() == heads * d_v, "[multi_head_attention] w_o rows ("
                                             << w_o.rows() << ") must equal H_q*d_v = " << heads
                                             << "*" << d_v << " = " << heads * d_v);
@@ -204,7 +267,7 @@ void multi_head_attention(const ConstHeadsView<typename DerivedWo::Scalar>& q,
   RowMatrix<Scalar> concat(batch * s_q, heads * d_v);
   sdpa<Scalar>(q, k, v, mask, params,
                HeadsView<Scalar>::token_major(concat.data(), batch, s_q, heads, d_v));
-  out.noalias() = concat * wo;
+  detail::project_rows<Scalar>(concat, wo, out);
 }
 
 /// Value-returning multi_head_attention: a new [B*S_q, d] matrix.
@@ -215,7 +278,11 @@ RowMatrix<typename DerivedWo::Scalar> multi_head_attention(
     const ConstHeadsView<typename DerivedWo::Scalar>& v,
     const AttentionMask<typename DerivedWo::Scalar>& mask, const SdpaParams& params,
     const Eigen::MatrixBase<DerivedWo>& w_o) {
-  RowMatrix<typename DerivedWo::Scalar> out(q.batch() * q.seq(), w_o.cols());
+  using Scalar = typename DerivedWo::Scalar;
+  const Index rows = detail::checked_product(q.batch(), q.seq(), "multi_head_attention", "B*S_q");
+  detail::checked_product({rows, w_o.cols(), static_cast<Index>(sizeof(Scalar))},
+                          "multi_head_attention", "B*S_q*d bytes of the output");
+  RowMatrix<Scalar> out(rows, w_o.cols());
   multi_head_attention(q, k, v, mask, params, w_o, out);
   return out;
 }
@@ -246,15 +313,16 @@ struct AttentionLayerParams {
 ///   q: [B*S, H_q·d_qk], k: [B*S, H_kv·d_qk], v: [B*S, H_kv·d_v]
 template <class Scalar>
 struct ProjectedQkv {
-  RowMatrix<Scalar> q;
-  RowMatrix<Scalar> k;
-  RowMatrix<Scalar> v;
-  Index batch = 1;
-  Index num_q_heads = 1;
-  Index num_kv_heads = 1;
-  Index qk_dim = 0;  ///< d_qk, width of one query/key head
-  Index v_dim = 0;   ///< d_v, width of one value head
+  RowMatrix<Scalar> q;     ///< [B*S, H_q·d_qk] queries, RoPE applied when the layer uses it
+  RowMatrix<Scalar> k;     ///< [B*S, H_kv·d_qk] keys, RoPE applied when the layer uses it
+  RowMatrix<Scalar> v;     ///< [B*S, H_kv·d_v] values
+  Index batch = 1;         ///< B: the rows are B blocks of S tokens
+  Index num_q_heads = 1;   ///< H_q, query heads in q
+  Index num_kv_heads = 1;  ///< H_kv, key/value heads in k and v
+  Index qk_dim = 0;        ///< d_qk, width of one query/key head
+  Index v_dim = 0;         ///< d_v, width of one value head
 
+  /// Tokens per sequence S = rows of q / B (0 when batch is 0).
   Index seq() const { return batch == 0 ? 0 : q.rows() / batch; }
   /// [B, H_q, S, d_qk] view of q (no copy).
   HeadsView<const Scalar> q_heads() const {
@@ -313,10 +381,13 @@ void check_layer_input(const ConstRowRef<Scalar>& x, Index batch, Index d_model,
   const Index seq = x.rows() / batch;
   APEX_CHECK(position_offset >= 0,
              "[" << op << "] position_offset (" << position_offset << ") must be >= 0");
-  APEX_CHECK(seq == 0 || position_offset + seq <= rope->max_positions(),
-             "[" << op << "] positions [" << position_offset << ", " << position_offset + seq
-                 << ") must be below the RoPE table's max_positions (" << rope->max_positions()
-                 << ")");
+  // position_offset + S would overflow for an offset near the top of the range: compare the
+  // offset with max_positions - S instead (both >= 0, so the difference cannot overflow).
+  const Index table = rope->max_positions();
+  APEX_CHECK(seq == 0 || (seq <= table && position_offset <= table - seq),
+             "[" << op << "] positions [position_offset, position_offset + S) = ["
+                 << position_offset << ", " << position_offset << " + " << seq
+                 << ") must be below the RoPE table's max_positions (" << table << ")");
 }
 
 /// A layer's RoPE table, when it has one, must be as wide as the features the layer rotates

@@ -91,16 +91,44 @@ inline void check_mla_config(const MlaConfig& c) {
              "[mla] num_rope_key_heads ("
                  << c.num_rope_key_heads << ") must be 1 (one shared K_rope head) or num_kv_heads ("
                  << c.num_kv_heads << ") (0 also means num_kv_heads)");
+  // Every size the layer forms from the config must fit in 64 bits: the widths of the heads
+  // side by side (H·d_h, H·d_r; H_kv <= H_q and H_kr <= H_q, so the query side bounds them), the
+  // head width d_h + d_r, the cached row d_kv + H_kr·d_r, MHA's 2·H_q·d_h of the cache ratios,
+  // and the weight count (mla_parameter_count), which bounds every weight's element count.
+  const char* op = "mla";
+  checked_product({2, c.num_q_heads, c.head_dim}, op, "2*num_q_heads*head_dim");
+  checked_product(c.num_q_heads, c.rope_dim, op, "num_q_heads*rope_dim");
+  checked_sum(c.head_dim, c.rope_dim, op, "head_dim + rope_dim");
+  checked_sum(c.d_kv, checked_product(c.rope_key_heads(), c.rope_dim, op, "H_kr*rope_dim"), op,
+              "d_kv + H_kr*rope_dim");
+  const std::int64_t counts[] = {
+      checked_product(c.d_model, c.d_kv, op, "W_DKV count d_model*d_kv"),
+      checked_product({2, c.d_kv, c.num_kv_heads, c.head_dim}, op,
+                      "W_UK + W_UV count 2*d_kv*num_kv_heads*head_dim"),
+      checked_product(c.d_model, c.d_q, op, "W_DQ count d_model*d_q"),
+      checked_product({c.d_q, c.num_q_heads, c.head_dim}, op,
+                      "W_UQ count d_q*num_q_heads*head_dim"),
+      checked_product({c.d_model, c.num_q_heads, c.rope_dim}, op,
+                      "W_QR count d_model*num_q_heads*rope_dim"),
+      checked_product({c.d_model, c.rope_key_heads(), c.rope_dim}, op,
+                      "W_KR count d_model*H_kr*rope_dim"),
+      checked_product({c.num_q_heads, c.head_dim, c.d_model}, op,
+                      "W_O count num_q_heads*head_dim*d_model"),
+  };
+  std::int64_t total = 0;
+  for (const std::int64_t n : counts) total = checked_sum(total, n, op, "weight count");
+  (void)total;  // only its check matters here
 }
 
 }  // namespace detail
 
 /// One weight matrix of an MLA layer, for printing the §9.5 table.
 struct MlaMatrixShape {
-  std::string name;  ///< "W_DKV", "W_UK", ...
-  Index rows = 0;
-  Index cols = 0;
+  std::string name;     ///< "W_DKV", "W_UK", ...
+  Index rows = 0;       ///< input width: the matrix is applied as x·W with x [tokens, rows]
+  Index cols = 0;       ///< output width
   std::string purpose;  ///< §9.5's "Purpose" column
+  /// Number of weights, rows·cols.
   std::int64_t count() const { return static_cast<std::int64_t>(rows) * cols; }
 };
 
@@ -125,9 +153,13 @@ inline std::vector<MlaMatrixShape> mla_parameter_table(const MlaConfig& c) {
 }
 
 /// Total parameters of an MLA layer (§9.5): the sum of mla_parameter_table's counts. No biases.
+/// Throws on an invalid config, including one whose count does not fit in 64 bits.
 inline std::int64_t mla_parameter_count(const MlaConfig& c) {
   std::int64_t total = 0;
-  for (const MlaMatrixShape& m : mla_parameter_table(c)) total += m.count();
+  // The config check has bounded the sum; the checked sum states it.
+  for (const MlaMatrixShape& m : mla_parameter_table(c)) {
+    total = detail::checked_sum(total, m.count(), "mla", "weight count");
+  }
   return total;
 }
 
@@ -142,7 +174,7 @@ inline std::int64_t mla_cache_values_per_token_document(const MlaConfig& c) {
 /// rotated K_rope, d_kv + H_kr·d_r. K_rope = RoPE(x·W_KR) comes from x, not from c_kv, so it
 /// cannot be recomputed from the cached latent (SEED-NOTES.md, §9.4).
 inline std::int64_t mla_cache_values_per_token(const MlaConfig& c) {
-  detail::check_mla_config(c);
+  detail::check_mla_config(c);  // which includes that d_kv + H_kr·d_r fits
   return static_cast<std::int64_t>(c.d_kv) +
          static_cast<std::int64_t>(c.rope_key_heads()) * c.rope_dim;
 }
@@ -200,7 +232,9 @@ struct MlaAbsorbedWeights {
   RowMatrix<Scalar> w_q_latent;  ///< [d_q, H_q·d_kv], block h = W_UQ,h · W_UK,gᵀ; or empty
   RowMatrix<Scalar> w_o_latent;  ///< [H_q·d_kv, d], row block h = W_UV,g · W_O,h; or empty
 
+  /// True when the query side was folded into w_q_latent; false: apply W_UQ, then W_UKᵀ.
   bool query_multiplied() const { return w_q_latent.size() != 0; }
+  /// True when the output side was folded into w_o_latent; false: apply W_UV, then W_O.
   bool output_multiplied() const { return w_o_latent.size() != 0; }
 };
 
@@ -266,6 +300,8 @@ class MultiHeadLatentAttention {
   /// std::mt19937_64 seeded with `seed`.
   static MultiHeadLatentAttention random(const MlaConfig& config, std::uint64_t seed) {
     const std::vector<MlaMatrixShape> table = mla_parameter_table(config);
+    detail::checked_product(mla_parameter_count(config), static_cast<std::int64_t>(sizeof(Scalar)),
+                            "mla", "weight bytes");
     std::mt19937_64 rng(seed);
     MlaWeights<Scalar> w;
     RowMatrix<Scalar>* const matrices[] = {&w.w_dkv, &w.w_uk, &w.w_uv, &w.w_dq,
@@ -276,8 +312,11 @@ class MultiHeadLatentAttention {
     return MultiHeadLatentAttention(config, std::move(w));
   }
 
+  /// The configuration the layer was built with (checked at construction).
   const MlaConfig& config() const { return config_; }
+  /// The eight weight matrices, read-only (shapes as in mla_parameter_table).
   const MlaWeights<Scalar>& weights() const { return weights_; }
+  /// Number of weights, the §9.5 total (mla_parameter_count).
   std::int64_t parameter_count() const { return mla_parameter_count(config_); }
 
   /// Compression, decompression and decoupled RoPE (§9.2, §9.3), everything before attention:
@@ -454,6 +493,10 @@ class MultiHeadLatentAttention {
                      const AttentionLayerParams<Scalar>& params, const LatentCache<Scalar>& cache,
                      bool absorbed, const RowRef<Scalar>& out) const {
     const Index batch = cache.batch();
+    // Positions first: params.position_offset must be the cache's next position, which also keeps
+    // the layer's own position arithmetic below far from overflow.
+    detail::check_cached_rule(mask, params.position_offset, cache.next_position(), x.rows() / batch,
+                              "mla");
     check_input(x, batch, params);
     APEX_CHECK(cache.latent_dim() == config_.d_kv &&
                    cache.rope_heads() == config_.rope_key_heads() &&
@@ -463,7 +506,6 @@ class MultiHeadLatentAttention {
                    << ") must equal the layer's d_kv, H_kr, d_r (" << config_.d_kv << ", "
                    << config_.rope_key_heads() << ", " << config_.rope_dim << ")");
     const Index n = x.rows() / batch;
-    detail::check_cached_rule(mask, params.position_offset, cache.next_position(), n, "mla");
     cache.check_room(n);
     const Index keys = cache.size() + n;
     const Index qk_dim = absorbed ? cache.row_width() : config_.qk_dim();
@@ -497,9 +539,9 @@ class MultiHeadLatentAttention {
     const Index d_h = config_.head_dim;
     const Index d_r = config_.rope_dim;
     const Index d_qk = config_.qk_dim();
-    const RowMatrix<Scalar> c_q = x * weights_.w_dq;
-    const RowMatrix<Scalar> q_content = c_q * weights_.w_uq;
-    RowMatrix<Scalar> q_rope = x * weights_.w_qr;
+    const RowMatrix<Scalar> c_q = detail::project_rows<Scalar>(x, weights_.w_dq);
+    const RowMatrix<Scalar> q_content = detail::project_rows<Scalar>(c_q, weights_.w_uq);
+    RowMatrix<Scalar> q_rope = detail::project_rows<Scalar>(x, weights_.w_qr);
     detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, q_rope);
     RowMatrix<Scalar> q(x.rows(), h_q * d_qk);
     for (Index h = 0; h < h_q; ++h) {
@@ -513,8 +555,8 @@ class MultiHeadLatentAttention {
   void append_latents(const ConstRowRef<Scalar>& x, Index batch,
                       const AttentionLayerParams<Scalar>& params,
                       LatentCache<Scalar>& cache) const {
-    const RowMatrix<Scalar> c_kv = x * weights_.w_dkv;
-    RowMatrix<Scalar> k_rope = x * weights_.w_kr;
+    const RowMatrix<Scalar> c_kv = detail::project_rows<Scalar>(x, weights_.w_dkv);
+    RowMatrix<Scalar> k_rope = detail::project_rows<Scalar>(x, weights_.w_kr);
     detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, k_rope);
     cache.append(c_kv, k_rope, params.position_offset);
   }
@@ -530,6 +572,13 @@ class MultiHeadLatentAttention {
     const Index d_qk = config_.qk_dim();
 
     ProjectedQkv<Scalar> p = detail::empty_projection<Scalar>(batch, attention_heads());
+    if (rows == 0) {
+      // No tokens: the projections are empty, with null data that must not be cut into blocks.
+      p.q.resize(0, h_q * d_qk);
+      p.k.resize(0, h_kv * d_qk);
+      p.v.resize(0, h_kv * d_h);
+      return p;
+    }
 
     // Keys and values from the latent (§9.2).
     const RowMatrix<Scalar> c_kv = x * weights_.w_dkv;
@@ -584,13 +633,27 @@ MlaAbsorbedWeights<Scalar> absorb_mla_weights(const MultiHeadLatentAttention<Sca
   const Index d_h = c.head_dim;
   const Index d_kv = c.d_kv;
   const Index d = c.d_model;
-  const auto choose = [](MlaFold fold, Index multiplied_cost, Index factored_cost) {
+  // Costs in double: d_q·d_kv is not among the sizes the config check bounds.
+  const auto choose = [](MlaFold fold, double multiplied_cost, double factored_cost) {
     return fold == MlaFold::kMultiplied ||
            (fold == MlaFold::kAuto && multiplied_cost <= factored_cost);
   };
+  const auto real = [](Index n) { return static_cast<double>(n); };
   MlaAbsorbedWeights<Scalar> result;
   result.config = c;
-  if (choose(params.query, c.d_q * d_kv, d_h * (c.d_q + d_kv))) {
+  const bool multiply_query =
+      choose(params.query, real(c.d_q) * real(d_kv), real(d_h) * (real(c.d_q) + real(d_kv)));
+  const bool multiply_output =
+      choose(params.output, real(d_kv) * real(d), real(d_h) * (real(d_kv) + real(d)));
+  // The products are new matrices: check their sizes before allocating either.
+  const auto bytes = static_cast<Index>(sizeof(Scalar));
+  if (multiply_query) {
+    detail::checked_product({c.d_q, h_q, d_kv, bytes}, "mla", "w_q_latent bytes d_q*H_q*d_kv");
+  }
+  if (multiply_output) {
+    detail::checked_product({h_q, d_kv, d, bytes}, "mla", "w_o_latent bytes H_q*d_kv*d");
+  }
+  if (multiply_query) {
     const Eigen::MatrixXd w_uq = w.w_uq.template cast<double>();
     const Eigen::MatrixXd w_uk = w.w_uk.template cast<double>();
     result.w_q_latent.resize(c.d_q, h_q * d_kv);
@@ -601,7 +664,7 @@ MlaAbsorbedWeights<Scalar> absorb_mla_weights(const MultiHeadLatentAttention<Sca
               .template cast<Scalar>();
     }
   }
-  if (choose(params.output, d_kv * d, d_h * (d_kv + d))) {
+  if (multiply_output) {
     const Eigen::MatrixXd w_uv = w.w_uv.template cast<double>();
     const Eigen::MatrixXd w_o = w.w_o.template cast<double>();
     result.w_o_latent.resize(h_q * d_kv, d);
@@ -633,6 +696,10 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
   const Index d_r = c.rope_dim;
   const Index d_kv = c.d_kv;
   const Index width = d_kv + h_kr * d_r;  // of a cached row, and of every absorbed query head
+  // The absorbed queries are H_q·width wide, H_q·d_kv of them latent: sizes the config check
+  // does not bound (it bounds H_q·d_h, not H_q·d_kv).
+  const Index q_width =
+      detail::checked_product(h_q, width, "mla", "absorbed query width H_q*(d_kv + H_kr*d_r)");
   const MlaConfig& a = absorbed.config;
   APEX_CHECK(a.d_model == c.d_model && a.d_q == c.d_q && a.d_kv == c.d_kv &&
                  a.num_q_heads == c.num_q_heads && a.num_kv_heads == c.num_kv_heads &&
@@ -656,18 +723,20 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
   const Index n = check_cached(xr, mask, params, cache, /*absorbed=*/true, out);
   const Index batch = cache.batch();
   const Index rows = xr.rows();
+  detail::checked_product({rows, q_width, static_cast<Index>(sizeof(Scalar))}, "mla",
+                          "absorbed query bytes B*n*H_q*(d_kv + H_kr*d_r)");
 
   // Queries [q̃_h ‖ 0 … Q_rope,h … 0] per head, the rope part in the slot of head h's K_rope.
-  RowMatrix<Scalar> q = RowMatrix<Scalar>::Zero(rows, h_q * width);
-  const RowMatrix<Scalar> c_q = xr * weights_.w_dq;
+  RowMatrix<Scalar> q = RowMatrix<Scalar>::Zero(rows, q_width);
+  const RowMatrix<Scalar> c_q = detail::project_rows<Scalar>(xr, weights_.w_dq);
   if (absorbed.query_multiplied()) {
-    const RowMatrix<Scalar> q_latent = c_q * absorbed.w_q_latent;
+    const RowMatrix<Scalar> q_latent = detail::project_rows<Scalar>(c_q, absorbed.w_q_latent);
     for (Index h = 0; h < h_q; ++h) {
       q.middleCols(h * width, d_kv) = q_latent.middleCols(h * d_kv, d_kv);
     }
   } else {
     // q̃ for the G heads of group g of token t: [G, d_h] (contiguous in Q's row) · W_UK,gᵀ.
-    const RowMatrix<Scalar> q_content = c_q * weights_.w_uq;
+    const RowMatrix<Scalar> q_content = detail::project_rows<Scalar>(c_q, weights_.w_uq);
     using Strided = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
     for (Index t = 0; t < rows; ++t) {
       for (Index g = 0; g < h_kv; ++g) {
@@ -679,7 +748,7 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
       }
     }
   }
-  RowMatrix<Scalar> q_rope = xr * weights_.w_qr;
+  RowMatrix<Scalar> q_rope = detail::project_rows<Scalar>(xr, weights_.w_qr);
   detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, q_rope);
   for (Index h = 0; h < h_q; ++h) {
     const Index slot = h_kr == 1 ? 0 : h / group;
@@ -700,7 +769,7 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
                HeadsView<Scalar>::token_major(o_latent.data(), batch, n, h_q, d_kv));
 
   if (absorbed.output_multiplied()) {
-    out.noalias() = o_latent * absorbed.w_o_latent;
+    detail::project_rows<Scalar>(o_latent, absorbed.w_o_latent, out);
     return;
   }
   // o_h W_UV,g for the G heads of group g of token t: [G, d_kv] · W_UV,g -> [G, d_h].
@@ -713,7 +782,7 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
       target.noalias() = o_group * weights_.w_uv.middleCols(g * d_h, d_h);
     }
   }
-  out.noalias() = concat * weights_.w_o;
+  detail::project_rows<Scalar>(concat, weights_.w_o, out);
 }
 
 }  // namespace apex

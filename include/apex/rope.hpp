@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <type_traits>
 
 namespace apex {
@@ -37,18 +39,85 @@ struct RopeParams {
   /// Number of leading features of each head that rotate (even). 0 means the whole head.
   /// Features [rotary_dim, head_dim) pass through unchanged (partial rotary, as in GPT-NeoX).
   Index rotary_dim = 0;
+  /// Which features form a rotated pair: (2i, 2i+1) as §4.4 writes it (the default), or
+  /// (i, i + d_r/2) for Llama, GPT-NeoX and HuggingFace checkpoints.
   RopePairing pairing = RopePairing::kInterleaved;
 };
+
+namespace detail {
+
+template <class Scalar>
+constexpr const char* rope_scalar_name() {
+  return std::is_same_v<Scalar, float> ? "float" : "double";
+}
+
+inline void check_rope_rotary_dim(Index rotary_dim) {
+  APEX_CHECK(rotary_dim >= 2 && rotary_dim % 2 == 0,
+             "[rope] rotary_dim (" << rotary_dim << ") must be even and at least 2");
+}
+
+inline void check_rope_base(double base) {
+  APEX_CHECK(std::isfinite(base) && base > 1.0,
+             "[rope] base (" << base << ") must be finite and greater than 1");
+}
+
+inline void check_rope_max_positions(Index max_positions, const char* op) {
+  APEX_CHECK(max_positions >= 1,
+             "[" << op << "] max_positions (" << max_positions << ") must be at least 1");
+}
+
+// The cos and sin tables hold 2 · max_positions · rotary_dim scalars. The entry count must be
+// an addressable Index and the byte count must fit in 64 bits; a larger request is a wrong
+// argument (rejected before anything is allocated), not an out-of-memory condition.
+template <class Scalar>
+void check_rope_table_size(Index max_positions, Index rotary_dim, const char* op) {
+  const std::int64_t entries =
+      checked_product(max_positions, rotary_dim, op, "table entries max_positions x rotary_dim");
+  checked_product(entries, 2 * static_cast<std::int64_t>(sizeof(Scalar)), op,
+                  "table bytes (max_positions * rotary_dim) x (2 tables * sizeof(Scalar))");
+}
+
+// Every entry is magnitude · cos or magnitude · sin (|·| ≤ magnitude), rounded to Scalar. Above
+// Scalar's largest value the entries become infinite; below its smallest normal value they
+// flush towards zero and lose their precision. Both are rejected (NaN fails the comparison).
+template <class Scalar>
+void check_rope_magnitude(double magnitude, const char* op, const char* what) {
+  constexpr double lowest = static_cast<double>(std::numeric_limits<Scalar>::min());
+  constexpr double highest = static_cast<double>(std::numeric_limits<Scalar>::max());
+  APEX_CHECK(magnitude >= lowest && magnitude <= highest,
+             "[" << op << "] " << what << " (" << magnitude
+                 << ") must be finite, > 0 and within the normal range of "
+                 << rope_scalar_name<Scalar>() << " [" << lowest << ", " << highest
+                 << "], so that every table entry is finite");
+}
+
+// Each θ_i finite and ≥ 0, and the largest angle (max_positions − 1)·max θ finite in double:
+// cos and sin of a finite angle are finite, but an angle that overflows to inf gives NaN.
+// The table forms m·θ_i for m ≤ max_positions − 1, and rounding is monotone, so no angle
+// exceeds the one checked here. O(θ.size()), no allocation.
+inline void check_rope_theta(const Vector<double>& theta, Index max_positions) {
+  double largest = 0.0;
+  for (Index i = 0; i < theta.size(); ++i) {
+    APEX_CHECK(std::isfinite(theta(i)) && theta(i) >= 0.0,
+               "[rope] theta[" << i << "] (" << theta(i) << ") must be finite and >= 0");
+    largest = std::max(largest, theta(i));
+  }
+  const double last = static_cast<double>(max_positions - 1);
+  APEX_CHECK(std::isfinite(last * largest),
+             "[rope] the largest angle (max_positions - 1) * max theta = ("
+                 << last << ") * (" << largest
+                 << ") must be finite in double (cos and sin of an infinite angle are NaN)");
+}
+
+}  // namespace detail
 
 /// θ_i = base^(-2i/d_r) for i = 0 … d_r/2 − 1 (§4.3), in double precision.
 /// Note: §4.3's table for d_h = 8 (0.0316, 0.0010, …) does not follow its own formula; the
 /// formula is implemented (θ = 1, 0.1, 0.01, 0.001), see SEED-NOTES.md.
 /// Returns a vector of d_r/2 frequencies (allocates it).
 inline Vector<double> rope_frequencies(Index rotary_dim, double base) {
-  APEX_CHECK(rotary_dim >= 2 && rotary_dim % 2 == 0,
-             "[rope] rotary_dim (" << rotary_dim << ") must be even and at least 2");
-  APEX_CHECK(std::isfinite(base) && base > 1.0,
-             "[rope] base (" << base << ") must be finite and greater than 1");
+  detail::check_rope_rotary_dim(rotary_dim);
+  detail::check_rope_base(base);
   const Index pairs = rotary_dim / 2;
   Vector<double> theta(pairs);
   for (Index i = 0; i < pairs; ++i) {
@@ -61,9 +130,11 @@ inline Vector<double> rope_frequencies(Index rotary_dim, double base) {
 /// [max_positions, rotary_dim] each, laid out according to the pairing:
 ///   kInterleaved: cos[m, 2i] = cos[m, 2i+1] = magnitude · cos(m·θ_i)
 ///   kHalfSplit:   cos[m, i]  = cos[m, i + d_r/2] = magnitude · cos(m·θ_i)
-/// (sin likewise). The angle m·θ_i is formed in double precision and only the cosine and sine
-/// are rounded to Scalar: in float, m·θ itself would be off by up to ~0.06 rad at m = 10^6
-/// (SEED-NOTES.md, §4.7). Memory: 2 · max_positions · rotary_dim scalars.
+/// (sin likewise). Each angle m·θ_i is formed directly in double precision (never accumulated
+/// over m) and only the cosine and sine are rounded to Scalar: in float, m·θ itself would be
+/// off by up to ~0.06 rad at m = 10^6 (SEED-NOTES.md, §4.7). Memory: 2 · max_positions ·
+/// rotary_dim scalars; every constructor checks all of its arguments, and that this size fits
+/// in 64-bit byte counts, before allocating anything, and every table it builds is finite.
 ///
 /// head_dim is the width of one head in the rows the table is applied to; it may exceed
 /// rotary_dim, in which case the trailing head_dim − rotary_dim features of every head are left
@@ -71,28 +142,34 @@ inline Vector<double> rope_frequencies(Index rotary_dim, double base) {
 template <class Scalar>
 class RopeTable {
  public:
+  /// The scalar type of the table entries (float or double).
   using ScalarType = Scalar;
 
   /// The plain RoPE table (§4.3, §4.7): θ_i = base^(-2i/d_r), magnitude 1.
   RopeTable(Index max_positions, Index head_dim, const RopeParams& params = {}) {
     detail::require_supported_scalar<Scalar>();
+    detail::check_rope_max_positions(max_positions, "rope");
     APEX_CHECK(params.rotary_dim != 0 || (head_dim >= 2 && head_dim % 2 == 0),
                "[rope] head_dim (" << head_dim
                                    << ") must be even and at least 2 when rotary_dim is 0 "
                                       "(the whole head rotates)");
     const Index rotary_dim = params.rotary_dim == 0 ? head_dim : params.rotary_dim;
-    APEX_CHECK(rotary_dim >= 2 && rotary_dim % 2 == 0,
-               "[rope] rotary_dim (" << rotary_dim << ") must be even and at least 2");
+    detail::check_rope_rotary_dim(rotary_dim);
     APEX_CHECK(rotary_dim <= head_dim, "[rope] rotary_dim (" << rotary_dim
                                                              << ") must not exceed head_dim ("
                                                              << head_dim << ")");
+    detail::check_rope_base(params.base);
+    detail::check_rope_table_size<Scalar>(max_positions, rotary_dim, "rope");
+    // θ ∈ (0, 1] and magnitude 1: build() cannot reject what follows.
     build(rope_frequencies(rotary_dim, params.base), max_positions, head_dim, params.pairing, 1.0);
   }
 
   /// A table for arbitrary frequencies θ (d_r = 2·θ.size()), e.g. YaRN's (§5). Every cos and
   /// sin entry is multiplied by `magnitude`, which is how an attention factor that scales both
   /// q and k is baked into the tables (the logits of rotated features then grow by
-  /// magnitude²). θ_i must be finite and ≥ 0; magnitude finite and > 0.
+  /// magnitude²). θ_i must be finite and ≥ 0 with (max_positions − 1)·max_i θ_i finite in
+  /// double (so that every angle, and hence every entry, is finite); magnitude must lie in the
+  /// normal range of Scalar (so that magnitude·cos rounds to a finite, non-flushed Scalar).
   static RopeTable from_frequencies(const Vector<double>& theta, Index max_positions,
                                     Index head_dim, RopePairing pairing, double magnitude = 1.0) {
     detail::require_supported_scalar<Scalar>();
@@ -106,7 +183,8 @@ class RopeTable {
   /// here), or [P, d_r] for RopeCacheWidth::kFull, already laid out per `pairing` exactly as
   /// cos() returns it; in the full-width form the two entries of a pair are used as given and
   /// are not checked to agree. Values are converted to Scalar. The width must be stated because
-  /// a [P, 64] cache for 128-wide heads may mean either layout.
+  /// a [P, 64] cache for 128-wide heads may mean either layout. Every value must be finite and
+  /// within Scalar's range (checked before anything is allocated).
   template <class DerivedCos, class DerivedSin>
   static RopeTable from_cos_sin(const Eigen::MatrixBase<DerivedCos>& cos,
                                 const Eigen::MatrixBase<DerivedSin>& sin, Index head_dim,
@@ -127,6 +205,9 @@ class RopeTable {
     APEX_CHECK(rotary_dim <= head_dim, "[rope] rotary_dim implied by cos/sin ("
                                            << rotary_dim << ") must not exceed head_dim ("
                                            << head_dim << ")");
+    detail::check_rope_table_size<Scalar>(cos.rows(), rotary_dim, "rope");
+    check_values(cos, "cos");
+    check_values(sin, "sin");
     RopeTable table;
     table.head_dim_ = head_dim;
     table.rotary_dim_ = rotary_dim;
@@ -147,33 +228,52 @@ class RopeTable {
     return table;
   }
 
+  /// Number of positions P the table covers: positions [0, P) can be rotated.
   Index max_positions() const { return cos_.rows(); }
+  /// Width of one head in the rows the table is applied to (>= rotary_dim()).
   Index head_dim() const { return head_dim_; }
+  /// d_r: leading features of each head that rotate (even); the rest pass through.
   Index rotary_dim() const { return rotary_dim_; }
+  /// Which features form a rotated pair; fixes the layout of cos() and sin().
   RopePairing pairing() const { return pairing_; }
-  /// [max_positions, rotary_dim], laid out per pairing() (see the class comment).
+  /// [max_positions, rotary_dim] cosines cos(m·θ_i) (times from_frequencies' magnitude), laid
+  /// out per pairing() (see the class comment).
   const RowMatrix<Scalar>& cos() const { return cos_; }
+  /// [max_positions, rotary_dim] sines, same layout and magnitude as cos().
   const RowMatrix<Scalar>& sin() const { return sin_; }
 
  private:
   RopeTable() = default;
 
+  // User-supplied cos/sin values: finite and within Scalar's range, so that the converted
+  // table is finite (compared in double: converting an out-of-range value is undefined).
+  template <class Derived>
+  static void check_values(const Eigen::MatrixBase<Derived>& values, const char* name) {
+    constexpr double highest = static_cast<double>(std::numeric_limits<Scalar>::max());
+    for (Index m = 0; m < values.rows(); ++m) {
+      for (Index j = 0; j < values.cols(); ++j) {
+        const double v = static_cast<double>(values(m, j));
+        APEX_CHECK(std::isfinite(v) && std::abs(v) <= highest,
+                   "[rope] " << name << "(" << m << ", " << j << ") (" << v
+                             << ") must be finite and at most " << highest << " in magnitude ("
+                             << detail::rope_scalar_name<Scalar>() << ")");
+      }
+    }
+  }
+
+  // Checks every argument, then allocates and fills the tables.
   void build(const Vector<double>& theta, Index max_positions, Index head_dim, RopePairing pairing,
              double magnitude) {
     APEX_CHECK(theta.size() >= 1,
                "[rope] theta size (" << theta.size() << ") must be at least 1 (one pair)");
-    for (Index i = 0; i < theta.size(); ++i) {
-      APEX_CHECK(std::isfinite(theta(i)) && theta(i) >= 0.0,
-                 "[rope] theta[" << i << "] (" << theta(i) << ") must be finite and >= 0");
-    }
-    APEX_CHECK(max_positions >= 1,
-               "[rope] max_positions (" << max_positions << ") must be at least 1");
+    detail::check_rope_max_positions(max_positions, "rope");
     const Index rotary_dim = 2 * theta.size();
     APEX_CHECK(head_dim >= rotary_dim, "[rope] head_dim (" << head_dim
                                                            << ") must be at least rotary_dim ("
                                                            << rotary_dim << ")");
-    APEX_CHECK(std::isfinite(magnitude) && magnitude > 0.0,
-               "[rope] magnitude (" << magnitude << ") must be finite and > 0");
+    detail::check_rope_table_size<Scalar>(max_positions, rotary_dim, "rope");
+    detail::check_rope_magnitude<Scalar>(magnitude, "rope", "magnitude");
+    detail::check_rope_theta(theta, max_positions);
     head_dim_ = head_dim;
     rotary_dim_ = rotary_dim;
     pairing_ = pairing;
@@ -187,6 +287,7 @@ class RopeTable {
         max_positions,
         [&](Index m) {
           for (Index i = 0; i < pairs; ++i) {
+            // m·θ_i formed directly in double (m < 2^53 is exact), never accumulated over m.
             const double angle = static_cast<double>(m) * theta(i);
             store(m, i, static_cast<Scalar>(magnitude * std::cos(angle)),
                   static_cast<Scalar>(magnitude * std::sin(angle)));

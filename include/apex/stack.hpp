@@ -77,6 +77,8 @@ enum class LogitRows {
 
 /// Options of the cached (inference) calls of AttentionStack.
 struct DecodeOptions {
+  /// Which rows of logits to return: every new token (the default) or only the last one of
+  /// each sequence, which shrinks the LM head's product from [B*n, d]·[d, V] to [B, d]·[d, V].
   LogitRows logits = LogitRows::kAll;
   /// MLA decoding path of the global layers (mla.hpp): kAuto takes the cheaper one for the
   /// chunk length (absorbed for single tokens, naive for prompts); both are exact.
@@ -87,12 +89,15 @@ struct DecodeOptions {
 struct StackCacheMemory {
   Index local_layers = 0;   ///< GQA + sliding window
   Index global_layers = 0;  ///< MLA
-  /// One layer, one sequence, one token: 2·H_kv·d_h·bytes (local, held for the last W tokens
-  /// only) and (d_kv + H_kr·d_r)·bytes (global).
+  /// One local layer, one sequence, one token: 2·H_kv·d_h·bytes (K and V), held for the last
+  /// W tokens only. 0 when there is no local layer.
   std::int64_t local_bytes_per_token = 0;
+  /// One global layer, one sequence, one token: (d_kv + H_kr·d_r)·bytes (c_kv and K_rope,
+  /// mla.hpp). 0 when there is no global layer.
   std::int64_t global_bytes_per_token = 0;
-  /// One layer at the context: B·min(S, W)·local_bytes_per_token, B·S·global_bytes_per_token.
+  /// One local layer at the context: B·min(S, W)·local_bytes_per_token (§10.3).
   std::int64_t local_bytes_per_layer = 0;
+  /// One global layer at the context: B·S·global_bytes_per_token (§9.4 plus K_rope).
   std::int64_t global_bytes_per_layer = 0;
   /// Every layer: local_layers·local_bytes_per_layer + global_layers·global_bytes_per_layer.
   std::int64_t total_bytes = 0;
@@ -100,8 +105,8 @@ struct StackCacheMemory {
 
 /// One row of the layer plan: what layer l is and what a decoder caches for it per token.
 struct LayerPlan {
-  Index layer = 0;
-  bool global = false;
+  Index layer = 0;      ///< l, counted from 0
+  bool global = false;  ///< true for a global (MLA) layer, l mod F_g = F_g − 1 (§11.2)
   /// Values cached per token: 2·H_kv·d_h for a local layer (kept for the last W tokens only);
   /// d_kv + H_kr·d_r for a global (MLA) layer (c_kv and K_rope, see mla.hpp).
   std::int64_t cache_values_per_token = 0;
@@ -110,7 +115,8 @@ struct LayerPlan {
 /// The cache memory of a stack with this config holding `context` tokens for `batch` sequences,
 /// each value `bytes_per_value` bytes wide (2 for FP16, sizeof(Scalar) for a StackCache): what
 /// StackCache::bytes() reports for a cache of capacity `context`. Needs no weights, so it can
-/// be evaluated for APEX-1 Large. Throws on a non-positive batch, context or value width.
+/// be evaluated for APEX-1 Large. Throws on a non-positive batch, context or value width, an
+/// invalid layer config, or a size beyond 64 bits.
 inline StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, Index context,
                                            Index bytes_per_value) {
   APEX_CHECK(batch >= 1 && context >= 1 && bytes_per_value >= 1,
@@ -122,16 +128,31 @@ inline StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, In
   for (Index l = 0; l < c.num_layers; ++l) {
     (is_global_layer(l, c.global_every) ? m.global_layers : m.local_layers) += 1;
   }
-  m.local_bytes_per_token =
-      kv_cache_values_per_token(c.local.num_kv_heads, c.local.head_dim) * bytes_per_value;
-  m.local_bytes_per_layer = sliding_window_cache_bytes(
-      batch, context, c.window, c.local.num_kv_heads, c.local.head_dim, bytes_per_value);
-  if (m.global_layers > 0) {
-    m.global_bytes_per_token = mla_cache_values_per_token(c.global) * bytes_per_value;
-    m.global_bytes_per_layer = batch * context * m.global_bytes_per_token;
+  // Every product is checked: the dimensions are the user's, and a wrapped size is worse than
+  // an error.
+  const char* op = "stack";
+  if (m.local_layers > 0) {
+    detail::check_gqa_config(c.local);
+    m.local_bytes_per_token = detail::checked_product(
+        {2, c.local.num_kv_heads, c.local.head_dim, bytes_per_value}, op, "2*H_kv*d_h*bytes");
+    m.local_bytes_per_layer = sliding_window_cache_bytes(
+        batch, context, c.window, c.local.num_kv_heads, c.local.head_dim, bytes_per_value);
   }
-  m.total_bytes =
-      m.local_layers * m.local_bytes_per_layer + m.global_layers * m.global_bytes_per_layer;
+  if (m.global_layers > 0) {
+    detail::check_mla_config(c.global);
+    const std::int64_t values = detail::checked_sum(
+        c.global.d_kv,
+        detail::checked_product(c.global.rope_key_heads(), c.global.rope_dim, op, "H_kr*d_r"), op,
+        "d_kv + H_kr*d_r");
+    m.global_bytes_per_token = detail::checked_product(values, bytes_per_value, op, "bytes/token");
+    m.global_bytes_per_layer =
+        detail::checked_product({batch, context, m.global_bytes_per_token}, op, "B*S*bytes/token");
+  }
+  const std::int64_t local_bytes =
+      detail::checked_product(m.local_layers, m.local_bytes_per_layer, op, "local bytes");
+  const std::int64_t global_bytes =
+      detail::checked_product(m.global_layers, m.global_bytes_per_layer, op, "global bytes");
+  m.total_bytes = detail::checked_sum(local_bytes, global_bytes, op, "total bytes");
   return m;
 }
 
@@ -148,16 +169,22 @@ class AttentionStack;
 template <class Scalar>
 class StackCache {
  public:
+  /// The cache of one layer: a SlidingWindowCache for a local layer, a LatentCache for a
+  /// global one.
   using LayerCache = std::variant<SlidingWindowCache<Scalar>, LatentCache<Scalar>>;
 
+  /// Number of sequences B decoded side by side.
   Index batch() const { return batch_; }
   /// Tokens the global layers can hold (positions [0, capacity)).
   Index capacity() const { return capacity_; }
+  /// Number of layer caches, L (one per layer of the stack).
   Index num_layers() const { return static_cast<Index>(layers_.size()); }
   /// Absolute position of the next token (= tokens processed per sequence).
   Index next_position() const { return next_; }
   /// P of the sequence being decoded (set by prefill).
   Index prefix() const { return prefix_; }
+  /// The cache of layer l, read-only (it is written only by the stack). Throws
+  /// std::invalid_argument unless 0 <= l < num_layers().
   const LayerCache& layer(Index l) const {
     APEX_CHECK(l >= 0 && l < num_layers(),
                "[stack] layer (" << l << ") must lie in [0, " << num_layers() << ")");
@@ -166,9 +193,10 @@ class StackCache {
 
   /// Exact bytes of every layer's cache.
   std::int64_t bytes() const { return local_bytes() + global_bytes(); }
-  /// Bytes of the local layers' sliding-window caches (constant) and of the global layers'
-  /// latent caches.
+  /// Bytes of the local layers' sliding-window caches: constant, whatever the context.
   std::int64_t local_bytes() const { return bytes_of<SlidingWindowCache<Scalar>>(); }
+  /// Bytes of the global layers' latent caches: proportional to capacity(), so it grows with
+  /// reserve().
   std::int64_t global_bytes() const { return bytes_of<LatentCache<Scalar>>(); }
 
   /// Grows the global layers' capacity to at least `capacity` (one copy of each latent cache;
@@ -221,6 +249,8 @@ class StackCache {
 template <class Scalar>
 class AttentionStack {
  public:
+  /// One attention block: GroupedQueryAttention for a local layer, MultiHeadLatentAttention
+  /// for a global one (which one is fixed by the layer rule, is_global_layer).
   using Layer = std::variant<GroupedQueryAttention<Scalar>, MultiHeadLatentAttention<Scalar>>;
 
   /// Takes ownership of the weights; throws if the config is inconsistent, if layers[l] is not
@@ -292,8 +322,11 @@ class AttentionStack {
                           Vector<Scalar>::Ones(config.d_model), std::move(layers));
   }
 
+  /// The configuration the stack was built with (checked at construction).
   const StackConfig& config() const { return config_; }
+  /// The [V, d] embedding table W_E, which is also the tied LM head (§2.5).
   const RowMatrix<Scalar>& embedding() const { return embedding_; }
+  /// The attention layer of block l. Throws std::out_of_range unless 0 <= l < L.
   const Layer& layer(Index l) const { return layers_.at(static_cast<std::size_t>(l)); }
 
   /// The kind of every layer and its cache values per token (multiply by sizeof(Scalar) for
@@ -453,6 +486,10 @@ class AttentionStack {
     APEX_CHECK(c.window >= 1, "[stack] window W (" << c.window << ") must be >= 1");
     APEX_CHECK(c.global_every >= 1,
                "[stack] global_every F_g (" << c.global_every << ") must be >= 1");
+    APEX_CHECK(c.d_model >= 1, "[stack] d_model (" << c.d_model << ") must be >= 1");
+    // The [V, d] embedding table is allocated from these: its size must be representable.
+    detail::checked_product({c.vocab_size, c.d_model, static_cast<Index>(sizeof(Scalar))}, "stack",
+                            "embedding bytes V*d*sizeof(Scalar)");
     APEX_CHECK(c.local.d_model == c.d_model && c.global.d_model == c.d_model,
                "[stack] local.d_model (" << c.local.d_model << ") and global.d_model ("
                                          << c.global.d_model << ") must equal d_model ("
@@ -584,14 +621,16 @@ class AttentionStack {
     }
     cache.next_ = first + n;
     if (first == 0) cache.prefix_ = prefix;
+    // The tied LM head (§2.5), logits = h · W_Eᵀ, as lm_head computes it; for the few rows of a
+    // decoding step the product is spread over threads (project_rows).
     if (options.logits == LogitRows::kLast) {
       RowMatrix<Scalar> last(batch, x.cols());
       for (Index b = 0; b < batch; ++b) last.row(b) = x.row(b * n + n - 1);
       rms_norm(last, final_gamma_, norm, RowRef<Scalar>(last));
-      return lm_head(last, embedding_);
+      return detail::project_rows<Scalar>(last, embedding_.transpose());
     }
     rms_norm(x, final_gamma_, norm, normed);
-    return lm_head(normed, embedding_);
+    return detail::project_rows<Scalar>(normed, embedding_.transpose());
   }
 
   StackConfig config_;

@@ -5,6 +5,7 @@
 
 #include <apex/config.hpp>
 
+#include <cstdint>
 #include <type_traits>
 
 namespace apex {
@@ -27,12 +28,19 @@ namespace apex {
 template <class T>
 class HeadsView {
  public:
+  /// The element type without const: Scalar, or bool for a boolean mask.
   using Element = std::remove_const_t<T>;
+  /// One head as a [seq, dim] row-major map with a run-time row stride (row_stride()); const
+  /// when T is.
   using HeadMap = Eigen::Map<
       std::conditional_t<std::is_const_v<T>, const RowMatrix<Element>, RowMatrix<Element>>, 0,
       Eigen::OuterStride<>>;
 
+  /// An empty view: null data and every extent and stride 0 (empty() is true).
   HeadsView() = default;
+  /// Views `data` with the given extents and strides (in elements); the dim elements of a row
+  /// are contiguous. Nothing is checked or copied: the caller keeps the memory alive and every
+  /// addressed element in bounds. An axis of extent 1 broadcasts, so its stride is never used.
   HeadsView(T* data, Index batch, Index heads, Index seq, Index dim, Index batch_stride,
             Index head_stride, Index row_stride)
       : data_(data),
@@ -52,34 +60,57 @@ class HeadsView {
 
   /// [B, H, S, D] stored contiguously in that order.
   static HeadsView contiguous(T* data, Index batch, Index heads, Index seq, Index dim) {
+    if (is_empty_shape(batch, heads, seq, dim))
+      return HeadsView(data, batch, heads, seq, dim, 0, 0, 0);
     return HeadsView(data, batch, heads, seq, dim, heads * seq * dim, seq * dim, dim);
   }
 
   /// [B*S, H*D] token-major storage (what a projection x * W produces), viewed as [B, H, S, D].
   static HeadsView token_major(T* data, Index batch, Index seq, Index heads, Index dim) {
+    if (is_empty_shape(batch, heads, seq, dim))
+      return HeadsView(data, batch, heads, seq, dim, 0, 0, 0);
     return HeadsView(data, batch, heads, seq, dim, seq * heads * dim, dim, heads * dim);
   }
 
+  /// Pointer to element (0, 0, 0, 0); null for a default-constructed view.
   T* data() const { return data_; }
+  /// Number of batches B (1 broadcasts over the batch axis).
   Index batch() const { return batch_; }
+  /// Number of heads H (1 broadcasts over the head axis).
   Index heads() const { return heads_; }
+  /// Sequence length S: rows per head.
   Index seq() const { return seq_; }
+  /// Per-head width D: columns per row, contiguous in memory.
   Index dim() const { return dim_; }
+  /// Elements between (b, h, s, d) and (b + 1, h, s, d).
   Index batch_stride() const { return batch_stride_; }
+  /// Elements between (b, h, s, d) and (b, h + 1, s, d).
   Index head_stride() const { return head_stride_; }
+  /// Elements between consecutive rows (b, h, s, d) and (b, h, s + 1, d); at least dim().
   Index row_stride() const { return row_stride_; }
+  /// True when the view points at no memory (data() is null), e.g. an absent optional mask.
+  /// A view of a non-null buffer with a zero extent is not empty() but has no elements.
   bool empty() const { return data_ == nullptr; }
 
   /// Head (b, h) as a seq x dim row-major map. A size-1 batch or head axis broadcasts.
+  /// A head with no elements is a map of the view's own pointer, never offset: the data of an
+  /// empty matrix is null, and offsetting null is undefined even when nothing is read.
   HeadMap head(Index b, Index h) const {
     const Index bb = batch_ == 1 ? 0 : b;
     const Index hh = heads_ == 1 ? 0 : h;
     APEX_ASSERT(bb >= 0 && bb < batch_ && hh >= 0 && hh < heads_);
-    return HeadMap(data_ + bb * batch_stride_ + hh * head_stride_, seq_, dim_,
-                   Eigen::OuterStride<>(row_stride_));
+    T* const first =
+        seq_ == 0 || dim_ == 0 ? data_ : data_ + bb * batch_stride_ + hh * head_stride_;
+    return HeadMap(first, seq_, dim_, Eigen::OuterStride<>(row_stride_));
   }
 
  private:
+  /// A view with no elements addresses no memory: its strides are 0 rather than products of
+  /// extents (which, for an empty shape, need not fit in an Index).
+  static bool is_empty_shape(Index batch, Index heads, Index seq, Index dim) {
+    return batch == 0 || heads == 0 || seq == 0 || dim == 0;
+  }
+
   T* data_ = nullptr;
   Index batch_ = 0;
   Index heads_ = 0;
@@ -95,32 +126,63 @@ class HeadsView {
 template <class Scalar>
 using ConstHeadsView = HeadsView<const detail::NoDeduce<Scalar>>;
 
+namespace detail {
+
+/// Elements of a [B, H, S, D] tensor, B·H·S·D, for extents that must be >= 0 and whose product,
+/// in bytes of `Scalar`, must fit in 64 bits. Throws std::invalid_argument prefixed with `op`.
+template <class Scalar>
+Index heads_tensor_size(Index batch, Index heads, Index seq, Index dim, const char* op) {
+  APEX_CHECK(batch >= 0 && heads >= 0 && seq >= 0 && dim >= 0,
+             "[" << op << "] shape [" << batch << ", " << heads << ", " << seq << ", " << dim
+                 << "] must have no negative extent ([B, H, S, D], each >= 0)");
+  if (batch == 0 || heads == 0 || seq == 0 || dim == 0) return 0;  // empty, whatever the rest
+  const std::int64_t size = checked_product({batch, heads, seq, dim}, op, "B*H*S*D");
+  checked_product(size, static_cast<std::int64_t>(sizeof(Scalar)), op, "B*H*S*D bytes");
+  return static_cast<Index>(size);
+}
+
+}  // namespace detail
+
 /// An owning, zero-initialised, contiguous [B, H, S, D] tensor.
 template <class Scalar>
 class HeadsTensor {
  public:
   HeadsTensor() = default;
+  /// Allocates B·H·S·D zeros. Throws std::invalid_argument on a negative extent or a size
+  /// beyond 64 bits (before allocating).
   HeadsTensor(Index batch, Index heads, Index seq, Index dim)
-      : storage_(Vector<Scalar>::Zero(batch * heads * seq * dim)),
+      : storage_(Vector<Scalar>::Zero(
+            detail::heads_tensor_size<Scalar>(batch, heads, seq, dim, "heads_tensor"))),
         batch_(batch),
         heads_(heads),
         seq_(seq),
         dim_(dim) {}
 
+  /// Number of batches B.
   Index batch() const { return batch_; }
+  /// Number of heads H.
   Index heads() const { return heads_; }
+  /// Sequence length S: rows per head.
   Index seq() const { return seq_; }
+  /// Per-head width D.
   Index dim() const { return dim_; }
+  /// The B·H·S·D elements in [B, H, S, D] order (null when the tensor is empty).
   Scalar* data() { return storage_.data(); }
+  /// Read-only access to the B·H·S·D elements in [B, H, S, D] order.
   const Scalar* data() const { return storage_.data(); }
 
+  /// A read-write contiguous view of the whole tensor; valid while the tensor lives and is not
+  /// reassigned.
   HeadsView<Scalar> view() {
     return HeadsView<Scalar>::contiguous(data(), batch_, heads_, seq_, dim_);
   }
+  /// A read-only contiguous view of the whole tensor.
   HeadsView<const Scalar> view() const {
     return HeadsView<const Scalar>::contiguous(data(), batch_, heads_, seq_, dim_);
   }
+  /// Head (b, h) as a writable [S, D] row-major map into the tensor (no copy).
   typename HeadsView<Scalar>::HeadMap head(Index b, Index h) { return view().head(b, h); }
+  /// Head (b, h) as a read-only [S, D] row-major map into the tensor (no copy).
   typename HeadsView<const Scalar>::HeadMap head(Index b, Index h) const {
     return view().head(b, h);
   }

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -56,12 +57,19 @@ struct YarnParams {
   /// get(s, mscale) / get(s, mscale_all_dim), get(s, m) = 0.1·m·ln(s) + 1, an unset mscale
   /// counting as 1 and an unset mscale_all_dim as 0 (DeepSeek's own defaults). A set
   /// mscale_all_dim also multiplies the softmax scale by get(s, mscale_all_dim)², as DeepSeek
-  /// does for the whole logit (see yarn_softmax_scale_multiplier).
+  /// does for the whole logit (see yarn_softmax_scale_multiplier). A set value must give a
+  /// finite get(s, m) > 0 (m > −10 / ln(s)): a temperature ≤ 0 has no meaning.
   std::optional<double> mscale;
+  /// DeepSeek's mscale_all_dim (see mscale): divides the table factor and, when set, also
+  /// multiplies the softmax scale (yarn_softmax_scale_multiplier). Unset: counts as 0 in the
+  /// factor and leaves the softmax scale alone.
   std::optional<double> mscale_all_dim;
   /// Overrides the factor of step 6 (mscale / mscale_all_dim then only affect the softmax
   /// multiplier through mscale_all_dim).
   std::optional<double> attention_factor;
+  /// Where the attention factor goes: into the cos/sin tables (kInTables, the default, as the
+  /// reference code does), the softmax scale, the logits, or nowhere. §5.5 says the logits;
+  /// see the top of this header and SEED-NOTES.md.
   YarnTemperature temperature = YarnTemperature::kInTables;
 };
 
@@ -74,11 +82,29 @@ enum class YarnRegime {
 
 /// The pair-index range [low, high] over which the ramp of step 4 rises from 0 to 1.
 struct YarnCorrectionRange {
-  double low = 0.0;
-  double high = 0.0;
+  double low = 0.0;   ///< lo: pairs i <= lo keep θ_i (ramp 0); a pair index, >= 0
+  double high = 0.0;  ///< hi > lo: pairs i >= hi use θ_i / s (ramp 1)
 };
 
+/// get(s, m) = 0.1·m·ln(s) + 1 for s > 1, else 1: the YaRN temperature (§5.5) with DeepSeek's
+/// multiplier m (m = 1 gives the document's 0.1·ln(s) + 1). The bare formula, unchecked: it
+/// is ≤ 0 for m ≤ −10 / ln(s), which YarnParams rejects.
+inline double yarn_mscale(double scale, double m = 1.0) {
+  return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+}
+
 namespace detail {
+
+// A set DeepSeek multiplier must give a usable temperature get(s, m): finite and > 0.
+inline void check_yarn_mscale(const std::optional<double>& m, double scale, const char* name) {
+  if (!m) return;
+  APEX_CHECK(std::isfinite(*m), "[yarn] " << name << " (" << *m << ") must be finite");
+  const double get = yarn_mscale(scale, *m);
+  APEX_CHECK(std::isfinite(get) && get > 0.0,
+             "[yarn] " << name << " (" << *m << ") gives get(scale, " << name << ") = 0.1 * "
+                       << name << " * ln(scale) + 1 = " << get << " at scale (" << scale
+                       << "); it must be finite and > 0");
+}
 
 inline void check_yarn_params(const YarnParams& p) {
   APEX_CHECK(std::isfinite(p.scale) && p.scale >= 1.0,
@@ -92,10 +118,8 @@ inline void check_yarn_params(const YarnParams& p) {
                                   << p.beta_slow << ")");
   APEX_CHECK(std::isfinite(p.base) && p.base > 1.0,
              "[yarn] base (" << p.base << ") must be finite and greater than 1");
-  APEX_CHECK(!p.mscale || std::isfinite(*p.mscale),
-             "[yarn] mscale (" << *p.mscale << ") must be finite");
-  APEX_CHECK(!p.mscale_all_dim || std::isfinite(*p.mscale_all_dim),
-             "[yarn] mscale_all_dim (" << *p.mscale_all_dim << ") must be finite");
+  check_yarn_mscale(p.mscale, p.scale, "mscale");
+  check_yarn_mscale(p.mscale_all_dim, p.scale, "mscale_all_dim");
   APEX_CHECK(!p.attention_factor || (std::isfinite(*p.attention_factor) && *p.attention_factor > 0),
              "[yarn] attention_factor (" << *p.attention_factor << ") must be finite and > 0");
 }
@@ -115,16 +139,14 @@ inline double yarn_correction_dim(double rotations, Index rotary_dim, const Yarn
 
 }  // namespace detail
 
-/// get(s, m) = 0.1·m·ln(s) + 1 for s > 1, else 1: the YaRN temperature (§5.5) with DeepSeek's
-/// multiplier m (m = 1 gives the document's 0.1·ln(s) + 1).
-inline double yarn_mscale(double scale, double m = 1.0) {
-  return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
-}
-
 /// Steps 2–3: lo = max(floor(corr(β_fast)), 0), hi = min(ceil(corr(β_slow)), d − 1), without
 /// floor/ceil when params.truncate is false, d = rotary_dim. If hi ≤ lo, hi = lo + 0.001 (the
 /// reference code does this for hi = lo; hi < lo only happens when even the slowest pair turns
-/// β_fast times over L, and then every pair is correctly left unscaled). O(1), no allocation.
+/// β_fast times over L, and then every pair is correctly left unscaled). The result is always
+/// finite with lo < hi, for every accepted input: lo is also capped at d − 1 (corr(β_fast) can
+/// be huge or +inf for a base near 1 or tiny betas; every pair index is < d − 1, so the ramp,
+/// 0 for all pairs, is the same), and where 0.001 is below the spacing of doubles at lo, hi is
+/// the next double above lo. O(1), no allocation.
 inline YarnCorrectionRange yarn_correction_range(Index rotary_dim, const YarnParams& params) {
   detail::check_yarn_rotary_dim(rotary_dim);
   detail::check_yarn_params(params);
@@ -134,9 +156,12 @@ inline YarnCorrectionRange yarn_correction_range(Index rotary_dim, const YarnPar
     low = std::floor(low);
     high = std::ceil(high);
   }
-  low = std::max(low, 0.0);
-  high = std::min(high, static_cast<double>(rotary_dim - 1));
-  if (high <= low) high = low + 0.001;
+  const double last = static_cast<double>(rotary_dim - 1);
+  low = std::min(std::max(low, 0.0), last);
+  high = std::min(high, last);
+  if (high <= low) {
+    high = std::max(low + 0.001, std::nextafter(low, std::numeric_limits<double>::infinity()));
+  }
   return {low, high};
 }
 
@@ -181,13 +206,21 @@ inline std::vector<YarnRegime> yarn_regimes(Index rotary_dim, const YarnParams& 
 /// Step 6, the attention factor (§5.5) that YaRN's reference code multiplies into the tables:
 /// params.attention_factor if set; else get(s, mscale) / get(s, mscale_all_dim) if either
 /// DeepSeek parameter is set (unset mscale = 1, unset mscale_all_dim = 0); else
-/// 0.1·ln(s) + 1 (1 for s = 1). s = 32 gives 1.346574 (§5.5 prints 1.347).
+/// 0.1·ln(s) + 1 (1 for s = 1). s = 32 gives 1.346574 (§5.5 prints 1.347). Always finite and
+/// > 0: parameters that would give anything else are rejected.
 inline double yarn_attention_factor(const YarnParams& params) {
-  detail::check_yarn_params(params);
+  detail::check_yarn_params(params);  // each set get(s, m) is finite and > 0
   if (params.attention_factor) return *params.attention_factor;
   if (params.mscale || params.mscale_all_dim) {
-    return yarn_mscale(params.scale, params.mscale.value_or(1.0)) /
-           yarn_mscale(params.scale, params.mscale_all_dim.value_or(0.0));
+    const double numerator = yarn_mscale(params.scale, params.mscale.value_or(1.0));
+    const double denominator = yarn_mscale(params.scale, params.mscale_all_dim.value_or(0.0));
+    const double factor = numerator / denominator;
+    // Two finite positive values can still overflow or underflow in the ratio.
+    APEX_CHECK(std::isfinite(factor) && factor > 0.0,
+               "[yarn] attention factor get(scale, mscale) / get(scale, mscale_all_dim) = "
+                   << numerator << " / " << denominator << " = " << factor
+                   << " must be finite and > 0");
+    return factor;
   }
   return yarn_mscale(params.scale);
 }
@@ -207,30 +240,43 @@ inline double yarn_table_magnitude(const YarnParams& params) {
 ///   kNone         1
 /// where w = get(s, mscale_all_dim)² when mscale_all_dim is set (DeepSeek-V2/V3 scale the whole
 /// logit by it: 1.8739 for V3's s = 40, mscale = mscale_all_dim = 1) and w = 1 otherwise.
+/// Always finite and > 0: parameters that would give anything else are rejected.
 inline double yarn_softmax_scale_multiplier(const YarnParams& params) {
   const double factor = yarn_attention_factor(params);  // checks params
   const double all_dim =
       params.mscale_all_dim ? yarn_mscale(params.scale, *params.mscale_all_dim) : 1.0;
+  double multiplier = 1.0;
   switch (params.temperature) {
     case YarnTemperature::kInTables:
-      return all_dim * all_dim;
+      multiplier = all_dim * all_dim;
+      break;
     case YarnTemperature::kSoftmaxScale:
-      return factor * factor * all_dim * all_dim;
+      multiplier = factor * factor * all_dim * all_dim;
+      break;
     case YarnTemperature::kLogits:
-      return factor * all_dim;
+      multiplier = factor * all_dim;
+      break;
     case YarnTemperature::kNone:
       break;
   }
-  return 1.0;
+  // factor and all_dim are finite and > 0, but squaring them can overflow or underflow.
+  APEX_CHECK(std::isfinite(multiplier) && multiplier > 0.0,
+             "[yarn] softmax scale multiplier (" << multiplier << ") from attention factor ("
+                                                 << factor << ") and get(scale, mscale_all_dim) ("
+                                                 << all_dim << ") must be finite and > 0");
+  return multiplier;
 }
 
 /// The YaRN RoPE table (§5 on top of §4.7): RopeTable::from_frequencies with θ' of step 5 and
 /// magnitude yarn_table_magnitude(params). rotary_dim = 0 means head_dim (the whole head).
-/// Shapes and memory as for RopeTable: 2 · max_positions · rotary_dim scalars.
+/// Shapes and memory as for RopeTable: 2 · max_positions · rotary_dim scalars. Every argument
+/// (including the table size and the magnitude, which must lie in Scalar's normal range) is
+/// checked before anything is allocated. θ' ∈ [0, 1], so every angle m·θ' is finite.
 template <class Scalar>
 RopeTable<Scalar> yarn_table(Index max_positions, Index head_dim, Index rotary_dim,
                              RopePairing pairing, const YarnParams& params) {
   detail::require_supported_scalar<Scalar>();
+  detail::check_rope_max_positions(max_positions, "yarn");
   APEX_CHECK(rotary_dim != 0 || (head_dim >= 2 && head_dim % 2 == 0),
              "[yarn] head_dim (" << head_dim
                                  << ") must be even and at least 2 when rotary_dim is 0 (the "
@@ -239,8 +285,11 @@ RopeTable<Scalar> yarn_table(Index max_positions, Index head_dim, Index rotary_d
   detail::check_yarn_rotary_dim(rd);
   APEX_CHECK(rd <= head_dim,
              "[yarn] rotary_dim (" << rd << ") must not exceed head_dim (" << head_dim << ")");
+  detail::check_rope_table_size<Scalar>(max_positions, rd, "yarn");
+  const double magnitude = yarn_table_magnitude(params);  // checks params
+  detail::check_rope_magnitude<Scalar>(magnitude, "yarn", "table magnitude (attention factor)");
   return RopeTable<Scalar>::from_frequencies(yarn_frequencies(rd, params), max_positions, head_dim,
-                                             pairing, yarn_table_magnitude(params));
+                                             pairing, magnitude);
 }
 
 }  // namespace apex
