@@ -3,6 +3,9 @@
 # Makes sure the packages apex's build needs are present: Eigen 3.4 for the library itself,
 # GoogleTest for the tests, Google Benchmark for the benchmarks. On Debian or Ubuntu, as root,
 # it installs whatever is missing with apt-get; anywhere else it says what to install and fails.
+#   scripts/install-deps.sh        what building, testing and benchmarking need
+#   scripts/install-deps.sh --ci   also the tools of .ci/run: clang with its sanitizer and
+#                                  fuzzer runtimes, clang-tidy, clang-format, doxygen, valgrind
 set -euo pipefail
 
 missing=()
@@ -12,6 +15,17 @@ have_header gtest/gtest.h || missing+=(libgtest-dev)
 have_header benchmark/benchmark.h || missing+=(libbenchmark-dev)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
+if [ "${1:-}" = "--ci" ]; then
+  command -v clang++ >/dev/null || missing+=(clang)
+  compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null ||
+    missing+=(libclang-rt-14-dev)
+  command -v clang-tidy >/dev/null || missing+=(clang-tidy)
+  command -v clang-format >/dev/null || missing+=(clang-format)
+  command -v doxygen >/dev/null || missing+=(doxygen)
+  command -v valgrind >/dev/null || missing+=(valgrind)
+  command -v dpkg-deb >/dev/null || missing+=(dpkg)
+  command -v pkg-config >/dev/null || missing+=(pkg-config)
+fi
 
 [ ${#missing[@]} -eq 0 ] && exit 0
 

@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: MIT
 // Regression tests for what fuzzing apex found (tests/fuzz/). Each test is the smallest input
-// that shows one finding, named F<n> as in the fuzz targets (where kSkipKnown steps around the
-// finding while it is open), and asserts the documented contract: a call returns a sane result
-// or throws std::invalid_argument ("[op] ..."), never undefined behaviour, a different exception,
-// an allocation for a request it then rejects, or a result that depends on values the mask hides.
+// that showed one finding, named F<n> as in tests/fuzz/fuzz_common.hpp, and asserts the
+// documented contract: a call returns a sane result or throws std::invalid_argument ("[op] ..."),
+// never undefined behaviour, a different exception, an allocation for a request it then rejects,
+// or a result that depends on values the mask hides.
 //
-// Some findings are undefined behaviour that a plain release build does not observe (signed
-// overflow that happens to wrap, pointer arithmetic on null); those tests fail under the
-// sanitizers of the debug preset, and say so.
+// Some findings were undefined behaviour that a plain release build does not observe (signed
+// overflow that happens to wrap, pointer arithmetic on null); the sanitizer builds (the debug
+// preset, and clang's in tests/fuzz/run.sh --regressions) are what see those.
 #include <apex/apex.hpp>
 
 #include <gtest/gtest.h>

@@ -35,27 +35,33 @@
 #define APEX_ASSERT(cond) assert(cond)
 #endif
 
+/// The formulas of the APEX-1 Mathematical Reference, Parts 1 and 2, as Eigen code.
 namespace apex {
 
+/// Sizes and indices: Eigen's signed index type (std::ptrdiff_t).
 using Index = Eigen::Index;
 
 /// Activations are [tokens, features], row-major: one token per row. The documents' [B, S, d]
 /// is B consecutive blocks of S rows.
 template <class Scalar>
 using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+/// A column vector: gains, frequencies, log-sum-exps.
 template <class Scalar>
 using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
 /// Row-major boolean matrix; for masks, `true` means "may attend".
 using BoolMatrix = Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-/// Writable and read-only views of row-major data whose rows are contiguous (any row stride):
-/// a RowMatrix, a block of columns of one, or an Eigen::Map.
+/// A writable view of row-major data whose rows are contiguous (any row stride): a RowMatrix,
+/// a block of columns of one, or an Eigen::Map.
 template <class Scalar>
 using RowRef = Eigen::Ref<RowMatrix<Scalar>>;
+/// The read-only RowRef; other inputs (column-major, expressions) are copied into it once.
 template <class Scalar>
 using ConstRowRef = Eigen::Ref<const RowMatrix<Scalar>>;
+/// A writable view of a contiguous vector.
 template <class Scalar>
 using VectorRef = Eigen::Ref<Vector<Scalar>>;
+/// The read-only VectorRef.
 template <class Scalar>
 using ConstVectorRef = Eigen::Ref<const Vector<Scalar>>;
 

@@ -142,6 +142,7 @@ void sdpa_on_matrices(Kernel&& kernel, const ConstRowRef<Scalar>& q, const Const
 
 }  // namespace detail
 
+/// Plain, exact implementations that the fast paths are tested against.
 namespace reference {
 
 /// Plain attention, written for clarity and exactness: the oracle every fast path is tested
