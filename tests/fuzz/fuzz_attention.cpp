@@ -1,0 +1,482 @@
+// SPDX-License-Identifier: MIT
+// Fuzz target: attention on small random shapes with random masks, in float and double.
+//   - SDPA: the tiled kernel (apex::sdpa, and detail::flash_sdpa with random block sizes so
+//     that every path runs on small shapes: GEMM and streaming kernels, split-key decoding,
+//     partial and skipped blocks) against apex::reference::sdpa as a differential oracle when
+//     the inputs are moderate, with a tolerance derived from the size of the scores. Values of
+//     keys that no query may see can be NaN or ±inf even then: they must not reach the output.
+//   - With extreme values (NaN, ±inf, ±1e30, ±max, denormals) anywhere: no crash and no
+//     undefined behaviour, and a query row with no allowed key still gets zeros and lse = -inf.
+//   - GroupedQueryAttention::forward against its own projections attended by the reference, and
+//     MultiHeadLatentAttention::forward against decompress() attended by the reference; MLA's
+//     absorbed decoding against its naive decoding, chunk by chunk.
+// Every size is small (at most a few dozen), so nothing needs an allocation cap.
+#include <apex/apex.hpp>
+
+#include "fuzz_common.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace apex::fuzz {
+namespace {
+
+/// A [B, H, S, D] tensor in one of the two layouts apex reads: contiguous per head, or token-
+/// major (heads side by side in each row, as a projection writes them).
+template <class Scalar>
+struct Tensor {
+  Vector<Scalar> storage;
+  HeadsView<Scalar> view;
+
+  Tensor(Index b, Index h, Index s, Index d, bool token_major)
+      : storage(Vector<Scalar>::Zero(std::max<Index>(1, b * h * s * d))) {
+    view = token_major ? HeadsView<Scalar>::token_major(storage.data(), b, s, h, d)
+                       : HeadsView<Scalar>::contiguous(storage.data(), b, h, s, d);
+  }
+  HeadsView<const Scalar> cview() const { return view; }
+  Scalar& at(Index b, Index h, Index s, Index d) { return view.head(b, h)(s, d); }
+  Scalar at(Index b, Index h, Index s, Index d) const { return view.head(b, h)(s, d); }
+};
+
+struct Shape {
+  Index batch, kv_heads, group, s_q, s_k, d_qk, d_v;
+  Index q_heads() const { return kv_heads * group; }
+};
+
+/// What one pair (query row i of head h in batch b, key j) is, structurally.
+template <class Scalar>
+bool pair_allowed(const AttentionMask<Scalar>& mask, const Shape& sh, Index b, Index h, Index i,
+                  Index j) {
+  const Index first = mask.positions.first_query_position(sh.s_q, sh.s_k);
+  if (!mask.positions.allows(first + i, mask.positions.key_offset + j)) return false;
+  return mask.allowed.empty() || mask.allowed.head(b, h)(i, j);
+}
+
+template <class Scalar>
+void sdpa_case(Input& in) {
+  Shape sh;
+  sh.batch = in.in(1, 2);
+  sh.kv_heads = in.in(1, 3);
+  sh.group = in.in(1, 3);
+  sh.s_q = in.in(0, 12);
+  sh.s_k = in.in(0, 40);
+  sh.d_qk = in.in(0, 20);
+  sh.d_v = in.in(0, 20);
+  const Values mode = in.choice(3) == 0 ? Values::kExtreme : Values::kModerate;
+  const double bound = in.pick({0.5, 1.0, 4.0});
+
+  Tensor<Scalar> q(sh.batch, sh.q_heads(), sh.s_q, sh.d_qk, in.flag());
+  Tensor<Scalar> k(sh.batch, sh.kv_heads, sh.s_k, sh.d_qk, in.flag());
+  Tensor<Scalar> v(sh.batch, sh.kv_heads, sh.s_k, sh.d_v, in.flag());
+
+  // The mask: the position rule, maybe a dense boolean mask, maybe an additive bias.
+  AttentionMask<Scalar> mask;
+  PositionMask& rule = mask.positions;
+  rule.causal = in.flag();
+  if (rule.causal && in.flag()) rule.window = in.in(1, sh.s_k + 3);
+  rule.prefix = in.flag() ? 0 : in.in(0, sh.s_k + 2);
+  if (in.flag()) rule.query_offset = in.in(0, sh.s_k + 2);
+  rule.key_offset = in.flag() ? 0 : in.in(0, 6);
+  BoolMatrix shared_allowed;
+  Vector<bool> allowed_storage;
+  if (in.choice(3) == 0) {
+    const bool per_head = in.flag();
+    const Index mb = per_head ? sh.batch : 1, mh = per_head ? sh.q_heads() : 1;
+    allowed_storage.resize(std::max<Index>(1, mb * mh * sh.s_q * sh.s_k));
+    const int density = in.choice(4);  // 0: mostly forbidden … 3: all allowed
+    for (Index i = 0; i < allowed_storage.size(); ++i) {
+      allowed_storage(i) = density == 3 || in.choice(4) < density + 1;
+    }
+    mask.allowed =
+        HeadsView<const bool>::contiguous(allowed_storage.data(), mb, mh, sh.s_q, sh.s_k);
+  }
+  Vector<Scalar> bias_storage;
+  if (in.choice(3) == 0) {
+    const bool per_head = in.flag();
+    const Index mb = per_head ? sh.batch : 1, mh = per_head ? sh.q_heads() : 1;
+    bias_storage.resize(std::max<Index>(1, mb * mh * sh.s_q * sh.s_k));
+    for (Index i = 0; i < bias_storage.size(); ++i) {
+      bias_storage(i) = in.choice(8) == 0 ? -std::numeric_limits<Scalar>::infinity()
+                                          : draw_value<Scalar>(in, mode, 2.0);
+    }
+    mask.bias = HeadsView<const Scalar>::contiguous(bias_storage.data(), mb, mh, sh.s_q, sh.s_k);
+  }
+  SdpaParams params;
+  if (in.flag()) params.scale = mode == Values::kExtreme ? in.any_real() : in.real_in(-2.0, 2.0);
+  if (in.choice(4) == 0) params.softcap = in.real_in(0.5, 50.0);
+  if (params.scale && !std::isfinite(*params.scale)) params.scale = 1.0;
+  if (!params.scale && sh.d_qk == 0) params.scale = 1.0;  // 1/√0 is rejected (by design)
+
+  // Values. A key row that no query row of its group may see ("dead") gets NaN or ±inf in K
+  // and V now and then, even in moderate mode: skipped keys must not reach the output.
+  for (Index b = 0; b < sh.batch; ++b) {
+    for (Index h = 0; h < sh.q_heads(); ++h) {
+      auto qh = q.view.head(b, h);
+      fill(qh, in, mode, bound);
+    }
+    for (Index g = 0; g < sh.kv_heads; ++g) {
+      auto kh = k.view.head(b, g);
+      auto vh = v.view.head(b, g);
+      fill(kh, in, mode, bound);
+      fill(vh, in, mode, bound);
+      for (Index j = 0; j < sh.s_k; ++j) {
+        bool dead = true;
+        for (Index r = 0; dead && r < sh.group; ++r) {
+          for (Index i = 0; dead && i < sh.s_q; ++i) {
+            dead = !pair_allowed(mask, sh, b, g * sh.group + r, i, j);
+          }
+        }
+        if (!dead || in.choice(3) != 0) continue;
+        const Scalar poison = in.pick({std::numeric_limits<Scalar>::quiet_NaN(),
+                                       std::numeric_limits<Scalar>::infinity(),
+                                       -std::numeric_limits<Scalar>::infinity()});
+        if (sh.d_qk > 0) kh(j, in.in(0, sh.d_qk - 1)) = poison;
+        if (sh.d_v > 0) vh(j, in.in(0, sh.d_v - 1)) = poison;
+      }
+    }
+  }
+
+  // The reference, then the fast path: the public one or the kernel with random blocking.
+  Tensor<Scalar> expected(sh.batch, sh.q_heads(), sh.s_q, sh.d_v, false);
+  Tensor<Scalar> expected_lse(sh.batch, sh.q_heads(), sh.s_q, 1, false);
+  reference::sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask, params, expected.view,
+                          expected_lse.view);
+  Tensor<Scalar> out(sh.batch, sh.q_heads(), sh.s_q, sh.d_v, in.flag());
+  Tensor<Scalar> lse(sh.batch, sh.q_heads(), sh.s_q, 1, false);
+  const bool want_lse = in.flag();
+  const bool public_path = in.flag();
+  if (public_path) {
+    sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask, params, out.view,
+                 want_lse ? lse.view : HeadsView<Scalar>());
+  } else {
+    detail::FlashBlocking blocking;
+    blocking.stacked_rows = in.in(1, 24);
+    blocking.key_block = in.in(1, 16);
+    blocking.stream_rows = in.in(0, 16);
+    blocking.stream_key_block = in.in(1, 16);
+    blocking.decode_chunk = in.in(1, 16);
+    const double scale = params.scale
+                             ? *params.scale
+                             : 1.0 / std::sqrt(static_cast<double>(std::max<Index>(1, sh.d_qk)));
+    detail::flash_sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask.positions, mask.allowed,
+                               mask.bias, scale, params.softcap, out.view,
+                               want_lse ? lse.view : HeadsView<Scalar>(), blocking);
+    if (std::getenv("APEX_FUZZ_VERBOSE") != nullptr) {
+      std::fprintf(stderr,
+                   "blocking: stacked_rows %ld key_block %ld stream_rows %ld stream_key_block %ld "
+                   "decode_chunk %ld\n",
+                   blocking.stacked_rows, blocking.key_block, blocking.stream_rows,
+                   blocking.stream_key_block, blocking.decode_chunk);
+    }
+  }
+
+  if (std::getenv("APEX_FUZZ_VERBOSE") != nullptr) {
+    std::fprintf(stderr,
+                 "sdpa<%s> B %ld H_kv %ld G %ld S_q %ld S_k %ld d_qk %ld d_v %ld mode %d bound %g "
+                 "causal %d window %ld prefix %ld query_offset %ld key_offset %ld allowed %d "
+                 "bias %d scale %g softcap %g lse %d\n",
+                 sizeof(Scalar) == 4 ? "float" : "double", sh.batch, sh.kv_heads, sh.group, sh.s_q,
+                 sh.s_k, sh.d_qk, sh.d_v, static_cast<int>(mode), bound, rule.causal,
+                 rule.window.value_or(-1), rule.prefix, rule.query_offset.value_or(-1),
+                 rule.key_offset, !mask.allowed.empty(), !mask.bias.empty(),
+                 params.scale.value_or(-1), params.softcap, want_lse);
+    for (Index b = 0; b < sh.batch; ++b) {
+      for (Index g = 0; g < sh.kv_heads; ++g) {
+        for (Index j = 0; j < sh.s_k; ++j) {
+          const bool bad_k = !k.view.head(b, g).row(j).allFinite();
+          const bool bad_v = !v.view.head(b, g).row(j).allFinite();
+          if (bad_k || bad_v) {
+            std::fprintf(stderr,
+                         "  non-finite key/value row: b %ld kv head %ld j %ld (k %d, v %d)\n", b, g,
+                         j, bad_k, bad_v);
+          }
+        }
+      }
+    }
+  }
+
+  // Tolerances: an error of ε·(1 + |score|) in a score moves the softmax weights by about that
+  // relative amount, so the output moves by about that times max|v|; the sums over S_k keys and
+  // d terms add a few ε each. 16× margin.
+  const double eps = static_cast<double>(std::numeric_limits<Scalar>::epsilon());
+  const double scale = params.scale
+                           ? std::abs(*params.scale)
+                           : 1.0 / std::sqrt(static_cast<double>(std::max<Index>(1, sh.d_qk)));
+  const double score_bound = scale * static_cast<double>(sh.d_qk) * bound * bound + 2.0;
+  const double tol_out =
+      16.0 * eps * (score_bound + static_cast<double>(sh.s_k + sh.d_qk) + 1.0) * bound;
+  const double tol_lse = 16.0 * eps * (score_bound + static_cast<double>(sh.s_k) + 1.0);
+
+  for (Index b = 0; b < sh.batch; ++b) {
+    for (Index h = 0; h < sh.q_heads(); ++h) {
+      for (Index i = 0; i < sh.s_q; ++i) {
+        bool any_allowed = false;
+        for (Index j = 0; j < sh.s_k && !any_allowed; ++j) {
+          any_allowed = pair_allowed(mask, sh, b, h, i, j);
+        }
+        const std::string where = "(b " + std::to_string(b) + ", h " + std::to_string(h) + ", i " +
+                                  std::to_string(i) + ")";
+        if (!any_allowed) {
+          // §6 as the library documents it: no visible key → zeros and lse = -inf, never NaN.
+          for (Index c = 0; c < sh.d_v; ++c) {
+            APEX_FUZZ_REQUIRE(out.at(b, h, i, c) == Scalar(0),
+                              "sdpa: a row with no allowed key is not zero at " + where);
+          }
+          if (want_lse) {
+            APEX_FUZZ_REQUIRE(lse.at(b, h, i, 0) == -std::numeric_limits<Scalar>::infinity(),
+                              "sdpa: a row with no allowed key has lse != -inf at " + where);
+          }
+          continue;
+        }
+        if (mode == Values::kExtreme) continue;
+        const Scalar ref_lse = expected_lse.at(b, h, i, 0);
+        if (!std::isfinite(ref_lse)) {
+          // Every allowed key was removed by a -inf bias: the reference gives zeros.
+          for (Index c = 0; c < sh.d_v; ++c) {
+            APEX_FUZZ_REQUIRE(
+                out.at(b, h, i, c) == Scalar(0),
+                "sdpa: a row whose keys are all biased to -inf is not zero at " + where);
+          }
+          continue;
+        }
+        for (Index c = 0; c < sh.d_v; ++c) {
+          const double got = static_cast<double>(out.at(b, h, i, c));
+          const double want = static_cast<double>(expected.at(b, h, i, c));
+          APEX_FUZZ_REQUIRE(std::abs(got - want) <= tol_out,
+                            "sdpa: the fast path differs from the reference at " + where +
+                                ", column " + std::to_string(c) + ": " + std::to_string(got) +
+                                " vs " + std::to_string(want) + " (tolerance " +
+                                std::to_string(tol_out) + ")");
+        }
+        if (want_lse) {
+          const double got = static_cast<double>(lse.at(b, h, i, 0));
+          APEX_FUZZ_REQUIRE(std::abs(got - static_cast<double>(ref_lse)) <= tol_lse,
+                            "sdpa: lse differs from the reference at " + where + ": " +
+                                std::to_string(got) + " vs " +
+                                std::to_string(static_cast<double>(ref_lse)));
+        }
+      }
+    }
+  }
+}
+
+/// Plain RoPE on a copy, for the layer oracles (the library's rope() is tested on its own).
+template <class Scalar>
+RowMatrix<Scalar> rotate(const RopeTable<Scalar>* table, Index offset, Index batch,
+                         const RowMatrix<Scalar>& x) {
+  if (table == nullptr || x.rows() == 0) return x;
+  RowMatrix<Scalar> out = x;
+  const Index seq = x.rows() / batch;
+  for (Index b = 0; b < batch; ++b) {
+    apply_rope(*table, offset, RowRef<Scalar>(out.middleRows(b * seq, seq)));
+  }
+  return out;
+}
+
+template <class Scalar>
+void expect_close(const RowMatrix<Scalar>& got, const RowMatrix<Scalar>& want, double tol,
+                  const char* what) {
+  APEX_FUZZ_REQUIRE(got.rows() == want.rows() && got.cols() == want.cols(), what);
+  for (Index i = 0; i < got.size(); ++i) {
+    const double g = static_cast<double>(got.data()[i]);
+    const double w = static_cast<double>(want.data()[i]);
+    APEX_FUZZ_REQUIRE(std::abs(g - w) <= tol * (1.0 + std::abs(w)),
+                      std::string(what) + ": " + std::to_string(g) + " vs " + std::to_string(w));
+  }
+}
+
+template <class Scalar>
+AttentionMask<Scalar> layer_rule(Input& in, Index seq) {
+  AttentionMask<Scalar> mask;
+  mask.positions.causal = in.flag();
+  if (mask.positions.causal && in.flag()) mask.positions.window = in.in(1, seq + 2);
+  mask.positions.prefix = in.flag() ? 0 : in.in(0, seq + 1);
+  return mask;
+}
+
+template <class Scalar>
+double layer_tolerance() {
+  // Projections, attention and the output projection each round a few times in Scalar.
+  return 2048.0 * static_cast<double>(std::numeric_limits<Scalar>::epsilon());
+}
+
+template <class Scalar>
+void gqa_case(Input& in) {
+  GqaConfig c;
+  c.d_model = in.in(1, 12);
+  c.num_kv_heads = in.in(1, 3);
+  c.num_q_heads = c.num_kv_heads * in.in(1, 3);
+  c.head_dim = 2 * in.in(1, 4);
+  const auto layer =
+      GroupedQueryAttention<Scalar>::random(c, static_cast<std::uint64_t>(in.in(0, 1000)));
+  const Index batch = in.in(1, 3);
+  const Index seq = in.in(1, 9);
+  const Values mode = in.choice(3) == 0 ? Values::kExtreme : Values::kModerate;
+  RowMatrix<Scalar> x(batch * seq, c.d_model);
+  fill(x, in, mode, 1.0);
+  const AttentionMask<Scalar> mask = layer_rule<Scalar>(in, seq);
+  AttentionLayerParams<Scalar> params;
+  std::optional<RopeTable<Scalar>> table;
+  if (in.flag()) {
+    RopeParams rp;
+    rp.pairing = in.flag() ? RopePairing::kInterleaved : RopePairing::kHalfSplit;
+    table.emplace(seq + 8, c.head_dim, rp);
+    params.rope = &*table;
+    params.position_offset = in.in(0, 8);
+  }
+  if (in.choice(4) == 0) params.attention.softcap = in.real_in(1.0, 30.0);
+
+  if (in.flag()) {
+    // Decoding in random chunks with a full or a sliding-window cache must give what forward
+    // gives on the whole sequence with the same causal rule (positions start at 0).
+    PositionMask rule;
+    rule.causal = true;
+    const bool ring = in.flag();
+    const Index window = in.in(1, seq + 1);
+    if (ring || in.flag()) rule.window = window;
+    AttentionMask<Scalar> whole;
+    whole.positions = rule;
+    params.position_offset = 0;
+    const RowMatrix<Scalar> want = layer.forward(x, batch, whole, params);
+    KvCache<Scalar> full = layer.make_cache(batch, seq);
+    SlidingWindowCache<Scalar> windowed(batch, c.num_kv_heads, c.head_dim, window + in.in(0, 2));
+    RowMatrix<Scalar> got(batch * seq, c.d_model);
+    Index done = 0;
+    while (done < seq) {
+      const Index n = in.in(1, seq - done);
+      RowMatrix<Scalar> chunk(batch * n, c.d_model);
+      for (Index b = 0; b < batch; ++b)
+        chunk.middleRows(b * n, n) = x.middleRows(b * seq + done, n);
+      params.position_offset = done;
+      const RowMatrix<Scalar> part = ring ? layer.forward_cached(chunk, rule, params, windowed)
+                                          : layer.forward_cached(chunk, rule, params, full);
+      for (Index b = 0; b < batch; ++b)
+        got.middleRows(b * seq + done, n) = part.middleRows(b * n, n);
+      done += n;
+    }
+    if (mode == Values::kModerate) {
+      expect_close(got, want, layer_tolerance<Scalar>(),
+                   ring ? "gqa decoding with a sliding-window cache differs from forward"
+                        : "gqa decoding with a full cache differs from forward");
+    }
+    return;
+  }
+  const RowMatrix<Scalar> out = layer.forward(x, batch, mask, params);
+  if (mode == Values::kExtreme) return;
+
+  // Oracle: the same projections, rotated, attended by the reference, then W_O.
+  const auto& w = layer.weights();
+  const RowMatrix<Scalar> qm =
+      rotate(params.rope, params.position_offset, batch, RowMatrix<Scalar>(x * w.w_q));
+  const RowMatrix<Scalar> km =
+      rotate(params.rope, params.position_offset, batch, RowMatrix<Scalar>(x * w.w_k));
+  const RowMatrix<Scalar> vm = x * w.w_v;
+  RowMatrix<Scalar> concat(batch * seq, c.num_q_heads * c.head_dim);
+  reference::sdpa<Scalar>(
+      HeadsView<const Scalar>::token_major(qm.data(), batch, seq, c.num_q_heads, c.head_dim),
+      HeadsView<const Scalar>::token_major(km.data(), batch, seq, c.num_kv_heads, c.head_dim),
+      HeadsView<const Scalar>::token_major(vm.data(), batch, seq, c.num_kv_heads, c.head_dim), mask,
+      params.attention,
+      HeadsView<Scalar>::token_major(concat.data(), batch, seq, c.num_q_heads, c.head_dim));
+  const RowMatrix<Scalar> want = concat * w.w_o;
+  expect_close(out, want, layer_tolerance<Scalar>(), "gqa forward differs from its oracle");
+}
+
+template <class Scalar>
+void mla_case(Input& in) {
+  MlaConfig c;
+  c.d_model = in.in(1, 10);
+  c.d_q = in.in(1, 6);
+  c.d_kv = in.in(1, 6);
+  c.num_kv_heads = in.in(1, 2);
+  c.num_q_heads = c.num_kv_heads * in.in(1, 2);
+  c.head_dim = in.in(1, 4);
+  c.rope_dim = 2 * in.in(1, 2);
+  c.num_rope_key_heads = in.flag() ? 1 : 0;
+  const auto layer =
+      MultiHeadLatentAttention<Scalar>::random(c, static_cast<std::uint64_t>(in.in(0, 1000)));
+  const Index batch = in.in(1, 2);
+  const Index seq = in.in(1, 8);
+  const Values mode = in.choice(3) == 0 ? Values::kExtreme : Values::kModerate;
+  RowMatrix<Scalar> x(batch * seq, c.d_model);
+  fill(x, in, mode, 1.0);
+  RopeParams rp;
+  rp.pairing = in.flag() ? RopePairing::kInterleaved : RopePairing::kHalfSplit;
+  const RopeTable<Scalar> table(seq + 8, c.rope_dim, rp);
+  AttentionLayerParams<Scalar> params;
+  params.rope = &table;
+
+  if (in.flag()) {
+    // Prefill: forward against decompress() attended by the reference.
+    const AttentionMask<Scalar> mask = layer_rule<Scalar>(in, seq);
+    params.position_offset = in.in(0, 8);
+    const RowMatrix<Scalar> out = layer.forward(x, batch, mask, params);
+    if (mode == Values::kExtreme) return;
+    const ProjectedQkv<Scalar> p = layer.decompress(x, batch, params);
+    SdpaParams attention = params.attention;
+    attention.scale = 1.0 / std::sqrt(static_cast<double>(c.qk_dim()));
+    RowMatrix<Scalar> concat(batch * seq, c.num_q_heads * c.head_dim);
+    reference::sdpa<Scalar>(
+        p.q_heads(), p.k_heads(), p.v_heads(), mask, attention,
+        HeadsView<Scalar>::token_major(concat.data(), batch, seq, c.num_q_heads, c.head_dim));
+    const RowMatrix<Scalar> want = concat * layer.weights().w_o;
+    expect_close(out, want, layer_tolerance<Scalar>(), "mla forward differs from its oracle");
+    return;
+  }
+
+  // Decoding: the same chunks through the naive and the absorbed path must agree.
+  MlaAbsorbParams fold;
+  fold.query = in.pick({MlaFold::kAuto, MlaFold::kFactored, MlaFold::kMultiplied});
+  fold.output = in.pick({MlaFold::kAuto, MlaFold::kFactored, MlaFold::kMultiplied});
+  const MlaAbsorbedWeights<Scalar> absorbed = absorb_mla_weights(layer, fold);
+  LatentCache<Scalar> naive_cache = layer.make_cache(batch, seq);
+  LatentCache<Scalar> absorbed_cache = layer.make_cache(batch, seq);
+  PositionMask rule;
+  rule.causal = true;
+  if (in.flag()) rule.window = in.in(1, seq + 1);
+  Index done = 0;
+  while (done < seq) {
+    const Index n = in.in(1, seq - done);
+    RowMatrix<Scalar> chunk(batch * n, c.d_model);
+    for (Index b = 0; b < batch; ++b) {
+      chunk.middleRows(b * n, n) = x.middleRows(b * seq + done, n);
+    }
+    params.position_offset = done;
+    const RowMatrix<Scalar> naive = layer.forward_cached(chunk, rule, params, naive_cache);
+    const RowMatrix<Scalar> fast =
+        layer.forward_absorbed(chunk, rule, params, absorbed, absorbed_cache);
+    if (mode == Values::kModerate) {
+      expect_close(fast, naive, layer_tolerance<Scalar>(),
+                   "mla absorbed decoding differs from naive decoding");
+    }
+    done += n;
+  }
+}
+
+}  // namespace
+}  // namespace apex::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  using namespace apex::fuzz;
+  Input in(data, size);
+  const bool use_float = in.flag();
+  switch (in.choice(4)) {
+    case 0:
+    case 1:
+      use_float ? sdpa_case<float>(in) : sdpa_case<double>(in);
+      break;
+    case 2:
+      use_float ? gqa_case<float>(in) : gqa_case<double>(in);
+      break;
+    default:
+      use_float ? mla_case<float>(in) : mla_case<double>(in);
+      break;
+  }
+  return 0;
+}

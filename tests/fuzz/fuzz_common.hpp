@@ -1,0 +1,307 @@
+// SPDX-License-Identifier: MIT
+// What every apex fuzz target shares: turning the fuzzer's bytes into integers and reals drawn
+// from the whole range (with the edges over-represented), matrices of ordinary or extreme
+// values, the contract check "a call returns or throws std::invalid_argument, with an output
+// left untouched on error", and the allocation bound that keeps the targets inside the fuzzer's
+// memory limit.
+//
+// Allocation policy (why the targets never ask for terabytes). A size that the library would
+// legitimately allocate for, once every check has passed, is passed through only when the
+// allocation it implies is small (kMaxElements); sizes whose product does not even fit in an
+// Index are always passed through, because the library must reject those itself (computing the
+// product would be signed overflow). Huge sizes that are representable but valid are skipped
+// (see Bound). Every target also has a "poisoned" mode in which one other parameter is made
+// invalid on purpose and the sizes are passed uncapped: the call must then throw, and it must
+// do so before allocating (libFuzzer's -malloc_limit_mb turns a huge allocation into a crash).
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/yarn.hpp>
+
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <initializer_list>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <typeinfo>
+#include <utility>
+
+namespace apex::fuzz {
+
+/// The most elements a target lets one accepted call allocate (32 MiB of doubles).
+constexpr Index kMaxElements = Index{1} << 22;
+
+/// Prints what went wrong and aborts, which libFuzzer records as a crash with its input.
+[[noreturn]] inline void fail(const std::string& what) {
+  std::fprintf(stderr, "\n*** apex fuzz finding: %s\n", what.c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+#define APEX_FUZZ_REQUIRE(cond, what)                                    \
+  do {                                                                   \
+    if (!(cond)) ::apex::fuzz::fail(std::string(what) + " [" #cond "]"); \
+  } while (false)
+
+/// The fuzzer's bytes as typed values. Integers and reals come from the whole range, with the
+/// values that break code (0, ±1, the extremes, powers of two, NaN, ±inf, denormals) drawn far
+/// more often than uniform sampling would.
+class Input {
+ public:
+  Input(const std::uint8_t* data, std::size_t size) : fdp_(data, size) {}
+
+  FuzzedDataProvider& provider() { return fdp_; }
+  bool flag() { return fdp_.ConsumeBool(); }
+
+  /// An integer in [lo, hi].
+  Index in(Index lo, Index hi) { return fdp_.ConsumeIntegralInRange<Index>(lo, hi); }
+  int choice(int count) { return fdp_.ConsumeIntegralInRange<int>(0, count - 1); }
+
+  /// Any Index: small values most of the time, else an edge of the range.
+  Index any_index() {
+    constexpr Index kMax = std::numeric_limits<Index>::max();
+    constexpr Index kMin = std::numeric_limits<Index>::min();
+    switch (choice(16)) {
+      case 0:
+      case 1:
+      case 2:
+      case 3:
+        return in(-3, 16);
+      case 4:
+        return in(0, 64);
+      case 5:
+        return 0;
+      case 6:
+        return kMax - in(0, 2);
+      case 7:
+        return kMin + in(0, 2);
+      case 8:
+        return (Index{1} << in(0, 62)) + in(-1, 1);
+      case 9:
+        return -(Index{1} << in(0, 62)) + in(-1, 1);
+      case 10:
+        return Index{std::numeric_limits<std::int32_t>::max()} + in(-1, 2);
+      case 11:
+        return Index{1} << in(30, 40);
+      case 12:
+        return fdp_.ConsumeIntegral<Index>();
+      case 13:
+        return in(-1000, 100000);
+      default:
+        return in(1, 8);
+    }
+  }
+
+  /// A size that is usually valid (0 … hi) and sometimes anything at all.
+  Index size(Index hi) { return choice(8) == 0 ? any_index() : in(0, hi); }
+
+  /// Any double: NaN, ±inf, ±0, ±1e30, the largest and smallest normals and denormals, random
+  /// bit patterns, and ordinary values.
+  double any_real() {
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    switch (choice(16)) {
+      case 0:
+        return std::numeric_limits<double>::quiet_NaN();
+      case 1:
+        return kInf;
+      case 2:
+        return -kInf;
+      case 3:
+        return flag() ? 0.0 : -0.0;
+      case 4:
+        return flag() ? 1e30 : -1e30;
+      case 5:
+        return pick({std::numeric_limits<double>::max(), std::numeric_limits<double>::lowest(),
+                     1e300, -1e300, 1e154, 3.4e38, 1e15, 1e-300});
+      case 6:
+        return pick({std::numeric_limits<double>::denorm_min(),
+                     -std::numeric_limits<double>::denorm_min(), std::numeric_limits<double>::min(),
+                     1e-310, 1e-45, 1e-38});
+      case 7:
+        return pick({std::numeric_limits<double>::epsilon(), 1.0 + 1e-15, 1.0 - 1e-16, 1e-12});
+      case 8: {
+        const std::uint64_t bits = fdp_.ConsumeIntegral<std::uint64_t>();
+        double value;
+        std::memcpy(&value, &bits, sizeof value);
+        return value;
+      }
+      case 9:
+        return pick({1.0, -1.0, 0.5, 2.0, 32.0, 10000.0, 1e-6, 4096.0, 500000.0});
+      case 10:
+        return static_cast<double>(any_index());
+      default:
+        return fdp_.ConsumeFloatingPointInRange<double>(-100.0, 100.0);
+    }
+  }
+
+  /// A finite real in [lo, hi].
+  double real_in(double lo, double hi) { return fdp_.ConsumeFloatingPointInRange<double>(lo, hi); }
+
+  template <class T>
+  T pick(std::initializer_list<T> values) {
+    const auto at = fdp_.ConsumeIntegralInRange<std::size_t>(0, values.size() - 1);
+    return *(values.begin() + at);
+  }
+
+ private:
+  FuzzedDataProvider fdp_;
+};
+
+/// How matrix entries are drawn.
+enum class Values {
+  kModerate,  ///< finite, |x| <= a bound the caller gives (differential oracles apply)
+  kExtreme,   ///< moderate values mixed with NaN, ±inf, ±1e30, ±max, denormals and ±0
+};
+
+/// One entry of a matrix of Scalar.
+template <class Scalar>
+Scalar draw_value(Input& in, Values mode, double bound) {
+  using L = std::numeric_limits<Scalar>;
+  if (mode == Values::kExtreme && in.choice(4) == 0) {
+    switch (in.choice(10)) {
+      case 0:
+        return L::quiet_NaN();
+      case 1:
+        return L::infinity();
+      case 2:
+        return -L::infinity();
+      case 3:
+        return static_cast<Scalar>(in.flag() ? 1e30 : -1e30);
+      case 4:
+        return in.flag() ? L::max() : L::lowest();
+      case 5:
+        return in.flag() ? L::denorm_min() : -L::denorm_min();
+      case 6:
+        return in.flag() ? L::min() : -L::min();
+      case 7:
+        return in.flag() ? Scalar(0) : -Scalar(0);
+      case 8:
+        return static_cast<Scalar>(in.flag() ? 1e-30 : -1e-30);
+      default:
+        return static_cast<Scalar>(in.real_in(-1e6, 1e6));
+    }
+  }
+  return static_cast<Scalar>(in.real_in(-bound, bound));
+}
+
+/// Fills `m` (any Eigen dense object) entry by entry.
+template <class Matrix>
+void fill(Matrix& m, Input& in, Values mode, double bound = 1.0) {
+  using Scalar = typename Matrix::Scalar;
+  for (Index i = 0; i < m.rows(); ++i) {
+    for (Index j = 0; j < m.cols(); ++j) m(i, j) = draw_value<Scalar>(in, mode, bound);
+  }
+}
+
+/// What a call with these sizes would allocate if the library accepted it.
+enum class Bound {
+  kSmall,     ///< fits kMaxElements: pass it
+  kHuge,      ///< representable but too big for a fuzzer: skip the call
+  kOverflow,  ///< the product does not fit in an Index: the library must reject it, pass it
+};
+
+/// Classifies the product of `factors` (as the library would multiply them). A non-positive
+/// factor makes the product non-positive, which is small (the library must reject negative
+/// sizes, and zero allocates nothing).
+inline Bound bound_of(std::initializer_list<Index> factors) {
+  bool non_positive = false;
+  for (const Index f : factors) non_positive = non_positive || f <= 0;
+  if (non_positive) return Bound::kSmall;
+  __int128 product = 1;
+  for (const Index f : factors) {
+    product *= f;
+    if (product > static_cast<__int128>(std::numeric_limits<Index>::max())) {
+      return Bound::kOverflow;
+    }
+  }
+  return product > kMaxElements ? Bound::kHuge : Bound::kSmall;
+}
+
+// Fuzzing history, one line per finding (the number names its regression test). The targets
+// exercise all of these inputs.
+//   F1  size/count helpers overflowed: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F2  GQA/MLA H·d_h unchecked: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F3  HeadsTensor shapes unchecked: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F4  cache sizes overflowed: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F5  empty split/merge_heads UB: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F6  huge sizes threw bad_alloc: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F7  RoPE θ allocated before checks: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F8  MLA forward on 0 tokens UB: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F9  non-finite RoPE tables: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F10 offsets overflowed positions: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F11 YaRN factor <= 0 or not finite: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F12 negative view extents accepted: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F13 YaRN range infinite or empty: fixed; regression test in tests/fuzz_regressions_test.cpp
+//   F14 masked keys reached sdpa output: fixed; regression test in tests/fuzz_regressions_test.cpp
+
+/// True when a call whose allocation is `bound` may be made.
+inline bool may_call(Bound bound) { return bound != Bound::kHuge; }
+
+/// The house rule for messages: "[op] ..." naming what was wrong.
+inline void check_message(const char* what) {
+  const std::string message = what;
+  APEX_FUZZ_REQUIRE(
+      !message.empty() && message[0] == '[' && message.find("] ") != std::string::npos,
+      "std::invalid_argument message does not start with \"[op] \": \"" + message + "\"");
+}
+
+/// Runs `call`. Returns true if it returned normally, false if it threw std::invalid_argument
+/// (whose message must follow the house rule). Anything else it throws is a finding.
+template <class Call>
+bool attempt(const char* name, Call&& call) {
+  try {
+    std::forward<Call>(call)();
+    return true;
+  } catch (const std::invalid_argument& e) {
+    check_message(e.what());
+    return false;
+  } catch (const std::exception& e) {
+    fail(std::string(name) + " threw " + typeid(e).name() + " (\"" + e.what() +
+         "\") instead of returning or throwing std::invalid_argument");
+  } catch (...) {
+    fail(std::string(name) + " threw a non-std exception");
+  }
+}
+
+/// As attempt(), and a call that must be rejected (`must_throw`) must not return.
+template <class Call>
+bool attempt(const char* name, bool must_throw, Call&& call) {
+  const bool returned = attempt(name, std::forward<Call>(call));
+  if (must_throw && returned) fail(std::string(name) + " accepted an argument that is invalid");
+  return returned;
+}
+
+/// Bitwise equality of two dense objects of the same shape (NaN payloads included).
+template <class A, class B>
+bool same_bits(const A& a, const B& b) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  for (Index i = 0; i < a.rows(); ++i) {
+    for (Index j = 0; j < a.cols(); ++j) {
+      const auto x = a(i, j);
+      const auto y = b(i, j);
+      if (std::memcmp(&x, &y, sizeof x) != 0) return false;
+    }
+  }
+  return true;
+}
+
+/// YaRN parameters as text, for failure messages.
+inline std::string describe(const YarnParams& p) {
+  char text[512];
+  std::snprintf(text, sizeof text,
+                "YarnParams{scale %.17g, original_context %lld, beta_fast %.17g, beta_slow %.17g, "
+                "base %.17g, truncate %d, mscale %s%.17g, mscale_all_dim %s%.17g}",
+                p.scale, static_cast<long long>(p.original_context), p.beta_fast, p.beta_slow,
+                p.base, p.truncate ? 1 : 0, p.mscale ? "" : "unset ", p.mscale.value_or(0),
+                p.mscale_all_dim ? "" : "unset ", p.mscale_all_dim.value_or(0));
+  return text;
+}
+
+}  // namespace apex::fuzz

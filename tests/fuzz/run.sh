@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
+# Builds apex's libFuzzer targets with clang (-fsanitize=fuzzer,address,undefined, assertions
+# on) in build/fuzz and runs each one for the given number of seconds (default 60) on a copy of
+# its seed corpus tests/fuzz/corpus/<target>/. Fails if any target reports a finding (a crash,
+# undefined behaviour, an out-of-bounds access, a leak, a timeout, an allocation over the limit
+# or a broken contract); the input that triggered it is kept in build/fuzz/findings/<target>/.
+#
+#   tests/fuzz/run.sh [seconds] [--update-corpus] [--only <target>] [--regressions]
+#     --update-corpus   merge what the run discovered into tests/fuzz/corpus/<target>/, keeping
+#                       only inputs that reach new code (to refresh the committed seeds)
+#     --only <target>   one target, e.g. fuzz_attention
+#     --regressions     instead of fuzzing, build tests/fuzz_regressions_test.cpp with clang's
+#                       ASan + UBSan and run it, one process per test
+# Environment: CXX (default clang++), APEX_FUZZ_JOBS (build jobs, default 2).
+set -euo pipefail
+src=$(cd "$(dirname "$0")/../.." && pwd)
+seconds=60
+update=0
+only=""
+regressions=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --update-corpus) update=1 ;;
+    --only) only="$2"; shift ;;
+    --regressions) regressions=1 ;;
+    [0-9]*) seconds="$1" ;;
+    *) echo "usage: $0 [seconds] [--update-corpus] [--only <target>] [--regressions]" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+cxx=${CXX:-clang++}
+if ! command -v "$cxx" >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" -eq 0 ]; then
+    echo "apex fuzz: installing clang and its sanitizer runtimes" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      clang libclang-rt-dev >/dev/null 2>&1 ||
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        clang-14 libclang-rt-14-dev >/dev/null
+    command -v "$cxx" >/dev/null || cxx=clang++-14
+  fi
+fi
+command -v "$cxx" >/dev/null || { echo "apex fuzz: $cxx not found (install clang)" >&2; exit 1; }
+
+build="$src/build/fuzz"
+now() { date +%s.%N; }
+elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+# Sanitizer flags come from tests/fuzz/CMakeLists.txt; CMAKE_CXX_FLAGS and the build type are
+# cleared so that a reused build directory cannot add -DNDEBUG or other flags.
+configure() {
+  cmake -S "$src" -B "$build" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE= \
+    -DAPEX_BUILD_FUZZERS=ON -DAPEX_BUILD_TESTS=OFF -DAPEX_BUILD_EXAMPLES=OFF \
+    -DAPEX_BUILD_BENCHMARKS=OFF -DAPEX_INSTALL=OFF -DAPEX_USE_OPENMP=OFF \
+    -DCMAKE_CXX_FLAGS= >/dev/null
+}
+
+if [ "$regressions" -eq 1 ]; then
+  configure
+  cmake --build "$build" -j "${APEX_FUZZ_JOBS:-2}" --target fuzz_regressions_clang
+  # One process per test: a sanitizer report aborts the process it happens in.
+  binary="$build/tests/fuzz/fuzz_regressions_clang"
+  passed=0
+  failures=()
+  suite=""
+  while IFS= read -r line; do
+    case "$line" in
+      "  "*) name="$suite${line#  }"; name="${name%%  #*}" ;;
+      *) suite="${line%%  #*}"; continue ;;
+    esac
+    if "$binary" --gtest_filter="$name" >"$build/regression.log" 2>&1; then
+      passed=$((passed + 1))
+    else
+      failures+=("$name")
+      grep -a -m3 'runtime error\|ERROR: AddressSanitizer\|Failure\|threw' "$build/regression.log" |
+        sed "s|^|  $name: |" >&2 || true
+    fi
+  done < <("$binary" --gtest_list_tests)
+  echo "regressions: ${#failures[@]} failing: ${failures[*]:-none}"
+  echo "${passed} passed, ${#failures[@]} failed"
+  [ ${#failures[@]} -eq 0 ]
+  exit
+fi
+
+echo "== building the fuzz targets ($cxx)"
+start=$(now)
+configure
+targets=()
+for source in "$src"/tests/fuzz/fuzz_*.cpp; do
+  name=$(basename "$source" .cpp)
+  [ -n "$only" ] && [ "$name" != "$only" ] && continue
+  targets+=("$name")
+done
+[ ${#targets[@]} -gt 0 ] || { echo "apex fuzz: no target named $only" >&2; exit 2; }
+cmake --build "$build" -j "${APEX_FUZZ_JOBS:-2}" --target "${targets[@]}"
+echo "build: $(elapsed "$start") s"
+
+failed=0
+summary=()
+for name in "${targets[@]}"; do
+  corpus="$src/tests/fuzz/corpus/$name"
+  work="$build/run/$name"
+  findings="$build/findings/$name"
+  rm -rf "$work" "$findings"
+  mkdir -p "$work" "$findings"
+  [ -d "$corpus" ] && cp -r "$corpus/." "$work/"
+  echo "== $name: ${seconds} s"
+  start=$(now)
+  set +e
+  "$build/tests/fuzz/$name" "$work" -max_total_time="$seconds" -timeout=10 \
+    -rss_limit_mb=2048 -malloc_limit_mb=512 -max_len=4096 -print_final_stats=1 \
+    -artifact_prefix="$findings/" >"$build/$name.log" 2>&1
+  status=$?
+  set -e
+  took=$(elapsed "$start")
+  execs=$(grep -a 'stat::number_of_executed_units' "$build/$name.log" | tail -1 | awk '{print $2}')
+  rate=$(grep -a 'stat::average_exec_per_sec' "$build/$name.log" | tail -1 | awk '{print $2}')
+  if [ "$status" -ne 0 ]; then
+    failed=1
+    summary+=("$(printf '%-16s FINDING  %8s exec/s %10s execs  %6s s' "$name" "${rate:-?}" "${execs:-?}" "$took")")
+    echo "--- $name found something (exit $status); the input is in $findings/" >&2
+    grep -a -m1 -B2 -A30 'ERROR\|runtime error\|apex fuzz finding' "$build/$name.log" >&2 || tail -40 "$build/$name.log" >&2
+  else
+    summary+=("$(printf '%-16s ok       %8s exec/s %10s execs  %6s s' "$name" "${rate:-?}" "${execs:-?}" "$took")")
+    rmdir "$findings" 2>/dev/null || true
+  fi
+  if [ "$update" -eq 1 ]; then
+    mkdir -p "$corpus"
+    "$build/tests/fuzz/$name" -merge=1 -use_counters=0 -max_len=4096 "$corpus" "$work" \
+      >"$build/$name.merge.log" 2>&1
+    echo "   corpus: $(ls "$corpus" | wc -l) files"
+  fi
+done
+
+echo "== fuzz summary (${seconds} s per target)"
+printf '%s\n' "${summary[@]}"
+if [ "$failed" -ne 0 ]; then
+  echo "fuzzing found problems: see build/fuzz/<target>.log and build/fuzz/findings/" >&2
+  exit 1
+fi
