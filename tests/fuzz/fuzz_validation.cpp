@@ -308,7 +308,6 @@ void rope_table_checks(Input& in) {
   const bool valid = max_positions >= 1 && rd >= 2 && rd % 2 == 0 && rd <= head_dim &&
                      std::isfinite(params.base) && params.base > 1.0 && bound != Bound::kOverflow;
   if (!poison && !may_call(bound)) return;
-  if (!poison && !may_call(bound_of({rd}))) return;
   std::optional<RopeTable<Scalar>> table;
   const bool returned = attempt("RopeTable", poison || !valid,
                                 [&] { table.emplace(max_positions, head_dim, params); });
@@ -582,7 +581,6 @@ void yarn_checks(Input& in) {
       if (poison) p.base = -1.0;
       const Index r = rotary == 0 ? head_dim : rotary;
       if (!poison && !may_call(bound_of({max_positions, r, 2}))) return;
-      if (!poison && !may_call(bound_of({r}))) return;
       std::optional<RopeTable<Scalar>> table;
       const bool returned = attempt("yarn_table", poison, [&] {
         table.emplace(

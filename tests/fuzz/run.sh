@@ -7,8 +7,9 @@
 # or a broken contract); the input that triggered it is kept in build/fuzz/findings/<target>/.
 #
 #   tests/fuzz/run.sh [seconds] [--update-corpus] [--only <target>] [--regressions]
-#     --update-corpus   merge what the run discovered into tests/fuzz/corpus/<target>/, keeping
-#                       only inputs that reach new code (to refresh the committed seeds)
+#     --update-corpus   replace tests/fuzz/corpus/<target>/ with a fresh minimisation of the old
+#                       seeds and what the run discovered: a smallest set of inputs (greedy set
+#                       cover) reaching every edge that any of them reaches
 #     --only <target>   one target, e.g. fuzz_attention
 #     --regressions     instead of fuzzing, build tests/fuzz_regressions_test.cpp with clang's
 #                       ASan + UBSan and run it, one process per test
@@ -125,10 +126,21 @@ for name in "${targets[@]}"; do
     rmdir "$findings" 2>/dev/null || true
   fi
   if [ "$update" -eq 1 ]; then
-    mkdir -p "$corpus"
-    "$build/tests/fuzz/$name" -merge=1 -use_counters=0 -max_len=4096 "$corpus" "$work" \
-      >"$build/$name.merge.log" 2>&1
-    echo "   corpus: $(ls "$corpus" | wc -l) files"
+    # Into an empty directory, so that the committed corpus does not only ever grow.
+    merged="$build/merged/$name"
+    rm -rf "$merged"
+    mkdir -p "$merged" "$corpus"
+    before=$(find "$corpus" -type f | wc -l)
+    if "$build/tests/fuzz/$name" -set_cover_merge=1 -use_counters=0 -max_len=4096 \
+      -rss_limit_mb=2048 -malloc_limit_mb=512 -timeout=10 "$merged" "$corpus" "$work" \
+      >"$build/$name.merge.log" 2>&1; then
+      rm -rf "$corpus"
+      mv "$merged" "$corpus"
+      echo "   corpus: $before -> $(find "$corpus" -type f | wc -l) files"
+    else
+      failed=1
+      echo "--- $name: minimising the corpus failed (see build/fuzz/$name.merge.log)" >&2
+    fi
   fi
 done
 
