@@ -272,14 +272,20 @@ std::vector<Case> cases() {
   // clang-format on
 }
 
+/// Gives the problem the case's position rule, softcap and dense mask or bias.
 template <class Scalar>
-void check_case(const Case& c, std::uint32_t seed,
-                const std::optional<apex::detail::FlashBlocking>& blocking = std::nullopt) {
-  Problem<Scalar> p(c.shape, c.layout, seed);
+void apply_case(const Case& c, Problem<Scalar>& p) {
   p.mask.positions = c.positions;
   p.params.softcap = c.softcap;
   if (c.dense == Dense::kBoolean) p.add_boolean(0.7);
   if (c.dense == Dense::kBias) p.add_bias(0.1);
+}
+
+template <class Scalar>
+void check_case(const Case& c, std::uint32_t seed,
+                const std::optional<apex::detail::FlashBlocking>& blocking = std::nullopt) {
+  Problem<Scalar> p(c.shape, c.layout, seed);
+  apply_case(c, p);
   Outputs<Scalar> fast(c.shape, c.layout);
   Outputs<Scalar> ref(c.shape, c.layout);
   run_fast(p, fast, blocking);
@@ -485,10 +491,7 @@ template <class Scalar>
 void check_poisoned_key(const Case& c, Index j, bool poison_key, std::uint32_t seed) {
   const Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
   Problem<Scalar> p(c.shape, c.layout, seed);
-  p.mask.positions = c.positions;
-  p.params.softcap = c.softcap;
-  if (c.dense == Dense::kBoolean) p.add_boolean(0.7);
-  if (c.dense == Dense::kBias) p.add_bias(0.1);
+  apply_case(c, p);
   Outputs<Scalar> clean(c.shape, c.layout);
   run_reference(p, clean);
   if (poison_key) p.k.view().head(0, 0)(j, 0) = nan;
