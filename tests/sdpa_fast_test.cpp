@@ -36,6 +36,8 @@
 #include <omp.h>
 #endif
 
+#include "test_util.hpp"
+
 namespace {
 
 using apex::AttentionMask;
@@ -67,7 +69,7 @@ struct Tolerance<double> {
 template <class Scalar>
 class SdpaFast : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(SdpaFast, Scalars);
+TYPED_TEST_SUITE(SdpaFast, Scalars, apex::testing::ScalarName);
 
 // ---- [B, H, S, D] storage in either layout ------------------------------------------------------
 enum class Layout { kContiguous, kTokenMajor };
