@@ -47,14 +47,6 @@ bool same_bits(const A& a, const B& b) {
 }
 
 template <class Scalar>
-HeadsTensor<Scalar> random_heads(Index b, Index h, Index s, Index d, std::mt19937& rng) {
-  HeadsTensor<Scalar> t(b, h, s, d);
-  std::uniform_real_distribution<double> dist(-1.0, 1.0);
-  for (Index i = 0; i < b * h * s * d; ++i) t.data()[i] = static_cast<Scalar>(dist(rng));
-  return t;
-}
-
-template <class Scalar>
 RowMatrix<Scalar> flat(const HeadsTensor<Scalar>& t) {
   return Eigen::Map<const RowMatrix<Scalar>>(t.data(), t.batch() * t.heads() * t.seq(), t.dim());
 }
@@ -86,9 +78,9 @@ Results<Scalar> work(int t, const Shared<Scalar>& shared) {
 
   {  // Prefill: many query blocks, grouped heads, a causal (and for odd t windowed) mask.
     const Index s = 70 + 13 * ti;
-    const auto q = random_heads<Scalar>(2, 6, s, 24, rng);
-    const auto k = random_heads<Scalar>(2, 2, s, 24, rng);
-    const auto v = random_heads<Scalar>(2, 2, s, 20, rng);
+    const auto q = apex::testing::random_heads<Scalar>(2, 6, s, 24, rng);
+    const auto k = apex::testing::random_heads<Scalar>(2, 2, s, 24, rng);
+    const auto v = apex::testing::random_heads<Scalar>(2, 2, s, 20, rng);
     HeadsTensor<Scalar> out(2, 6, s, 20), lse(2, 6, s, 1);
     apex::sdpa<Scalar>(q.view(), k.view(), v.view(), causal, {}, out.view(), lse.view());
     r.prefill = flat(out);
@@ -99,9 +91,9 @@ Results<Scalar> work(int t, const Shared<Scalar>& shared) {
   }
   {  // Decoding: two new tokens against a long cache (split-key path, partials per call).
     const Index s_k = 1300 + 100 * ti;
-    const auto q = random_heads<Scalar>(1, 8, 2, 32, rng);
-    const auto k = random_heads<Scalar>(1, 2, s_k, 32, rng);
-    const auto v = random_heads<Scalar>(1, 2, s_k, 32, rng);
+    const auto q = apex::testing::random_heads<Scalar>(1, 8, 2, 32, rng);
+    const auto k = apex::testing::random_heads<Scalar>(1, 2, s_k, 32, rng);
+    const auto v = apex::testing::random_heads<Scalar>(1, 2, s_k, 32, rng);
     HeadsTensor<Scalar> out(1, 8, 2, 32), lse(1, 8, 2, 1);
     apex::sdpa<Scalar>(q.view(), k.view(), v.view(), causal, {}, out.view(), lse.view());
     r.decode = flat(out);

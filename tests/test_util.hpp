@@ -6,6 +6,7 @@
 #pragma once
 
 #include <apex/config.hpp>
+#include <apex/tensor.hpp>
 
 #include <gtest/gtest.h>
 
@@ -130,6 +131,28 @@ void expect_near_elementwise(const Actual& actual, const Expected& expected, dou
 template <class Actual, class Expected>
 void expect_close(const Actual& actual, const Expected& expected, double tol) {
   expect_near_elementwise(actual, expected, tol, tol);
+}
+
+// ---- Random [B, H, S, D] tensors, in the per-head layout of apex/tensor.hpp ----------------
+
+/// A [batch, heads, seq, dim] tensor of uniform values in [lo, hi), drawn from `rng` in storage
+/// order like random_matrix.
+template <class Scalar>
+HeadsTensor<Scalar> random_heads(Index batch, Index heads, Index seq, Index dim, std::mt19937& rng,
+                                 double lo = -1.0, double hi = 1.0) {
+  HeadsTensor<Scalar> t(batch, heads, seq, dim);
+  std::uniform_real_distribution<double> dist(lo, hi);
+  const Index size = batch * heads * seq * dim;
+  for (Index i = 0; i < size; ++i) t.data()[i] = static_cast<Scalar>(dist(rng));
+  return t;
+}
+
+/// The same from a generator of its own: the same seed gives the same tensor.
+template <class Scalar>
+HeadsTensor<Scalar> random_heads(Index batch, Index heads, Index seq, Index dim, std::uint32_t seed,
+                                 double lo = -1.0, double hi = 1.0) {
+  std::mt19937 rng(seed);
+  return random_heads<Scalar>(batch, heads, seq, dim, rng, lo, hi);
 }
 
 }  // namespace apex::testing

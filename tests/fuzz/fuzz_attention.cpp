@@ -300,6 +300,39 @@ AttentionMask<Scalar> layer_rule(Input& in, Index seq) {
   return mask;
 }
 
+/// A layer's input: B sequences of S tokens, [B·S, d_model], with moderate values or (one
+/// time in three) extreme ones.
+template <class Scalar>
+struct Tokens {
+  Index batch;
+  Index seq;
+  Values mode;
+  RowMatrix<Scalar> x;
+
+  Tokens(Input& in, Index max_batch, Index max_seq, Index d_model)
+      : batch(in.in(1, max_batch)),
+        seq(in.in(1, max_seq)),
+        mode(in.choice(3) == 0 ? Values::kExtreme : Values::kModerate),
+        x(batch * seq, d_model) {
+    fill(x, in, mode, 1.0);
+  }
+
+  /// Decoding: calls step(from, chunk) for consecutive chunks of random lengths n that cover
+  /// every sequence, where chunk holds tokens [from, from + n) of each sequence, [B·n, d_model].
+  template <class Step>
+  void in_chunks(Input& in, Step&& step) const {
+    for (Index from = 0; from < seq;) {
+      const Index n = in.in(1, seq - from);
+      RowMatrix<Scalar> chunk(batch * n, x.cols());
+      for (Index b = 0; b < batch; ++b) {
+        chunk.middleRows(b * n, n) = x.middleRows(b * seq + from, n);
+      }
+      step(from, chunk);
+      from += n;
+    }
+  }
+};
+
 template <class Scalar>
 double layer_tolerance() {
   // Projections, attention and the output projection each round a few times in Scalar.
@@ -308,25 +341,17 @@ double layer_tolerance() {
 
 template <class Scalar>
 void gqa_case(Input& in) {
-  GqaConfig c;
-  c.d_model = in.in(1, 12);
-  c.num_kv_heads = in.in(1, 3);
-  c.num_q_heads = c.num_kv_heads * in.in(1, 3);
-  c.head_dim = 2 * in.in(1, 4);
-  const auto layer =
-      GroupedQueryAttention<Scalar>::random(c, static_cast<std::uint64_t>(in.in(0, 1000)));
-  const Index batch = in.in(1, 3);
-  const Index seq = in.in(1, 9);
-  const Values mode = in.choice(3) == 0 ? Values::kExtreme : Values::kModerate;
-  RowMatrix<Scalar> x(batch * seq, c.d_model);
-  fill(x, in, mode, 1.0);
-  const AttentionMask<Scalar> mask = layer_rule<Scalar>(in, seq);
+  const auto layer = small_gqa<Scalar>(in, /*max_d_model=*/12, /*max_heads=*/3,
+                                       /*max_half_head_dim=*/4, /*max_seed=*/1000);
+  const GqaConfig& c = layer.config();
+  const Tokens<Scalar> t(in, /*max_batch=*/3, /*max_seq=*/9, c.d_model);
+  const AttentionMask<Scalar> mask = layer_rule<Scalar>(in, t.seq);
   AttentionLayerParams<Scalar> params;
   std::optional<RopeTable<Scalar>> table;
   if (in.flag()) {
     RopeParams rp;
     rp.pairing = in.flag() ? RopePairing::kInterleaved : RopePairing::kHalfSplit;
-    table.emplace(seq + 8, c.head_dim, rp);
+    table.emplace(t.seq + 8, c.head_dim, rp);
     params.rope = &*table;
     params.position_offset = in.in(0, 8);
   }
@@ -338,93 +363,77 @@ void gqa_case(Input& in) {
     PositionMask rule;
     rule.causal = true;
     const bool ring = in.flag();
-    const Index window = in.in(1, seq + 1);
+    const Index window = in.in(1, t.seq + 1);
     if (ring || in.flag()) rule.window = window;
     AttentionMask<Scalar> whole;
     whole.positions = rule;
     params.position_offset = 0;
-    const RowMatrix<Scalar> want = layer.forward(x, batch, whole, params);
-    KvCache<Scalar> full = layer.make_cache(batch, seq);
-    SlidingWindowCache<Scalar> windowed(batch, c.num_kv_heads, c.head_dim, window + in.in(0, 2));
-    RowMatrix<Scalar> got(batch * seq, c.d_model);
-    Index done = 0;
-    while (done < seq) {
-      const Index n = in.in(1, seq - done);
-      RowMatrix<Scalar> chunk(batch * n, c.d_model);
-      for (Index b = 0; b < batch; ++b)
-        chunk.middleRows(b * n, n) = x.middleRows(b * seq + done, n);
-      params.position_offset = done;
+    const RowMatrix<Scalar> want = layer.forward(t.x, t.batch, whole, params);
+    KvCache<Scalar> full = layer.make_cache(t.batch, t.seq);
+    SlidingWindowCache<Scalar> windowed(t.batch, c.num_kv_heads, c.head_dim, window + in.in(0, 2));
+    RowMatrix<Scalar> got(t.batch * t.seq, c.d_model);
+    t.in_chunks(in, [&](Index from, const RowMatrix<Scalar>& chunk) {
+      params.position_offset = from;
       const RowMatrix<Scalar> part = ring ? layer.forward_cached(chunk, rule, params, windowed)
                                           : layer.forward_cached(chunk, rule, params, full);
-      for (Index b = 0; b < batch; ++b)
-        got.middleRows(b * seq + done, n) = part.middleRows(b * n, n);
-      done += n;
-    }
-    if (mode == Values::kModerate) {
+      const Index n = chunk.rows() / t.batch;
+      for (Index b = 0; b < t.batch; ++b) {
+        got.middleRows(b * t.seq + from, n) = part.middleRows(b * n, n);
+      }
+    });
+    if (t.mode == Values::kModerate) {
       expect_close(got, want, layer_tolerance<Scalar>(),
                    ring ? "gqa decoding with a sliding-window cache differs from forward"
                         : "gqa decoding with a full cache differs from forward");
     }
     return;
   }
-  const RowMatrix<Scalar> out = layer.forward(x, batch, mask, params);
-  if (mode == Values::kExtreme) return;
+  const RowMatrix<Scalar> out = layer.forward(t.x, t.batch, mask, params);
+  if (t.mode == Values::kExtreme) return;
 
   // Oracle: the same projections, rotated, attended by the reference, then W_O.
   const auto& w = layer.weights();
   const RowMatrix<Scalar> qm =
-      rotate(params.rope, params.position_offset, batch, RowMatrix<Scalar>(x * w.w_q));
+      rotate(params.rope, params.position_offset, t.batch, RowMatrix<Scalar>(t.x * w.w_q));
   const RowMatrix<Scalar> km =
-      rotate(params.rope, params.position_offset, batch, RowMatrix<Scalar>(x * w.w_k));
-  const RowMatrix<Scalar> vm = x * w.w_v;
-  RowMatrix<Scalar> concat(batch * seq, c.num_q_heads * c.head_dim);
+      rotate(params.rope, params.position_offset, t.batch, RowMatrix<Scalar>(t.x * w.w_k));
+  const RowMatrix<Scalar> vm = t.x * w.w_v;
+  RowMatrix<Scalar> concat(t.batch * t.seq, c.num_q_heads * c.head_dim);
   reference::sdpa<Scalar>(
-      HeadsView<const Scalar>::token_major(qm.data(), batch, seq, c.num_q_heads, c.head_dim),
-      HeadsView<const Scalar>::token_major(km.data(), batch, seq, c.num_kv_heads, c.head_dim),
-      HeadsView<const Scalar>::token_major(vm.data(), batch, seq, c.num_kv_heads, c.head_dim), mask,
-      params.attention,
-      HeadsView<Scalar>::token_major(concat.data(), batch, seq, c.num_q_heads, c.head_dim));
+      HeadsView<const Scalar>::token_major(qm.data(), t.batch, t.seq, c.num_q_heads, c.head_dim),
+      HeadsView<const Scalar>::token_major(km.data(), t.batch, t.seq, c.num_kv_heads, c.head_dim),
+      HeadsView<const Scalar>::token_major(vm.data(), t.batch, t.seq, c.num_kv_heads, c.head_dim),
+      mask, params.attention,
+      HeadsView<Scalar>::token_major(concat.data(), t.batch, t.seq, c.num_q_heads, c.head_dim));
   const RowMatrix<Scalar> want = concat * w.w_o;
   expect_close(out, want, layer_tolerance<Scalar>(), "gqa forward differs from its oracle");
 }
 
 template <class Scalar>
 void mla_case(Input& in) {
-  MlaConfig c;
-  c.d_model = in.in(1, 10);
-  c.d_q = in.in(1, 6);
-  c.d_kv = in.in(1, 6);
-  c.num_kv_heads = in.in(1, 2);
-  c.num_q_heads = c.num_kv_heads * in.in(1, 2);
-  c.head_dim = in.in(1, 4);
-  c.rope_dim = 2 * in.in(1, 2);
-  c.num_rope_key_heads = in.flag() ? 1 : 0;
-  const auto layer =
-      MultiHeadLatentAttention<Scalar>::random(c, static_cast<std::uint64_t>(in.in(0, 1000)));
-  const Index batch = in.in(1, 2);
-  const Index seq = in.in(1, 8);
-  const Values mode = in.choice(3) == 0 ? Values::kExtreme : Values::kModerate;
-  RowMatrix<Scalar> x(batch * seq, c.d_model);
-  fill(x, in, mode, 1.0);
+  const auto layer = small_mla<Scalar>(in, /*max_d_model=*/10, /*max_latent=*/6,
+                                       /*max_head_dim=*/4, /*max_seed=*/1000);
+  const MlaConfig& c = layer.config();
+  const Tokens<Scalar> t(in, /*max_batch=*/2, /*max_seq=*/8, c.d_model);
   RopeParams rp;
   rp.pairing = in.flag() ? RopePairing::kInterleaved : RopePairing::kHalfSplit;
-  const RopeTable<Scalar> table(seq + 8, c.rope_dim, rp);
+  const RopeTable<Scalar> table(t.seq + 8, c.rope_dim, rp);
   AttentionLayerParams<Scalar> params;
   params.rope = &table;
 
   if (in.flag()) {
     // Prefill: forward against decompress() attended by the reference.
-    const AttentionMask<Scalar> mask = layer_rule<Scalar>(in, seq);
+    const AttentionMask<Scalar> mask = layer_rule<Scalar>(in, t.seq);
     params.position_offset = in.in(0, 8);
-    const RowMatrix<Scalar> out = layer.forward(x, batch, mask, params);
-    if (mode == Values::kExtreme) return;
-    const ProjectedQkv<Scalar> p = layer.decompress(x, batch, params);
+    const RowMatrix<Scalar> out = layer.forward(t.x, t.batch, mask, params);
+    if (t.mode == Values::kExtreme) return;
+    const ProjectedQkv<Scalar> p = layer.decompress(t.x, t.batch, params);
     SdpaParams attention = params.attention;
     attention.scale = 1.0 / std::sqrt(static_cast<double>(c.qk_dim()));
-    RowMatrix<Scalar> concat(batch * seq, c.num_q_heads * c.head_dim);
+    RowMatrix<Scalar> concat(t.batch * t.seq, c.num_q_heads * c.head_dim);
     reference::sdpa<Scalar>(
         p.q_heads(), p.k_heads(), p.v_heads(), mask, attention,
-        HeadsView<Scalar>::token_major(concat.data(), batch, seq, c.num_q_heads, c.head_dim));
+        HeadsView<Scalar>::token_major(concat.data(), t.batch, t.seq, c.num_q_heads, c.head_dim));
     const RowMatrix<Scalar> want = concat * layer.weights().w_o;
     expect_close(out, want, layer_tolerance<Scalar>(), "mla forward differs from its oracle");
     return;
@@ -435,48 +444,32 @@ void mla_case(Input& in) {
   fold.query = in.pick({MlaFold::kAuto, MlaFold::kFactored, MlaFold::kMultiplied});
   fold.output = in.pick({MlaFold::kAuto, MlaFold::kFactored, MlaFold::kMultiplied});
   const MlaAbsorbedWeights<Scalar> absorbed = absorb_mla_weights(layer, fold);
-  LatentCache<Scalar> naive_cache = layer.make_cache(batch, seq);
-  LatentCache<Scalar> absorbed_cache = layer.make_cache(batch, seq);
+  LatentCache<Scalar> naive_cache = layer.make_cache(t.batch, t.seq);
+  LatentCache<Scalar> absorbed_cache = layer.make_cache(t.batch, t.seq);
   PositionMask rule;
   rule.causal = true;
-  if (in.flag()) rule.window = in.in(1, seq + 1);
-  Index done = 0;
-  while (done < seq) {
-    const Index n = in.in(1, seq - done);
-    RowMatrix<Scalar> chunk(batch * n, c.d_model);
-    for (Index b = 0; b < batch; ++b) {
-      chunk.middleRows(b * n, n) = x.middleRows(b * seq + done, n);
-    }
-    params.position_offset = done;
+  if (in.flag()) rule.window = in.in(1, t.seq + 1);
+  t.in_chunks(in, [&](Index from, const RowMatrix<Scalar>& chunk) {
+    params.position_offset = from;
     const RowMatrix<Scalar> naive = layer.forward_cached(chunk, rule, params, naive_cache);
     const RowMatrix<Scalar> fast =
         layer.forward_absorbed(chunk, rule, params, absorbed, absorbed_cache);
-    if (mode == Values::kModerate) {
+    if (t.mode == Values::kModerate) {
       expect_close(fast, naive, layer_tolerance<Scalar>(),
                    "mla absorbed decoding differs from naive decoding");
     }
-    done += n;
-  }
+  });
 }
+
+/// The checks of this target: SDPA takes half of the inputs, the two layers a quarter each.
+template <class Scalar>
+constexpr Check kChecks[] = {sdpa_case<Scalar>, sdpa_case<Scalar>, gqa_case<Scalar>,
+                             mla_case<Scalar>};
 
 }  // namespace
 }  // namespace apex::fuzz
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace apex::fuzz;
-  Input in(data, size);
-  const bool use_float = in.flag();
-  switch (in.choice(4)) {
-    case 0:
-    case 1:
-      use_float ? sdpa_case<float>(in) : sdpa_case<double>(in);
-      break;
-    case 2:
-      use_float ? gqa_case<float>(in) : gqa_case<double>(in);
-      break;
-    default:
-      use_float ? mla_case<float>(in) : mla_case<double>(in);
-      break;
-  }
-  return 0;
+  return run_checks(data, size, kChecks<float>, kChecks<double>);
 }

@@ -2,8 +2,9 @@
 // What every apex fuzz target shares: turning the fuzzer's bytes into integers and reals drawn
 // from the whole range (with the edges over-represented), matrices of ordinary or extreme
 // values, the contract check "a call returns or throws std::invalid_argument, with an output
-// left untouched on error", and the allocation bound that keeps the targets inside the fuzzer's
-// memory limit.
+// left untouched on error", the allocation bound that keeps the targets inside the fuzzer's
+// memory limit, the position rules and small attention layers that several targets draw, and
+// the dispatch of one input to one of a target's checks.
 //
 // Allocation policy (why the targets never ask for terabytes). A size that the library would
 // legitimately allocate for, once every check has passed, is passed through only when the
@@ -16,11 +17,15 @@
 #pragma once
 
 #include <apex/config.hpp>
+#include <apex/gqa.hpp>
+#include <apex/mask.hpp>
+#include <apex/mla.hpp>
 #include <apex/yarn.hpp>
 
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +33,7 @@
 #include <exception>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <typeinfo>
@@ -241,6 +247,20 @@ inline Bound bound_of(std::initializer_list<Index> factors) {
 //   F13 YaRN range infinite or empty: fixed; regression test in tests/fuzz_regressions_test.cpp
 //   F14 masked keys reached sdpa output: fixed; regression test in tests/fuzz_regressions_test.cpp
 
+/// Bitwise equality of two dense objects of the same shape (NaN payloads included).
+template <class A, class B>
+bool same_bits(const A& a, const B& b) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  for (Index i = 0; i < a.rows(); ++i) {
+    for (Index j = 0; j < a.cols(); ++j) {
+      const auto x = a(i, j);
+      const auto y = b(i, j);
+      if (std::memcmp(&x, &y, sizeof x) != 0) return false;
+    }
+  }
+  return true;
+}
+
 /// True when a call whose allocation is `bound` may be made.
 inline bool may_call(Bound bound) { return bound != Bound::kHuge; }
 
@@ -278,18 +298,16 @@ bool attempt(const char* name, bool must_throw, Call&& call) {
   return returned;
 }
 
-/// Bitwise equality of two dense objects of the same shape (NaN payloads included).
-template <class A, class B>
-bool same_bits(const A& a, const B& b) {
-  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
-  for (Index i = 0; i < a.rows(); ++i) {
-    for (Index j = 0; j < a.cols(); ++j) {
-      const auto x = a(i, j);
-      const auto y = b(i, j);
-      if (std::memcmp(&x, &y, sizeof x) != 0) return false;
-    }
+/// As attempt(name, must_throw, call) for a call that writes `out` (a dense object): when it
+/// throws, `out` must still hold, bit for bit, what it held before.
+template <class Out, class Call>
+bool attempt_writing(const char* name, bool must_throw, Out& out, Call&& call) {
+  const typename Out::PlainObject before = out;
+  const bool returned = attempt(name, must_throw, std::forward<Call>(call));
+  if (!returned && !same_bits(out, before)) {
+    fail(std::string(name) + " wrote its output before throwing");
   }
-  return true;
+  return returned;
 }
 
 /// YaRN parameters as text, for failure messages.
@@ -302,6 +320,93 @@ inline std::string describe(const YarnParams& p) {
                 p.base, p.truncate ? 1 : 0, p.mscale ? "" : "unset ", p.mscale.value_or(0),
                 p.mscale_all_dim ? "" : "unset ", p.mscale_all_dim.value_or(0));
   return text;
+}
+
+/// A position rule whose fields are each small and meaningful about half the time and drawn
+/// from the whole Index range otherwise: the prefix in [0, max_prefix], the offsets in
+/// [0, max_offset], a window (present half the time) in [1, *max_window] (without max_window,
+/// always from the whole range). The query offset is present half the time.
+inline PositionMask any_position_mask(Input& in, Index max_prefix, Index max_offset,
+                                      std::optional<Index> max_window = std::nullopt) {
+  PositionMask m;
+  m.causal = in.flag();
+  if (in.flag()) m.window = max_window && in.flag() ? in.in(1, *max_window) : in.any_index();
+  m.prefix = in.flag() ? in.in(0, max_prefix) : in.any_index();
+  if (in.flag()) m.query_offset = in.flag() ? in.in(0, max_offset) : in.any_index();
+  m.key_offset = in.flag() ? in.in(0, max_offset) : in.any_index();
+  return m;
+}
+
+/// The documented preconditions of a PositionMask applied to S_q queries against S_k keys,
+/// including that the last positions, key_offset + S_k and query_offset + S_q, are Index values.
+inline bool position_mask_valid(const PositionMask& m, Index s_q, Index s_k) {
+  constexpr Index kMax = std::numeric_limits<Index>::max();
+  return (!m.window || (*m.window >= 1 && m.causal)) && m.prefix >= 0 &&
+         (!m.query_offset || (*m.query_offset >= 0 && s_q <= kMax - *m.query_offset)) &&
+         m.key_offset >= 0 && s_k <= kMax - m.key_offset;
+}
+
+/// Small valid head counts for a GQA or MLA configuration: H_kv in [1, max_heads] and H_q =
+/// H_kv·G with the group size G in [1, max_heads].
+template <class Config>
+void small_head_counts(Input& in, Index max_heads, Config& c) {
+  c.num_kv_heads = in.in(1, max_heads);
+  c.num_q_heads = c.num_kv_heads * in.in(1, max_heads);
+}
+
+/// A grouped-query attention layer with a small valid configuration and random weights:
+/// d_model in [1, max_d_model], H_kv and the group size H_q / H_kv in [1, max_heads], d_h even
+/// in [2, 2·max_half_head_dim], the weights' seed in [0, max_seed].
+template <class Scalar>
+GroupedQueryAttention<Scalar> small_gqa(Input& in, Index max_d_model, Index max_heads,
+                                        Index max_half_head_dim, Index max_seed) {
+  GqaConfig c;
+  c.d_model = in.in(1, max_d_model);
+  small_head_counts(in, max_heads, c);
+  c.head_dim = 2 * in.in(1, max_half_head_dim);
+  return GroupedQueryAttention<Scalar>::random(c, static_cast<std::uint64_t>(in.in(0, max_seed)));
+}
+
+/// A multi-head latent attention layer with a small valid configuration and random weights:
+/// d_model in [1, max_d_model], d_q and d_kv in [1, max_latent], d_h in [1, max_head_dim],
+/// H_kv and the group size in [1, 2], d_r in {2, 4}, one shared RoPE key head or one per KV
+/// head, the weights' seed in [0, max_seed].
+template <class Scalar>
+MultiHeadLatentAttention<Scalar> small_mla(Input& in, Index max_d_model, Index max_latent,
+                                           Index max_head_dim, Index max_seed) {
+  MlaConfig c;
+  c.d_model = in.in(1, max_d_model);
+  c.d_q = in.in(1, max_latent);
+  c.d_kv = in.in(1, max_latent);
+  small_head_counts(in, 2, c);
+  c.head_dim = in.in(1, max_head_dim);
+  c.rope_dim = 2 * in.in(1, 2);
+  c.num_rope_key_heads = in.flag() ? 1 : 0;
+  return MultiHeadLatentAttention<Scalar>::random(c,
+                                                  static_cast<std::uint64_t>(in.in(0, max_seed)));
+}
+
+/// One way a target exercises the library (for one scalar type, where that matters).
+using Check = void (*)(Input&);
+
+/// The body of LLVMFuzzerTestOneInput for a target whose checks do not depend on a scalar
+/// type: the input picks one of `checks` (an entry listed twice is drawn twice as often).
+template <std::size_t N>
+int run_checks(const std::uint8_t* data, std::size_t size, const Check (&checks)[N]) {
+  Input in(data, size);
+  checks[in.choice(static_cast<int>(N))](in);
+  return 0;
+}
+
+/// The same for a target whose checks run in float and in double: `as_float` and `as_double`
+/// list the same checks in the same order, and the input picks the scalar type, then the check.
+template <std::size_t N>
+int run_checks(const std::uint8_t* data, std::size_t size, const Check (&as_float)[N],
+               const Check (&as_double)[N]) {
+  Input in(data, size);
+  const Check* checks = in.flag() ? as_float : as_double;
+  checks[in.choice(static_cast<int>(N))](in);
+  return 0;
 }
 
 }  // namespace apex::fuzz

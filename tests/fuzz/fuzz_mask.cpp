@@ -17,7 +17,6 @@
 
 #include "fuzz_common.hpp"
 
-#include <limits>
 #include <optional>
 #include <string>
 
@@ -91,23 +90,9 @@ void layer_masks(Input& in) {
                     "render_mask does not draw one glyph per entry");
 }
 
+/// A rule with a small window as often as one from the whole range.
 PositionMask random_rule(Input& in) {
-  PositionMask m;
-  m.causal = in.flag();
-  if (in.flag()) m.window = in.flag() ? in.in(1, 20) : in.any_index();
-  m.prefix = in.flag() ? in.in(0, 20) : in.any_index();
-  if (in.flag()) m.query_offset = in.flag() ? in.in(0, 40) : in.any_index();
-  m.key_offset = in.flag() ? in.in(0, 40) : in.any_index();
-  return m;
-}
-
-/// The documented preconditions of a rule applied to S_q queries against S_k keys, including
-/// that the last positions, key_offset + S_k and query_offset + S_q, are Index values.
-bool rule_valid(const PositionMask& m, Index s_q, Index s_k) {
-  constexpr Index kMax = std::numeric_limits<Index>::max();
-  return (!m.window || (*m.window >= 1 && m.causal)) && m.prefix >= 0 &&
-         (!m.query_offset || (*m.query_offset >= 0 && s_q <= kMax - *m.query_offset)) &&
-         m.key_offset >= 0 && s_k <= kMax - m.key_offset;
+  return any_position_mask(in, /*max_prefix=*/20, /*max_offset=*/40, /*max_window=*/20);
 }
 
 /// The rule of PositionMask restated: prefix pairs, then causality and the window.
@@ -123,7 +108,7 @@ void position_masks(Input& in) {
   const PositionMask m = random_rule(in);
   const Index s_q = in.in(0, 24);
   const Index s_k = in.in(0, 24);
-  const bool valid = rule_valid(m, s_q, s_k);
+  const bool valid = position_mask_valid(m, s_q, s_k);
   BoolMatrix mask;
   const bool built =
       attempt("build_mask(mask, S_q, S_k)", !valid, [&] { mask = build_mask(m, s_q, s_k); });
@@ -185,25 +170,13 @@ void window_masks(Input& in) {
   }
 }
 
+/// The checks of this target, in the order an input's choice selects them.
+constexpr Check kChecks[] = {layer_masks, position_masks, block_classification, window_masks};
+
 }  // namespace
 }  // namespace apex::fuzz
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace apex::fuzz;
-  Input in(data, size);
-  switch (in.choice(4)) {
-    case 0:
-      layer_masks(in);
-      break;
-    case 1:
-      position_masks(in);
-      break;
-    case 2:
-      block_classification(in);
-      break;
-    default:
-      window_masks(in);
-      break;
-  }
-  return 0;
+  return run_checks(data, size, kChecks);
 }

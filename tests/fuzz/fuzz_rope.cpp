@@ -243,23 +243,14 @@ void yarn(Input& in) {
   check_application(in, *table, magnitude);
 }
 
+/// The checks of this target, in the order an input's choice selects them.
+template <class Scalar>
+constexpr Check kChecks[] = {plain_table<Scalar>, frequency_table<Scalar>, yarn<Scalar>};
+
 }  // namespace
 }  // namespace apex::fuzz
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace apex::fuzz;
-  Input in(data, size);
-  const bool use_float = in.flag();
-  switch (in.choice(3)) {
-    case 0:
-      use_float ? plain_table<float>(in) : plain_table<double>(in);
-      break;
-    case 1:
-      use_float ? frequency_table<float>(in) : frequency_table<double>(in);
-      break;
-    default:
-      use_float ? yarn<float>(in) : yarn<double>(in);
-      break;
-  }
-  return 0;
+  return run_checks(data, size, kChecks<float>, kChecks<double>);
 }

@@ -63,23 +63,9 @@ ViewBuffer<Scalar> make_view(Input& in, Index b, Index h, Index s, Index d, Valu
 /// views must reject).
 Index extent(Input& in) { return in.choice(8) == 0 ? in.in(-3, -1) : in.in(0, 4); }
 
-PositionMask any_position_mask(Input& in) {
-  PositionMask m;
-  m.causal = in.flag();
-  if (in.flag()) m.window = in.any_index();
-  m.prefix = in.flag() ? in.in(0, 6) : in.any_index();
-  if (in.flag()) m.query_offset = in.flag() ? in.in(0, 8) : in.any_index();
-  m.key_offset = in.flag() ? in.in(0, 8) : in.any_index();
-  return m;
-}
-
-/// The documented preconditions of a PositionMask applied to S_q queries against S_k keys,
-/// including that the last positions, key_offset + S_k and query_offset + S_q, are Index values.
-bool position_mask_valid(const PositionMask& m, Index s_q, Index s_k) {
-  constexpr Index kMax = std::numeric_limits<Index>::max();
-  return (!m.window || (*m.window >= 1 && m.causal)) && m.prefix >= 0 &&
-         (!m.query_offset || (*m.query_offset >= 0 && s_q <= kMax - *m.query_offset)) &&
-         m.key_offset >= 0 && s_k <= kMax - m.key_offset;
+/// The position rule of every mask and attention check here: a window from the whole range.
+PositionMask any_rule(Input& in) {
+  return any_position_mask(in, /*max_prefix=*/6, /*max_offset=*/8);
 }
 
 // ---- §2 embedding -------------------------------------------------------------------------
@@ -105,14 +91,10 @@ void embedding(Input& in) {
       ids_ok && std::isfinite(scale) && rows == tokens.size() && cols == table.cols();
 
   RowMatrix<Scalar> out = sentinel<Scalar>(rows, cols);
-  const RowMatrix<Scalar> before = out;
-  const bool returned =
-      attempt("embed", !valid, [&] { embed(table, tokens, params, RowRef<Scalar>(out)); });
+  const bool returned = attempt_writing("embed", !valid, out,
+                                        [&] { embed(table, tokens, params, RowRef<Scalar>(out)); });
   APEX_FUZZ_REQUIRE(returned == valid, "embed rejected valid arguments");
-  if (!returned) {
-    APEX_FUZZ_REQUIRE(same_bits(out, before), "embed wrote its output before throwing");
-    return;
-  }
+  if (!returned) return;
   const Scalar factor = static_cast<Scalar>(scale);
   for (Index r = 0; r < out.rows(); ++r) {
     const RowMatrix<Scalar> expected = table.row(tokens.data()[r]) * factor;
@@ -136,10 +118,9 @@ void lm_head_shapes(Input& in) {
   const Index cols = in.flag() ? table.rows() : in.in(0, 6);
   const bool valid = h.cols() == table.cols() && rows == h.rows() && cols == table.rows();
   RowMatrix<Scalar> out = sentinel<Scalar>(rows, cols);
-  const RowMatrix<Scalar> before = out;
-  const bool returned = attempt("lm_head", !valid, [&] { lm_head(h, table, RowRef<Scalar>(out)); });
+  const bool returned =
+      attempt_writing("lm_head", !valid, out, [&] { lm_head(h, table, RowRef<Scalar>(out)); });
   APEX_FUZZ_REQUIRE(returned == valid, "lm_head rejected valid arguments");
-  if (!returned) APEX_FUZZ_REQUIRE(same_bits(out, before), "lm_head wrote before throwing");
 }
 
 /// a·b·… in 128 bits, saturated at 2^64 (beyond every Index); meaningful for factors >= 0.
@@ -409,10 +390,9 @@ void apply_rope_checks(Input& in) {
       const Index offset = in.flag() ? in.in(-2, positions) : in.any_index();
       const bool valid = width_ok && offset >= 0 &&
                          (x.rows() == 0 || (offset <= positions && x.rows() <= positions - offset));
-      const bool returned = attempt("apply_rope(offset)", !valid,
-                                    [&] { apply_rope(table, offset, RowRef<Scalar>(x)); });
+      const bool returned = attempt_writing("apply_rope(offset)", !valid, x,
+                                            [&] { apply_rope(table, offset, RowRef<Scalar>(x)); });
       APEX_FUZZ_REQUIRE(returned == valid, "apply_rope rejected valid arguments");
-      if (!returned) APEX_FUZZ_REQUIRE(same_bits(x, before), "apply_rope wrote before throwing");
       if (returned && x.rows() > 0) {
         // Features past the rotary width are never touched.
         for (Index c = 0; c < x.cols(); ++c) {
@@ -436,10 +416,9 @@ void apply_rope_checks(Input& in) {
         ids_ok = ids_ok && ids(i) >= 0 && ids(i) < positions;
       }
       const bool valid = width_ok && ids.size() == x.rows() && ids_ok;
-      const bool returned =
-          attempt("apply_rope(ids)", !valid, [&] { apply_rope(table, ids, RowRef<Scalar>(x)); });
+      const bool returned = attempt_writing("apply_rope(ids)", !valid, x,
+                                            [&] { apply_rope(table, ids, RowRef<Scalar>(x)); });
       APEX_FUZZ_REQUIRE(returned == valid, "apply_rope(ids) rejected valid arguments");
-      if (!returned) APEX_FUZZ_REQUIRE(same_bits(x, before), "apply_rope wrote before throwing");
       break;
     }
     case 3: {
@@ -626,7 +605,7 @@ void mask_builders(Input& in) {
       break;
     }
     case 3: {
-      const PositionMask m = any_position_mask(in);
+      const PositionMask m = any_rule(in);
       const Index nq = in.flag() ? in.in(0, 6) : in.any_index();
       const Index nk = in.flag() ? in.in(0, 6) : in.any_index();
       const Bound bound = bound_of({nq, nk});
@@ -680,7 +659,7 @@ void sdpa_checks(Input& in) {
   auto v = make_view<const Scalar>(in, in.flag() ? b : extent(in), in.flag() ? hkv : extent(in),
                                    in.flag() ? s_k : extent(in), d_v, Values::kExtreme);
   AttentionMask<Scalar> mask;
-  mask.positions = any_position_mask(in);
+  mask.positions = any_rule(in);
   ViewBuffer<const bool> allowed;
   ViewBuffer<const Scalar> bias;
   if (in.flag()) {
@@ -713,19 +692,15 @@ void sdpa_checks(Input& in) {
                             in.flag() ? s_q : extent(in), in.flag() ? 1 : extent(in),
                             Values::kModerate);
   }
-  const auto out_before = out.storage;
   const bool fast = in.flag();
-  const bool returned = attempt(fast ? "sdpa" : "reference::sdpa", [&] {
+  const bool returned = attempt_writing(fast ? "sdpa" : "reference::sdpa", false, out.storage, [&] {
     if (fast) {
       sdpa<Scalar>(q.view, k.view, v.view, mask, params, out.view, lse.view);
     } else {
       reference::sdpa<Scalar>(q.view, k.view, v.view, mask, params, out.view, lse.view);
     }
   });
-  if (!returned) {
-    APEX_FUZZ_REQUIRE(same_bits(out.storage, out_before), "sdpa wrote its output before throwing");
-    return;
-  }
+  if (!returned) return;
   // An accepted call had consistent, non-negative shapes.
   APEX_FUZZ_REQUIRE(b >= 0 && hq >= 0 && hkv >= 1 && s_q >= 0 && s_k >= 0 && d >= 0 && d_v >= 0,
                     "sdpa accepted a view with a negative extent or no key/value head");
@@ -747,12 +722,10 @@ void merge_checks(Input& in) {
   const bool valid = bm.rows() == rows && bm.cols() == cols && la.size() == rows &&
                      lb.size() == rows && out.rows() == rows && out.cols() == cols &&
                      lse.size() == rows;
-  const RowMatrix<Scalar> before = out;
-  const bool returned = attempt("merge_attention", !valid, [&] {
+  const bool returned = attempt_writing("merge_attention", !valid, out, [&] {
     merge_attention(a, la, bm, lb, RowRef<Scalar>(out), VectorRef<Scalar>(lse));
   });
   APEX_FUZZ_REQUIRE(returned == valid, "merge_attention rejected valid arguments");
-  if (!returned) APEX_FUZZ_REQUIRE(same_bits(out, before), "merge_attention wrote before throwing");
 }
 
 template <class Scalar>
@@ -794,12 +767,10 @@ void heads_checks(Input& in) {
           sentinel<Scalar>(in.flag() ? std::max<Index>(0, bq * sq) : in.in(0, 6),
                            in.flag() ? w_o.cols() : in.in(0, 4));
       AttentionMask<Scalar> mask;
-      mask.positions = any_position_mask(in);
-      const RowMatrix<Scalar> before = out;
-      const bool returned = attempt("multi_head_attention", [&] {
+      mask.positions = any_rule(in);
+      attempt_writing("multi_head_attention", false, out, [&] {
         multi_head_attention(q.view, k.view, v.view, mask, SdpaParams{}, w_o, RowRef<Scalar>(out));
       });
-      if (!returned) APEX_FUZZ_REQUIRE(same_bits(out, before), "multi_head_attention wrote early");
       break;
     }
   }
@@ -820,13 +791,73 @@ void head_count_checks(Input& in) {
 
 // ---- §7–§9 layers -------------------------------------------------------------------------
 
+/// One call of an attention layer's forward(), drawn for validation: x of the model width or
+/// another, any batch count, any position rule, and the layer parameters, which the caller
+/// completes (attach_rope, the scale, the softcap). Neither copied nor moved: params.rope
+/// points into it.
+template <class Scalar>
+struct LayerCall {
+  RowMatrix<Scalar> x;
+  Index batch = 0;
+  AttentionMask<Scalar> mask;
+  AttentionLayerParams<Scalar> params;
+  std::optional<RopeTable<Scalar>> table;
+
+  LayerCall(Input& in, Index d_model) : x(in.in(0, 6), in.flag() ? d_model : in.in(0, 7)) {
+    fill(x, in, Values::kExtreme, 2.0);
+    batch = in.flag() ? in.in(1, 3) : in.any_index();
+    mask.positions = any_rule(in);
+  }
+  LayerCall(const LayerCall&) = delete;
+  LayerCall& operator=(const LayerCall&) = delete;
+
+  /// A RoPE table of `rotary_dim` (the layer's) or of another even width, at any offset.
+  void attach_rope(Input& in, Index rotary_dim) {
+    table.emplace(in.in(1, 8), in.flag() ? rotary_dim : 2 * in.in(1, 4));
+    params.rope = &*table;
+    params.position_offset = in.flag() ? in.in(0, 8) : in.any_index();
+  }
+
+  /// forward() into an output of the right shape or another: it returns or throws, and an
+  /// output it throws on is left untouched.
+  template <class Layer>
+  void check_forward(Input& in, const char* name, const Layer& layer) const {
+    const Index d_model = layer.config().d_model;
+    RowMatrix<Scalar> out =
+        sentinel<Scalar>(in.flag() ? x.rows() : in.in(0, 6), in.flag() ? d_model : in.in(0, 7));
+    attempt_writing(name, false, out,
+                    [&] { layer.forward(x, batch, mask, params, RowRef<Scalar>(out)); });
+  }
+};
+
+/// Head counts for a GQA or MLA configuration, each small and valid half the time (H_kv in
+/// [1, max_heads], H_q a multiple of it) and from the whole range otherwise.
+template <class Config>
+void any_head_counts(Input& in, Index max_heads, Config& c) {
+  c.num_kv_heads = in.flag() ? in.in(1, max_heads) : in.any_index();
+  c.num_q_heads = in.flag() && std::abs(c.num_kv_heads) <= 8 ? c.num_kv_heads * in.in(1, max_heads)
+                                                             : in.any_index();
+}
+
+/// Layer configurations for validation: each field small and valid half the time, from the
+/// whole range otherwise.
 GqaConfig any_gqa_config(Input& in) {
   GqaConfig c;
   c.d_model = in.flag() ? in.in(1, 8) : in.any_index();
-  c.num_kv_heads = in.flag() ? in.in(1, 3) : in.any_index();
-  c.num_q_heads =
-      in.flag() && std::abs(c.num_kv_heads) <= 8 ? c.num_kv_heads * in.in(1, 3) : in.any_index();
+  any_head_counts(in, 3, c);
   c.head_dim = in.flag() ? in.in(1, 6) : in.any_index();
+  return c;
+}
+
+MlaConfig any_mla_config(Input& in) {
+  MlaConfig c;
+  c.d_model = in.flag() ? in.in(1, 6) : in.any_index();
+  c.d_q = in.flag() ? in.in(1, 4) : in.any_index();
+  c.d_kv = in.flag() ? in.in(1, 4) : in.any_index();
+  any_head_counts(in, 2, c);
+  c.head_dim = in.flag() ? in.in(1, 4) : in.any_index();
+  c.rope_dim = in.flag() ? 2 * in.in(1, 2) : in.any_index();
+  c.num_rope_key_heads = in.flag() ? in.in(0, 1) : in.any_index();
   return c;
 }
 
@@ -847,49 +878,15 @@ void gqa_checks(Input& in) {
                 [&] { return gqa_parameter_count(c); });
     return;
   }
-  GqaConfig c;
-  c.d_model = in.in(1, 6);
-  c.num_kv_heads = in.in(1, 2);
-  c.num_q_heads = c.num_kv_heads * in.in(1, 2);
-  c.head_dim = 2 * in.in(1, 2);
-  const auto layer =
-      GroupedQueryAttention<Scalar>::random(c, static_cast<std::uint64_t>(in.in(0, 100)));
-  RowMatrix<Scalar> x(in.in(0, 6), in.flag() ? c.d_model : in.in(0, 7));
-  fill(x, in, Values::kExtreme, 2.0);
-  const Index batch = in.flag() ? in.in(1, 3) : in.any_index();
-  AttentionMask<Scalar> mask;
-  mask.positions = any_position_mask(in);
-  AttentionLayerParams<Scalar> params;
-  std::optional<RopeTable<Scalar>> table;
-  if (in.flag()) {
-    table.emplace(in.in(1, 8), in.flag() ? c.head_dim : 2 * in.in(1, 4));
-    params.rope = &*table;
-    params.position_offset = in.flag() ? in.in(0, 8) : in.any_index();
-  }
-  if (in.flag()) params.attention.scale = in.any_real();
-  if (in.flag()) params.attention.softcap = in.any_real();
-  RowMatrix<Scalar> out =
-      sentinel<Scalar>(in.flag() ? x.rows() : in.in(0, 6), in.flag() ? c.d_model : in.in(0, 7));
-  const RowMatrix<Scalar> before = out;
-  const bool returned = attempt("GroupedQueryAttention::forward", [&] {
-    layer.forward(x, batch, mask, params, RowRef<Scalar>(out));
-  });
-  if (!returned) APEX_FUZZ_REQUIRE(same_bits(out, before), "gqa forward wrote before throwing");
-  attempt("GroupedQueryAttention::project", [&] { (void)layer.project(x, batch, params); });
-}
-
-MlaConfig any_mla_config(Input& in) {
-  MlaConfig c;
-  c.d_model = in.flag() ? in.in(1, 6) : in.any_index();
-  c.d_q = in.flag() ? in.in(1, 4) : in.any_index();
-  c.d_kv = in.flag() ? in.in(1, 4) : in.any_index();
-  c.num_kv_heads = in.flag() ? in.in(1, 2) : in.any_index();
-  c.num_q_heads =
-      in.flag() && std::abs(c.num_kv_heads) <= 8 ? c.num_kv_heads * in.in(1, 2) : in.any_index();
-  c.head_dim = in.flag() ? in.in(1, 4) : in.any_index();
-  c.rope_dim = in.flag() ? 2 * in.in(1, 2) : in.any_index();
-  c.num_rope_key_heads = in.flag() ? in.in(0, 1) : in.any_index();
-  return c;
+  const auto layer = small_gqa<Scalar>(in, /*max_d_model=*/6, /*max_heads=*/2,
+                                       /*max_half_head_dim=*/2, /*max_seed=*/100);
+  LayerCall<Scalar> call(in, layer.config().d_model);
+  if (in.flag()) call.attach_rope(in, layer.config().head_dim);
+  if (in.flag()) call.params.attention.scale = in.any_real();
+  if (in.flag()) call.params.attention.softcap = in.any_real();
+  call.check_forward(in, "GroupedQueryAttention::forward", layer);
+  attempt("GroupedQueryAttention::project",
+          [&] { (void)layer.project(call.x, call.batch, call.params); });
 }
 
 template <class Scalar>
@@ -913,37 +910,13 @@ void mla_checks(Input& in) {
     }
     return;
   }
-  MlaConfig c;
-  c.d_model = in.in(1, 6);
-  c.d_q = in.in(1, 4);
-  c.d_kv = in.in(1, 4);
-  c.num_kv_heads = in.in(1, 2);
-  c.num_q_heads = c.num_kv_heads * in.in(1, 2);
-  c.head_dim = in.in(1, 3);
-  c.rope_dim = 2 * in.in(1, 2);
-  c.num_rope_key_heads = in.flag() ? 1 : 0;
-  const auto layer =
-      MultiHeadLatentAttention<Scalar>::random(c, static_cast<std::uint64_t>(in.in(0, 100)));
-  RowMatrix<Scalar> x(in.in(0, 6), in.flag() ? c.d_model : in.in(0, 7));
-  fill(x, in, Values::kExtreme, 2.0);
-  const Index batch = in.flag() ? in.in(1, 3) : in.any_index();
-  AttentionMask<Scalar> mask;
-  mask.positions = any_position_mask(in);
-  AttentionLayerParams<Scalar> params;
-  std::optional<RopeTable<Scalar>> table;
-  if (in.choice(4) != 0) {
-    table.emplace(in.in(1, 8), in.flag() ? c.rope_dim : 2 * in.in(1, 4));
-    params.rope = &*table;
-    params.position_offset = in.flag() ? in.in(0, 8) : in.any_index();
-  }
-  if (in.flag()) params.attention.scale = in.any_real();
-  RowMatrix<Scalar> out =
-      sentinel<Scalar>(in.flag() ? x.rows() : in.in(0, 6), in.flag() ? c.d_model : in.in(0, 7));
-  const RowMatrix<Scalar> before = out;
-  const bool returned = attempt("MultiHeadLatentAttention::forward", [&] {
-    layer.forward(x, batch, mask, params, RowRef<Scalar>(out));
-  });
-  if (!returned) APEX_FUZZ_REQUIRE(same_bits(out, before), "mla forward wrote before throwing");
+  const auto layer = small_mla<Scalar>(in, /*max_d_model=*/6, /*max_latent=*/4,
+                                       /*max_head_dim=*/3, /*max_seed=*/100);
+  LayerCall<Scalar> call(in, layer.config().d_model);
+  // MLA needs its RoPE table: leave it out in only one call in four.
+  if (in.choice(4) != 0) call.attach_rope(in, layer.config().rope_dim);
+  if (in.flag()) call.params.attention.scale = in.any_real();
+  call.check_forward(in, "MultiHeadLatentAttention::forward", layer);
 }
 
 // ---- caches and tensors -------------------------------------------------------------------
@@ -1087,71 +1060,34 @@ void comparison_checks(Input& in) {
   attempt("stack_cache_memory", [&] { (void)stack_cache_memory(c, batch, context, bytes); });
 }
 
+/// Every check of this target, in the order an input's choice selects them.
+template <class Scalar>
+constexpr Check kChecks[] = {
+    embedding<Scalar>,
+    lm_head_shapes<Scalar>,
+    parameter_counts,
+    rms_norm_checks<Scalar>,
+    rope_table_checks<Scalar>,
+    rope_from_frequencies<Scalar>,
+    rope_from_cos_sin<Scalar>,
+    rope_frequency_checks,
+    apply_rope_checks<Scalar>,
+    yarn_checks<Scalar>,
+    mask_builders,
+    sdpa_checks<Scalar>,
+    merge_checks<Scalar>,
+    heads_checks<Scalar>,
+    head_count_checks,
+    gqa_checks<Scalar>,
+    mla_checks<Scalar>,
+    cache_checks<Scalar>,
+    comparison_checks,
+};
+
 }  // namespace
 }  // namespace apex::fuzz
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace apex::fuzz;
-  Input in(data, size);
-  const bool use_float = in.flag();
-  switch (in.choice(19)) {
-    case 0:
-      use_float ? embedding<float>(in) : embedding<double>(in);
-      break;
-    case 1:
-      use_float ? lm_head_shapes<float>(in) : lm_head_shapes<double>(in);
-      break;
-    case 2:
-      parameter_counts(in);
-      break;
-    case 3:
-      use_float ? rms_norm_checks<float>(in) : rms_norm_checks<double>(in);
-      break;
-    case 4:
-      use_float ? rope_table_checks<float>(in) : rope_table_checks<double>(in);
-      break;
-    case 5:
-      use_float ? rope_from_frequencies<float>(in) : rope_from_frequencies<double>(in);
-      break;
-    case 6:
-      use_float ? rope_from_cos_sin<float>(in) : rope_from_cos_sin<double>(in);
-      break;
-    case 7:
-      rope_frequency_checks(in);
-      break;
-    case 8:
-      use_float ? apply_rope_checks<float>(in) : apply_rope_checks<double>(in);
-      break;
-    case 9:
-      use_float ? yarn_checks<float>(in) : yarn_checks<double>(in);
-      break;
-    case 10:
-      mask_builders(in);
-      break;
-    case 11:
-      use_float ? sdpa_checks<float>(in) : sdpa_checks<double>(in);
-      break;
-    case 12:
-      use_float ? merge_checks<float>(in) : merge_checks<double>(in);
-      break;
-    case 13:
-      use_float ? heads_checks<float>(in) : heads_checks<double>(in);
-      break;
-    case 14:
-      head_count_checks(in);
-      break;
-    case 15:
-      use_float ? gqa_checks<float>(in) : gqa_checks<double>(in);
-      break;
-    case 16:
-      use_float ? mla_checks<float>(in) : mla_checks<double>(in);
-      break;
-    case 17:
-      use_float ? cache_checks<float>(in) : cache_checks<double>(in);
-      break;
-    default:
-      comparison_checks(in);
-      break;
-  }
-  return 0;
+  return run_checks(data, size, kChecks<float>, kChecks<double>);
 }
