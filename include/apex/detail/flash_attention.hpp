@@ -304,9 +304,8 @@ class FlashBlock {
       }
       // The masks come last and select rather than add, so that a forbidden key's score is
       // -inf whatever its key or bias held (NaN included).
-      if (coverage == BlockCoverage::kPartial) {
-        s = (ConstRowArray(position_tile_ + i * ld_s_, n) > Scalar(0)).select(s, kNegInf);
-      }
+      if (coverage == BlockCoverage::kPartial)
+        forbid_where_negative(s.data(), position_tile_ + i * ld_s_, n);
       if (!p_.allowed.empty()) apply_allowed(s, g, i, k0, n);
 
       const Scalar old_max = row_max_[r];
@@ -325,10 +324,8 @@ class FlashBlock {
         row_scale_[r] = Scalar(1);
         continue;
       }
-      // Eigen's vectorised exp clamps its argument (exp(-inf) is 5.6e-309 in double), so where
-      // keys may be hidden their weights are set to exactly 0.
       if (may_hide_keys) {
-        s = (s == kNegInf).select(Scalar(0), (s - new_max).exp());
+        exp_keeping_hidden_zero(s.data(), n, new_max);
       } else {
         s = (s - new_max).exp();
       }
@@ -527,6 +524,37 @@ class FlashBlock {
         tile[j] = p_.positions.allows(query_pos + i, key_pos + j) ? kPosInf : kNegInf;
       }
     }
+  }
+
+  /// s_j = -inf where tile_j < 0 (the pair is forbidden), s_j unchanged elsewhere, whatever s_j
+  /// holds (NaN included): a select in packets, as Eigen 3.4's Array::select is not vectorised.
+  static void forbid_where_negative(Scalar* s, const Scalar* tile, Index n) {
+    namespace ei = Eigen::internal;
+    const Packet zero = ei::pset1<Packet>(Scalar(0));
+    const Packet neg_inf = ei::pset1<Packet>(kNegInf);
+    Index j = 0;
+    for (; j + kPacket <= n; j += kPacket) {
+      const Packet allowed = ei::pcmp_lt(zero, ei::ploadu<Packet>(tile + j));
+      ei::pstoreu(s + j, ei::pselect(allowed, ei::ploadu<Packet>(s + j), neg_inf));
+    }
+    for (; j < n; ++j) {
+      if (!(tile[j] > Scalar(0))) s[j] = kNegInf;
+    }
+  }
+
+  /// s_j = exp(s_j - max), and exactly 0 where s_j = -inf: Eigen's vectorised exp clamps its
+  /// argument (exp(-inf) is 5.6e-309 in double), and a hidden key must weigh nothing.
+  static void exp_keeping_hidden_zero(Scalar* s, Index n, Scalar max) {
+    namespace ei = Eigen::internal;
+    const Packet zero = ei::pset1<Packet>(Scalar(0));
+    const Packet neg_inf = ei::pset1<Packet>(kNegInf);
+    const Packet m = ei::pset1<Packet>(max);
+    Index j = 0;
+    for (; j + kPacket <= n; j += kPacket) {
+      const Packet x = ei::ploadu<Packet>(s + j);
+      ei::pstoreu(s + j, ei::pselect(ei::pcmp_eq(x, neg_inf), zero, ei::pexp(ei::psub(x, m))));
+    }
+    for (; j < n; ++j) s[j] = s[j] == kNegInf ? Scalar(0) : std::exp(s[j] - max);
   }
 
   /// Whether values k0 .. k0 + n - 1 are all finite.
