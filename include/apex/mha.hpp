@@ -142,9 +142,7 @@ void merge_heads(const HeadsView<T>& heads, RowRef<std::remove_const_t<T>> out) 
   const Index batch = heads.batch();
   const Index seq = heads.seq();
   const Index dim = heads.dim();
-  APEX_CHECK(batch >= 0 && heads.heads() >= 0 && seq >= 0 && dim >= 0,
-             "[merge_heads] heads shape [" << batch << ", " << heads.heads() << ", " << seq << ", "
-                                           << dim << "] must have no negative extent");
+  detail::check_extents(heads, "merge_heads", "heads shape");
   const Index rows = detail::checked_product(batch, seq, "merge_heads", "B*S");
   const Index cols = detail::checked_product(heads.heads(), dim, "merge_heads", "H*d_h");
   APEX_CHECK(out.rows() == rows && out.cols() == cols, "[merge_heads] out shape ["

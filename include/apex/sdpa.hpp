@@ -50,26 +50,18 @@ inline void check_mask_view_shape(Index batch, Index heads, Index rows, Index co
 }
 
 /// Every precondition of sdpa on [B, H, S, D] views; throws before anything is written.
-/// A view's extents must be >= 0 (a view can be built with any numbers).
-template <class T>
-void check_extents(const HeadsView<T>& view, const char* op, const char* name) {
-  APEX_CHECK(view.batch() >= 0 && view.heads() >= 0 && view.seq() >= 0 && view.dim() >= 0,
-             "[" << op << "] " << name << " shape [" << view.batch() << ", " << view.heads() << ", "
-                 << view.seq() << ", " << view.dim() << "] must not be negative");
-}
-
 template <class Scalar>
 void check_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
                 const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
                 const SdpaParams& params, const HeadsView<Scalar>& out,
                 const HeadsView<Scalar>& lse, const char* op) {
-  check_extents(q, op, "q");
-  check_extents(k, op, "k");
-  check_extents(v, op, "v");
-  check_extents(out, op, "output");
-  check_extents(lse, op, "log-sum-exp");
-  check_extents(mask.allowed, op, "allowed mask");
-  check_extents(mask.bias, op, "bias");
+  check_extents(q, op, "q shape");
+  check_extents(k, op, "k shape");
+  check_extents(v, op, "v shape");
+  check_extents(out, op, "output shape");
+  check_extents(lse, op, "log-sum-exp shape");
+  check_extents(mask.allowed, op, "allowed mask shape");
+  check_extents(mask.bias, op, "bias shape");
   APEX_CHECK(k.dim() == q.dim(), "[" << op << "] key width d_qk (" << k.dim()
                                      << ") must equal the query width " << q.dim());
   APEX_CHECK(v.seq() == k.seq(), "[" << op << "] value length S_k (" << v.seq()

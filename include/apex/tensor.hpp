@@ -128,13 +128,26 @@ using ConstHeadsView = HeadsView<const detail::NoDeduce<Scalar>>;
 
 namespace detail {
 
+/// Throws std::invalid_argument ("[op] <what> [B, H, S, D] must have no negative extent") unless
+/// every extent is >= 0: a view can be built with any numbers.
+inline void check_extents(Index batch, Index heads, Index seq, Index dim, const char* op,
+                          const char* what) {
+  APEX_CHECK(batch >= 0 && heads >= 0 && seq >= 0 && dim >= 0,
+             "[" << op << "] " << what << " [" << batch << ", " << heads << ", " << seq << ", "
+                 << dim << "] must have no negative extent");
+}
+
+/// check_extents of a view's shape.
+template <class T>
+void check_extents(const HeadsView<T>& view, const char* op, const char* what) {
+  check_extents(view.batch(), view.heads(), view.seq(), view.dim(), op, what);
+}
+
 /// Elements of a [B, H, S, D] tensor, B·H·S·D, for extents that must be >= 0 and whose product,
 /// in bytes of `Scalar`, must fit in 64 bits. Throws std::invalid_argument prefixed with `op`.
 template <class Scalar>
 Index heads_tensor_size(Index batch, Index heads, Index seq, Index dim, const char* op) {
-  APEX_CHECK(batch >= 0 && heads >= 0 && seq >= 0 && dim >= 0,
-             "[" << op << "] shape [" << batch << ", " << heads << ", " << seq << ", " << dim
-                 << "] must have no negative extent ([B, H, S, D], each >= 0)");
+  check_extents(batch, heads, seq, dim, op, "shape");
   if (batch == 0 || heads == 0 || seq == 0 || dim == 0) return 0;  // empty, whatever the rest
   const std::int64_t size = checked_product({batch, heads, seq, dim}, op, "B*H*S*D");
   checked_product(size, static_cast<std::int64_t>(sizeof(Scalar)), op, "B*H*S*D bytes");
