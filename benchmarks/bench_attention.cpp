@@ -66,7 +66,7 @@ double allowed_pairs(Mask mask, Index s) {
 struct HeadsInput {
   HeadsInput(Index heads, Index seq, Index dim, std::uint64_t seed)
       : data(apex::bench::random_matrix<float>(heads * seq, dim, seed)),
-        view(apex::HeadsView<const float>::contiguous(data.data(), 1, heads, seq, dim)) {}
+        view(apex::HeadsView<const float>::contiguous(data.data(), {1, heads, seq, dim})) {}
   RowMatrix<float> data;
   apex::HeadsView<const float> view;
 };
@@ -75,7 +75,7 @@ struct HeadsInput {
 struct HeadsOutput {
   HeadsOutput(Index heads, Index seq, Index dim)
       : data(RowMatrix<float>::Zero(heads * seq, dim)),
-        view(apex::HeadsView<float>::contiguous(data.data(), 1, heads, seq, dim)) {}
+        view(apex::HeadsView<float>::contiguous(data.data(), {1, heads, seq, dim})) {}
   RowMatrix<float> data;
   apex::HeadsView<float> view;
 };

@@ -92,7 +92,7 @@ void fill_kv(Cache& cache, Index count) {
   for (Index done = 0; done < count;) {
     const Index n = std::min(kFill, count - done);
     const auto view = apex::HeadsView<const float>::token_major(
-        block.data(), 1, n, cache.num_kv_heads(), cache.head_dim());
+        block.data(), {1, cache.num_kv_heads(), n, cache.head_dim()});
     cache.append(view, view, done);
     done += n;
   }

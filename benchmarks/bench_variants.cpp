@@ -162,7 +162,7 @@ void reference_forward(const apex::ProjectedQkv<float>& p, const apex::Attention
                        apex::RowMatrix<float>& out) {
   apex::reference::sdpa<float>(
       p.q_heads(), p.k_heads(), p.v_heads(), mask, {},
-      apex::HeadsView<float>::token_major(concat.data(), 1, p.seq(), p.num_q_heads, p.v_dim));
+      apex::HeadsView<float>::token_major(concat.data(), {1, p.num_q_heads, p.seq(), p.v_dim}));
   out.noalias() = concat * w_o;
 }
 

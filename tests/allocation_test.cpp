@@ -165,8 +165,8 @@ void expect_second_call_allocates_nothing(const Case& c) {
   const auto q = apex::testing::random_heads<Scalar>(c.batch, c.q_heads, c.s_q, c.d_qk, 1);
   const auto k = apex::testing::random_heads<Scalar>(c.batch, c.kv_heads, c.s_k, c.d_qk, 2);
   const auto v = apex::testing::random_heads<Scalar>(c.batch, c.kv_heads, c.s_k, c.d_v, 3);
-  HeadsTensor<Scalar> out(c.batch, c.q_heads, c.s_q, c.d_v);
-  HeadsTensor<Scalar> lse(c.batch, c.q_heads, c.s_q, 1);
+  HeadsTensor<Scalar> out({c.batch, c.q_heads, c.s_q, c.d_v});
+  HeadsTensor<Scalar> lse({c.batch, c.q_heads, c.s_q, 1});
   apex::BoolMatrix allowed = apex::BoolMatrix::Constant(c.s_q, c.s_k, true);
   for (Index i = 0; i < c.s_q; ++i) allowed(i, (i * 7) % c.s_k) = false;
   const RowMatrix<Scalar> bias = apex::testing::random_matrix<Scalar>(c.s_q, c.s_k, 4);
@@ -215,7 +215,7 @@ TYPED_TEST(AllocationTyped, FirstCallOnAFreshThreadGrowsItsScratch) {
   using Scalar = TypeParam;
   const auto q = apex::testing::random_heads<Scalar>(1, 4, 64, 32, 1);
   const auto k = apex::testing::random_heads<Scalar>(1, 4, 64, 32, 2);
-  HeadsTensor<Scalar> out(1, 4, 64, 32);
+  HeadsTensor<Scalar> out({1, 4, 64, 32});
   Allocations first;
   std::thread fresh([&] {
     first = count([&] { apex::sdpa<Scalar>(q.view(), k.view(), k.view(), {}, {}, out.view()); });

@@ -81,11 +81,11 @@ Results<Scalar> work(int t, const Shared<Scalar>& shared) {
     const auto q = apex::testing::random_heads<Scalar>(2, 6, s, 24, rng);
     const auto k = apex::testing::random_heads<Scalar>(2, 2, s, 24, rng);
     const auto v = apex::testing::random_heads<Scalar>(2, 2, s, 20, rng);
-    HeadsTensor<Scalar> out(2, 6, s, 20), lse(2, 6, s, 1);
+    HeadsTensor<Scalar> out({2, 6, s, 20}), lse({2, 6, s, 1});
     apex::sdpa<Scalar>(q.view(), k.view(), v.view(), causal, {}, out.view(), lse.view());
     r.prefill = flat(out);
     r.prefill_lse = flat(lse);
-    HeadsTensor<Scalar> ref(2, 6, s, 20);
+    HeadsTensor<Scalar> ref({2, 6, s, 20});
     apex::reference::sdpa<Scalar>(q.view(), k.view(), v.view(), causal, {}, ref.view());
     r.reference = flat(ref);
   }
@@ -94,7 +94,7 @@ Results<Scalar> work(int t, const Shared<Scalar>& shared) {
     const auto q = apex::testing::random_heads<Scalar>(1, 8, 2, 32, rng);
     const auto k = apex::testing::random_heads<Scalar>(1, 2, s_k, 32, rng);
     const auto v = apex::testing::random_heads<Scalar>(1, 2, s_k, 32, rng);
-    HeadsTensor<Scalar> out(1, 8, 2, 32), lse(1, 8, 2, 1);
+    HeadsTensor<Scalar> out({1, 8, 2, 32}), lse({1, 8, 2, 1});
     apex::sdpa<Scalar>(q.view(), k.view(), v.view(), causal, {}, out.view(), lse.view());
     r.decode = flat(out);
     r.decode_lse = flat(lse);

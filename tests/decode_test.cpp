@@ -429,16 +429,16 @@ TYPED_TEST(DecodeTyped, FewRowProjectionsAreSplitIntoFixedBlocks) {
   // worst and far less in practice; relative to the largest output (about 25).
   const double tol =
       (std::is_same_v<Scalar, float> ? 1e-5 : 1e-13) * expected.cwiseAbs().maxCoeff();
-  const RowMatrix<Scalar> plain = apex::detail::project_rows<Scalar>(x, w);
-  const RowMatrix<Scalar> transposed = apex::detail::project_rows<Scalar>(x, w_t.transpose());
+  const RowMatrix<Scalar> plain = apex::detail::matmul<Scalar>(x, w);
+  const RowMatrix<Scalar> transposed = apex::detail::matmul<Scalar>(x, w_t.transpose());
   EXPECT_LE((plain.template cast<double>() - expected).cwiseAbs().maxCoeff(), tol);
   EXPECT_LE((transposed.template cast<double>() - expected).cwiseAbs().maxCoeff(), tol);
 #ifdef _OPENMP
   const int saved = omp_get_max_threads();
   omp_set_num_threads(1);
-  const RowMatrix<Scalar> one = apex::detail::project_rows<Scalar>(x, w);
+  const RowMatrix<Scalar> one = apex::detail::matmul<Scalar>(x, w);
   omp_set_num_threads(2);
-  const RowMatrix<Scalar> two = apex::detail::project_rows<Scalar>(x, w);
+  const RowMatrix<Scalar> two = apex::detail::matmul<Scalar>(x, w);
   omp_set_num_threads(saved);
   EXPECT_EQ(one, two);
 #endif
@@ -492,7 +492,7 @@ TEST(Decode, BadGqaCallsThrowAndLeaveCacheAndOutputUnchanged) {
   expect_invalid([&] { layer.forward_cached(three_rows, rule, at5, cache); },
                  "[gqa] x rows (3) must be a multiple of batch (2)");
   unchanged("batch");
-  KvCache<float> other_heads(kBatch, 4, 6, 8);
+  KvCache<float> other_heads({kBatch, 4, 6, 8});
   expect_invalid([&] { layer.forward_cached(one, rule, params, other_heads, out); },
                  "[gqa] cache num_kv_heads (4) and head_dim (6) must equal the layer's "
                  "num_kv_heads (2) and head_dim (6)");
@@ -557,7 +557,7 @@ TEST(Decode, BadMlaCallsThrowAndLeaveCacheAndOutputUnchanged) {
   EXPECT_EQ(out1, RowMatrix<double>::Constant(kBatch, 16, 9.0));
   unchanged("backwards");
   params.position_offset = 4;
-  LatentCache<double> wrong(kBatch, config.d_kv, 1, config.rope_dim, 8);
+  LatentCache<double> wrong({kBatch, config.d_kv, 1, config.rope_dim, 8});
   AttentionLayerParams<double> at0 = params;
   at0.position_offset = 0;
   expect_invalid([&] { layer.forward_cached(two, apex::causal_mask(), at0, wrong, out); },

@@ -112,28 +112,31 @@ TEST(FuzzRegressions, F2_MlaRejectsOverflowingWidths) {
 // ---- F3: HeadsTensor checks nothing -----------------------------------------------------------
 
 TEST(FuzzRegressions, F3_HeadsTensorRejectsNegativeOrOverflowingShapes) {
-  expect_invalid([] { apex::HeadsTensor<float> t(-1, 1, 1, 1); }, kAnyOp);
+  expect_invalid([] { apex::HeadsTensor<float> t({-1, 1, 1, 1}); }, kAnyOp);
   // 2^62·4 wraps to 0: a tensor that claims [2^62, 4, 1, 1] over no storage.
-  expect_invalid([] { apex::HeadsTensor<float> t(kHuge, 4, 1, 1); }, kAnyOp);
+  expect_invalid([] { apex::HeadsTensor<float> t({kHuge, 4, 1, 1}); }, kAnyOp);
 }
 
 // ---- F4: the caches multiply their dimensions without checking --------------------------------
 
 TEST(FuzzRegressions, F4_CachesRejectOverflowingSizes) {
-  expect_invalid([] { apex::KvCache<float> c(1, kHuge, 4, 1); }, "[kv_cache]");
-  expect_invalid([] { apex::SlidingWindowCache<float> c(1, kHuge, 4, 1); },
-                 "[sliding_window_cache]");
+  expect_invalid([] { apex::KvCache<float> c({1, kHuge, 4, 1}); }, "[kv_cache]");
+  expect_invalid(
+      [] {
+        apex::SlidingWindowCache<float> c({1, kHuge, 4, 1});
+      },
+      "[sliding_window_cache]");
   // d_kv + H_kr·d_r = 1 + 2^62·4 wraps to 1.
-  expect_invalid([] { apex::LatentCache<float> c(1, 1, kHuge, 4, 1); }, "[latent_cache]");
+  expect_invalid([] { apex::LatentCache<float> c({1, 1, kHuge, 4, 1}); }, "[latent_cache]");
 }
 
 TEST(FuzzRegressions, F4_ReserveRejectsOverflowingCapacity) {
   // B·H·C·d = 4·2^62 wraps to 0: the cache would claim a capacity of 2^62 tokens over empty
   // storage, and the next append would write out of bounds.
-  apex::KvCache<float> cache(1, 4, 1, 1);
+  apex::KvCache<float> cache({1, 4, 1, 1});
   expect_invalid([&] { cache.reserve(kHuge); }, "[kv_cache]");
   EXPECT_EQ(cache.capacity(), 1);
-  apex::LatentCache<float> latent(1, 2, 1, 2, 1);  // row width 4
+  apex::LatentCache<float> latent({1, 2, 1, 2, 1});  // row width 4
   expect_invalid([&] { latent.reserve(kHuge); }, "[latent_cache]");
   EXPECT_EQ(latent.capacity(), 1);
 }
@@ -289,15 +292,15 @@ TEST(FuzzRegressions, F11_YarnFactorIsPositiveOrRejected) {
 
 TEST(FuzzRegressions, F12_NegativeExtentsAreRejected) {
   float data[4] = {1, 2, 3, 4};
-  const HeadsView<const float> q(data, -1, 1, 1, 2, 2, 2, 2);
-  const HeadsView<const float> kv(data, -1, 1, 2, 2, 4, 4, 2);
+  const HeadsView<const float> q(data, {-1, 1, 1, 2}, {2, 2, 2});
+  const HeadsView<const float> kv(data, {-1, 1, 2, 2}, {4, 4, 2});
   float out_data[2] = {0, 0};
-  const HeadsView<float> out(out_data, -1, 1, 1, 2, 2, 2, 2);
+  const HeadsView<float> out(out_data, {-1, 1, 1, 2}, {2, 2, 2});
   expect_invalid([&] { apex::sdpa<float>(q, kv, kv, {}, {}, out); }, "[sdpa]");
 
   // A chunk of -1 tokens passes append's checks and leaves the cache with size -1.
-  apex::KvCache<float> cache(1, 1, 2, 4);
-  const HeadsView<const float> chunk(data, 1, 1, -1, 2, 0, 0, 2);
+  apex::KvCache<float> cache({1, 1, 2, 4});
+  const HeadsView<const float> chunk(data, {1, 1, -1, 2}, {0, 0, 2});
   expect_invalid([&] { cache.append(chunk, chunk, 0); }, "[kv_cache]");
   EXPECT_EQ(cache.size(), 0);
 }

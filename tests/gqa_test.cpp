@@ -134,10 +134,10 @@ AttentionMask<Scalar> causal_if(bool causal) {
 // ---------------------------------------------------------------------------------------------
 
 TEST(Gqa, S8_3_MemorySavings) {
-  EXPECT_EQ(apex::kv_cache_ratio(128, 128), 1.0);       // MHA
-  EXPECT_EQ(apex::kv_cache_ratio(8, 128), 0.0625);      // GQA, H_kv = 8
-  EXPECT_EQ(1.0 / apex::kv_cache_ratio(8, 128), 16.0);  // "16× smaller"
-  EXPECT_EQ(apex::kv_cache_ratio(1, 128), 0.0078125);   // MQA (§8.3 prints 0.0078×)
+  EXPECT_EQ(apex::kv_cache_ratio({128, 128}), 1.0);       // MHA
+  EXPECT_EQ(apex::kv_cache_ratio({128, 8}), 0.0625);      // GQA, H_kv = 8
+  EXPECT_EQ(1.0 / apex::kv_cache_ratio({128, 8}), 16.0);  // "16× smaller"
+  EXPECT_EQ(apex::kv_cache_ratio({128, 1}), 0.0078125);   // MQA (§8.3 prints 0.0078×)
   // The same ratios from the cache sizes 2 · H_kv · d_h · S of §8.3's table.
   const std::int64_t seq = 4096, d_h = 128;
   const double mha = static_cast<double>(apex::kv_cache_bytes(1, seq, 128, d_h, 2));
@@ -145,15 +145,15 @@ TEST(Gqa, S8_3_MemorySavings) {
   EXPECT_EQ(static_cast<double>(apex::kv_cache_bytes(1, seq, 1, d_h, 2)) / mha, 0.0078125);
   // APEX-1 Large: H_q = 128, H_kv = 8 -> G = 16 query heads per KV head.
   EXPECT_EQ((GqaConfig{7168, 128, 8, 128}.group_size()), 16);
-  EXPECT_EQ(apex::kv_head_for(15, 128, 8), 0);
-  EXPECT_EQ(apex::kv_head_for(16, 128, 8), 1);
-  EXPECT_EQ(apex::kv_head_for(127, 128, 8), 7);
+  EXPECT_EQ(apex::kv_head_for({128, 8}, 15), 0);
+  EXPECT_EQ(apex::kv_head_for({128, 8}, 16), 1);
+  EXPECT_EQ(apex::kv_head_for({128, 8}, 127), 7);
 }
 
 TEST(Gqa, S8_4_HeadAssignment) {
   // H_q = 4, H_kv = 2, G = 2: Q0, Q1 -> KV head 0; Q2, Q3 -> KV head 1.
   std::vector<Index> assignment;
-  for (Index i = 0; i < 4; ++i) assignment.push_back(apex::kv_head_for(i, 4, 2));
+  for (Index i = 0; i < 4; ++i) assignment.push_back(apex::kv_head_for({4, 2}, i));
   EXPECT_EQ(assignment, (std::vector<Index>{0, 0, 1, 1}));
 
   // And attention really uses them: project with a 4/2 layer, attend through apex::sdpa on the
@@ -167,7 +167,7 @@ TEST(Gqa, S8_4_HeadAssignment) {
   expect_close(p.k, MatrixXd(x * layer.weights().w_k), 1e-14);
   const Index d_h = config.head_dim;
   ASSERT_GT((p.k.leftCols(d_h) - p.k.rightCols(d_h)).norm(), 0.1);  // distinct KV heads
-  apex::HeadsTensor<double> out(1, 4, seq, d_h);
+  apex::HeadsTensor<double> out({1, 4, seq, d_h});
   apex::sdpa<double>(p.q_heads(), p.k_heads(), p.v_heads(), {}, {}, out.view());
   for (Index i = 0; i < 4; ++i) {
     SCOPED_TRACE("query head " + std::to_string(i));
@@ -185,8 +185,8 @@ TEST(Gqa, S8_4_HeadAssignment) {
 
 TEST(Gqa, MhaAndMqaAreTheEndsOfTheSameRule) {
   for (Index i = 0; i < 8; ++i) {
-    EXPECT_EQ(apex::kv_head_for(i, 8, 8), i);  // MHA: G = 1
-    EXPECT_EQ(apex::kv_head_for(i, 8, 1), 0);  // MQA: G = H_q
+    EXPECT_EQ(apex::kv_head_for({8, 8}, i), i);  // MHA: G = 1
+    EXPECT_EQ(apex::kv_head_for({8, 1}, i), 0);  // MQA: G = H_q
   }
   EXPECT_EQ(GqaConfig::multi_head(64, 8, 8).num_kv_heads, 8);
   EXPECT_EQ(GqaConfig::multi_query(64, 8, 8).num_kv_heads, 1);
@@ -334,7 +334,7 @@ TYPED_TEST(GqaTyped, GqaEqualsMhaOnRepeatedKvHeads) {
     GqaWeights<Scalar> repeated{w.w_q, RowMatrix<Scalar>(d_model, h_q * d_h),
                                 RowMatrix<Scalar>(d_model, h_q * d_h), w.w_o};
     for (Index h = 0; h < h_q; ++h) {
-      const Index g = apex::kv_head_for(h, h_q, h_kv);
+      const Index g = apex::kv_head_for({h_q, h_kv}, h);
       repeated.w_k.middleCols(h * d_h, d_h) = w.w_k.middleCols(g * d_h, d_h);
       repeated.w_v.middleCols(h * d_h, d_h) = w.w_v.middleCols(g * d_h, d_h);
     }
@@ -367,8 +367,8 @@ TYPED_TEST(GqaTyped, DecodeStepWithACacheMatchesForward) {
   k_cache << cached.k, step.k;
   v_cache << cached.v, step.v;
   const auto heads = [&](const RowMatrix<Scalar>& m) {
-    return apex::HeadsView<const Scalar>::token_major(m.data(), 1, seq, config.num_kv_heads,
-                                                      config.head_dim);
+    return apex::HeadsView<const Scalar>::token_major(
+        m.data(), {1, config.num_kv_heads, seq, config.head_dim});
   };
   const RowMatrix<Scalar> row = apex::multi_head_attention(
       step.q_heads(), heads(k_cache), heads(v_cache), mask, {}, layer.weights().w_o);
@@ -396,11 +396,14 @@ constexpr float kSentinel = 12345.0f;
 
 TEST(Gqa, RejectsQueryHeadsNotAMultipleOfKvHeads) {
   const std::string message = "[gqa] num_q_heads (12) must be a multiple of num_kv_heads (5)";
-  expect_invalid([] { (void)apex::kv_head_for(0, 12, 5); }, {message});
-  expect_invalid([] { (void)apex::kv_cache_ratio(5, 12); }, {message});
+  expect_invalid([] { (void)apex::kv_head_for({12, 5}, 0); }, {message});
+  expect_invalid([] { (void)apex::kv_cache_ratio({12, 5}); }, {message});
   expect_invalid([] { (void)GroupedQueryAttention<float>::random({16, 12, 5, 4}, 1); }, {message});
-  expect_invalid([] { (void)apex::kv_head_for(4, 4, 2); },
-                 {"[gqa] query_head (4) must be in [0, num_q_heads) = [0, 4)"});
+  expect_invalid(
+      [] {
+        (void)apex::kv_head_for({4, 2}, 4);
+      },
+      {"[gqa] query_head (4) must be in [0, num_q_heads) = [0, 4)"});
 }
 
 TEST(Gqa, RejectsWeightShapeMismatch) {
@@ -484,7 +487,7 @@ TEST(Gqa, CachedForwardRejectsPositionsBeyondTheIndexRange) {
   // One token's K (or V) row, [2 heads × 4], repeated max - 2 times by a zero row stride: after
   // appending it the cache sits at position max - 2.
   const RowMatrix<float> kv = RowMatrix<float>::Constant(1, 8, 0.5f);
-  const apex::HeadsView<const float> many(kv.data(), 1, 2, max - 2, 4, 0, 4, 0);
+  const apex::HeadsView<const float> many(kv.data(), {1, 2, max - 2, 4}, {0, 4, 0});
   cache.append(many, many, 0);
   ASSERT_EQ(cache.next_position(), max - 2);
   const RowMatrix<float> x = random_matrix<float>(3, 16, 1);

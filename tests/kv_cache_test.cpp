@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: MIT
 // Tests for the decoding caches (KvCache, SlidingWindowCache, LatentCache), attention over a
 // sliding-window cache, and the cache-size tables of §7.4, §8.3, §9.4 and §10.3.
+#include <apex/cache_memory.hpp>
+#include <apex/cached_attention.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/mask.hpp>
 #include <apex/mha.hpp>
@@ -39,8 +41,8 @@ TYPED_TEST_SUITE(KvCacheTyped, Scalars, apex::testing::ScalarName);
 // A token-major chunk [B*n, H*d] (what a projection writes) and its [B, H, n, d] view.
 template <class Scalar>
 HeadsView<const Scalar> heads_of(const RowMatrix<Scalar>& m, Index batch, Index heads) {
-  return HeadsView<const Scalar>::token_major(m.data(), batch, m.rows() / batch, heads,
-                                              m.cols() / heads);
+  return HeadsView<const Scalar>::token_major(m.data(),
+                                              {batch, heads, m.rows() / batch, m.cols() / heads});
 }
 
 // Row `position` of head (b, h) of the whole history [B*T, H*d] (token-major, T tokens).
@@ -66,7 +68,7 @@ TYPED_TEST(KvCacheTyped, AppendsChunksAndViewsThemInPlace) {
   const Index batch = 2, heads = 3, dim = 5, total = 11;
   const RowMatrix<Scalar> k_all = random_matrix<Scalar>(batch * total, heads * dim, 1);
   const RowMatrix<Scalar> v_all = random_matrix<Scalar>(batch * total, heads * dim, 2);
-  KvCache<Scalar> cache(batch, heads, dim, total);
+  KvCache<Scalar> cache({batch, heads, dim, total});
   EXPECT_EQ(cache.bytes(),
             static_cast<std::int64_t>(2 * batch * heads * total * dim * sizeof(Scalar)));
   Index position = 0;
@@ -110,7 +112,7 @@ TYPED_TEST(KvCacheTyped, SlidingWindowHoldsTheLastWTokensAcrossManyWraps) {
   const Index batch = 2, heads = 2, dim = 3, window = 5, total = 37;
   const RowMatrix<Scalar> k_all = random_matrix<Scalar>(batch * total, heads * dim, 3);
   const RowMatrix<Scalar> v_all = random_matrix<Scalar>(batch * total, heads * dim, 4);
-  SlidingWindowCache<Scalar> cache(batch, heads, dim, window);
+  SlidingWindowCache<Scalar> cache({batch, heads, dim, window});
   const std::int64_t bytes = cache.bytes();
   EXPECT_EQ(bytes, static_cast<std::int64_t>(2 * batch * heads * window * dim * sizeof(Scalar)));
   Index position = 0;
@@ -150,7 +152,7 @@ TYPED_TEST(KvCacheTyped, SlidingWindowHoldsTheLastWTokensAcrossManyWraps) {
 TYPED_TEST(KvCacheTyped, LatentCacheHoldsExactlyCkvAndKropePerToken) {
   using Scalar = TypeParam;
   const Index batch = 2, d_kv = 7, rope_heads = 3, d_r = 4, capacity = 9;
-  LatentCache<Scalar> cache(batch, d_kv, rope_heads, d_r, capacity);
+  LatentCache<Scalar> cache({batch, d_kv, rope_heads, d_r, capacity});
   // §9.4 corrected: d_kv + H_kr·d_r values per token and nothing else (SEED-NOTES.md).
   EXPECT_EQ(cache.row_width(), d_kv + rope_heads * d_r);
   EXPECT_EQ(cache.bytes(), static_cast<std::int64_t>(batch * capacity * (d_kv + rope_heads * d_r) *
@@ -200,7 +202,7 @@ TYPED_TEST(KvCacheTyped, WindowCacheAttentionEqualsAttentionOverTheWholeHistory)
   apex::PositionMask rule = apex::sliding_window_mask(window);
   rule.prefix = prefix;
   const apex_test::MaskRule plain{true, window, prefix};
-  SlidingWindowCache<Scalar> cache(batch, h_kv, dim, window);
+  SlidingWindowCache<Scalar> cache({batch, h_kv, dim, window});
   Index position = 0;
   for (const Index n : {Index{5}, Index{1}, Index{1}, Index{3}, Index{6}, Index{1}, Index{9},
                         Index{2}, Index{1}, Index{11}}) {
@@ -210,7 +212,7 @@ TYPED_TEST(KvCacheTyped, WindowCacheAttentionEqualsAttentionOverTheWholeHistory)
     RowMatrix<Scalar> out(batch * n, h_q * dim);
     apex::sdpa_with_window_cache<Scalar>(
         heads_of(q, batch, h_q), heads_of(k, batch, h_kv), heads_of(v, batch, h_kv), rule, {},
-        cache, HeadsView<Scalar>::token_major(out.data(), batch, n, h_q, dim));
+        cache, HeadsView<Scalar>::token_major(out.data(), {batch, h_q, n, dim}));
     for (Index b = 0; b < batch; ++b) {
       for (Index h = 0; h < h_q; ++h) {
         const Index g = h / (h_q / h_kv);
@@ -242,7 +244,7 @@ TYPED_TEST(KvCacheTyped, WindowCacheAttentionEqualsAttentionOverTheWholeHistory)
 
 TEST(KvCache, BadAppendsThrowAndLeaveTheCacheUnchanged) {
   const Index batch = 2, heads = 2, dim = 3;
-  KvCache<float> cache(batch, heads, dim, 4);
+  KvCache<float> cache({batch, heads, dim, 4});
   const RowMatrix<float> three = random_matrix<float>(batch * 3, heads * dim, 21);
   cache.append(heads_of(three, batch, heads), heads_of(three, batch, heads), 0);
   const RowMatrix<float> keys_before = apex::merge_heads(cache.keys());
@@ -272,13 +274,13 @@ TEST(KvCache, BadAppendsThrowAndLeaveTheCacheUnchanged) {
       [&] { cache.append(heads_of(other_heads, batch, 3), heads_of(other_heads, batch, 3), 3); },
       "[kv_cache] chunk heads (k 3, v 3) must equal the cache's num_kv_heads (2)");
   unchanged();
-  expect_invalid([&] { KvCache<float>(1, 2, 3, 0); }, "[kv_cache] capacity (0) must be >= 1");
+  expect_invalid([&] { KvCache<float>({1, 2, 3, 0}); }, "[kv_cache] capacity (0) must be >= 1");
   expect_invalid([&] { cache.truncate(4); }, "[kv_cache] truncate size (4) must lie in [0, 3]");
   unchanged();
 }
 
 TEST(KvCache, BadWindowAndLatentAppendsThrowAndLeaveTheCacheUnchanged) {
-  SlidingWindowCache<double> ring(1, 2, 3, 4);
+  SlidingWindowCache<double> ring({1, 2, 3, 4});
   const RowMatrix<double> six = random_matrix<double>(6, 6, 31);
   ring.append(heads_of(six, 1, 2), heads_of(six, 1, 2), 0);
   const RowMatrix<double> segment0 = apex::merge_heads(ring.segments()[0].keys);
@@ -291,10 +293,13 @@ TEST(KvCache, BadWindowAndLatentAppendsThrowAndLeaveTheCacheUnchanged) {
                  "[sliding_window_cache] chunk batch (k 2, v 2) must equal the cache's batch (1)");
   EXPECT_EQ(ring.next_position(), 6);
   EXPECT_EQ(apex::merge_heads(ring.segments()[0].keys), segment0);
-  expect_invalid([&] { SlidingWindowCache<double>(1, 2, 3, 0); },
-                 "[sliding_window_cache] window (0) must be >= 1");
+  expect_invalid(
+      [&] {
+        SlidingWindowCache<double>({1, 2, 3, 0});
+      },
+      "[sliding_window_cache] window (0) must be >= 1");
 
-  LatentCache<double> latent(1, 4, 1, 2, 3);
+  LatentCache<double> latent({1, 4, 1, 2, 3});
   latent.append(random_matrix<double>(2, 6, 34), 0);
   const RowMatrix<double> rows_before = apex::merge_heads(latent.rows());
   expect_invalid([&] { latent.append(random_matrix<double>(2, 6, 35), 2); },
@@ -308,15 +313,18 @@ TEST(KvCache, BadWindowAndLatentAppendsThrowAndLeaveTheCacheUnchanged) {
       "[latent_cache] k_rope width (3) must equal H_kr*d_r (2)");
   EXPECT_EQ(latent.next_position(), 2);
   EXPECT_EQ(apex::merge_heads(latent.rows()), rows_before);
-  expect_invalid([&] { LatentCache<double>(1, 4, 1, 3, 8); },
-                 "[latent_cache] rope_dim d_r (3) must be even");
+  expect_invalid(
+      [&] {
+        LatentCache<double>({1, 4, 1, 3, 8});
+      },
+      "[latent_cache] rope_dim d_r (3) must be even");
 }
 
 TEST(KvCache, ChunksOfNegativeLengthAreRejected) {
   // A view may claim -1 rows; appending it used to pass every check and leave size() at -1.
   const float data[8] = {1, 2, 3, 4, 5, 6, 7, 8};
-  const HeadsView<const float> negative(data, 1, 1, -1, 2, 0, 0, 2);
-  KvCache<float> cache(1, 1, 2, 4);
+  const HeadsView<const float> negative(data, {1, 1, -1, 2}, {0, 0, 2});
+  KvCache<float> cache({1, 1, 2, 4});
   const RowMatrix<float> two = random_matrix<float>(2, 2, 41);
   cache.append(heads_of(two, 1, 1), heads_of(two, 1, 1), 0);
   const RowMatrix<float> keys_before = apex::merge_heads(cache.keys());
@@ -326,7 +334,7 @@ TEST(KvCache, ChunksOfNegativeLengthAreRejected) {
   EXPECT_EQ(cache.size(), 2);
   EXPECT_EQ(apex::merge_heads(cache.keys()), keys_before);
 
-  SlidingWindowCache<float> ring(1, 1, 2, 3);
+  SlidingWindowCache<float> ring({1, 1, 2, 3});
   ring.append(heads_of(two, 1, 1), heads_of(two, 1, 1), 0);
   const RowMatrix<float> held = apex::merge_heads(ring.segments()[0].keys);
   expect_invalid([&] { ring.append(negative, negative, 2); },
@@ -338,9 +346,9 @@ TEST(KvCache, ChunksOfNegativeLengthAreRejected) {
   const RowMatrix<float> q = random_matrix<float>(1, 2, 42);
   expect_invalid(
       [&] {
-        apex::sdpa_with_window_cache<float>(heads_of(q, 1, 1), negative, negative,
-                                            apex::sliding_window_mask(3), {}, ring,
-                                            HeadsView<float>::token_major(out.data(), 1, 1, 1, 2));
+        apex::sdpa_with_window_cache<float>(
+            heads_of(q, 1, 1), negative, negative, apex::sliding_window_mask(3), {}, ring,
+            HeadsView<float>::token_major(out.data(), {1, 1, 1, 2}));
       },
       "[sdpa_with_window_cache] chunk length n (-1) must be >= 0");
   EXPECT_TRUE((out.array() == 99.0f).all());
@@ -351,30 +359,30 @@ TEST(KvCache, WindowPositionsBeyondTheIndexRangeAreRejected) {
   // repeated by a zero row stride) that would carry it past the largest Index is rejected.
   const Index max = std::numeric_limits<Index>::max();
   const RowMatrix<float> row = RowMatrix<float>::Constant(1, 2, 0.5f);
-  SlidingWindowCache<float> ring(1, 1, 2, 3);
-  const HeadsView<const float> almost_all(row.data(), 1, 1, max - 1, 2, 0, 0, 0);
+  SlidingWindowCache<float> ring({1, 1, 2, 3});
+  const HeadsView<const float> almost_all(row.data(), {1, 1, max - 1, 2}, {0, 0, 0});
   ring.append(almost_all, almost_all, 0);
   ASSERT_EQ(ring.next_position(), max - 1);
   EXPECT_EQ(ring.size(), 3);
-  const HeadsView<const float> two(row.data(), 1, 1, 2, 2, 0, 0, 0);
+  const HeadsView<const float> two(row.data(), {1, 1, 2, 2}, {0, 0, 0});
   expect_invalid(
       [&] { ring.append(two, two, max - 1); },
       {"[sliding_window_cache] position + n (9223372036854775806 + 2)", "fit in 64 bits"});
   EXPECT_EQ(ring.next_position(), max - 1);
   // One more token still fits: its position is max - 1, the next is max.
-  const HeadsView<const float> one(row.data(), 1, 1, 1, 2, 0, 0, 0);
+  const HeadsView<const float> one(row.data(), {1, 1, 1, 2}, {0, 0, 0});
   ring.append(one, one, max - 1);
   EXPECT_EQ(ring.next_position(), max);
 }
 
 TEST(KvCache, WindowAttentionRejectsARuleTheRingCannotServe) {
-  SlidingWindowCache<float> ring(1, 1, 2, 4);
+  SlidingWindowCache<float> ring({1, 1, 2, 4});
   const RowMatrix<float> q = random_matrix<float>(1, 2, 41);
   RowMatrix<float> out = RowMatrix<float>::Constant(1, 2, 7.0f);
   const auto call = [&](const apex::PositionMask& rule) {
     apex::sdpa_with_window_cache<float>(heads_of(q, 1, 1), heads_of(q, 1, 1), heads_of(q, 1, 1),
                                         rule, {}, ring,
-                                        HeadsView<float>::token_major(out.data(), 1, 1, 1, 2));
+                                        HeadsView<float>::token_major(out.data(), {1, 1, 1, 2}));
   };
   expect_invalid([&] { call(apex::causal_mask()); },
                  "needs a causal mask with a window of at most 4 (got none)");
@@ -459,16 +467,25 @@ TEST(KvCache, WindowBytesAreCappedAtW) {
 TEST(KvCache, SizesBeyond64BitsAreRejectedNotWrapped) {
   // 2^62 · 4 wraps to 0 in 64 bits: a cache of that size would claim storage it does not have.
   const Index huge = Index{1} << 62;
-  expect_invalid([&] { KvCache<float>(1, huge, 4, 1); },
-                 {"[kv_cache] B*H*slots*d_h", "overflows 64 bits"});
-  expect_invalid([&] { SlidingWindowCache<float>(1, 4, 1, huge); },
-                 {"[sliding_window_cache]", "overflows 64 bits"});
-  expect_invalid([&] { LatentCache<float>(1, 1, huge, 4, 1); },
-                 {"[latent_cache] H_kr*d_r", "overflows 64 bits"});
-  KvCache<float> cache(1, 4, 1, 2);
+  expect_invalid(
+      [&] {
+        KvCache<float>({1, huge, 4, 1});
+      },
+      {"[kv_cache] B*H*slots*d_h", "overflows 64 bits"});
+  expect_invalid(
+      [&] {
+        SlidingWindowCache<float>({1, 4, 1, huge});
+      },
+      {"[sliding_window_cache]", "overflows 64 bits"});
+  expect_invalid(
+      [&] {
+        LatentCache<float>({1, 1, huge, 4, 1});
+      },
+      {"[latent_cache] H_kr*d_r", "overflows 64 bits"});
+  KvCache<float> cache({1, 4, 1, 2});
   expect_invalid([&] { cache.reserve(huge); }, {"[kv_cache]", "overflows 64 bits"});
   EXPECT_EQ(cache.capacity(), 2);
-  LatentCache<float> latent(1, 2, 1, 2, 2);
+  LatentCache<float> latent({1, 2, 1, 2, 2});
   expect_invalid([&] { latent.reserve(huge); }, {"[latent_cache]", "overflows 64 bits"});
   EXPECT_EQ(latent.capacity(), 2);
   expect_invalid([&] { (void)apex::sliding_window_cache_bytes(huge, 8, 4, 1, 1, 2); },

@@ -180,7 +180,7 @@ TEST(Mha, SplitHeadsIsTheDocumentsReshape) {
   }
   EXPECT_EQ(apex::merge_heads(t), x);
   // The token-major view sees the same elements without a copy.
-  const auto view = HeadsView<const double>::token_major(x.data(), batch, seq, heads, dim);
+  const auto view = HeadsView<const double>::token_major(x.data(), {batch, heads, seq, dim});
   EXPECT_EQ(apex::merge_heads(view), x);
 }
 
@@ -210,7 +210,7 @@ TEST(Mha, SplitAndMergeOfNoTokens) {
 TEST(Mha, MergeHeadsRejectsNegativeExtents) {
   // [-1, 1, -1, 2]: B·S = 1 and H·d_h = 2 match a 1 × 2 output, but the extents are not a shape.
   const float data[2] = {1.0f, 2.0f};
-  const HeadsView<const float> heads(data, -1, 1, -1, 2, 0, 0, 2);
+  const HeadsView<const float> heads(data, {-1, 1, -1, 2}, {0, 0, 2});
   RowMatrix<float> out = RowMatrix<float>::Constant(1, 2, 7.0f);
   expect_invalid([&] { apex::merge_heads(heads, out); },
                  {"[merge_heads] heads shape [-1, 1, -1, 2] must have no negative extent"});
@@ -252,10 +252,10 @@ struct Problem {
   }
   HeadsView<const Scalar> q_view() const { return q.view(); }
   HeadsView<const Scalar> k_view() const {
-    return HeadsView<const Scalar>::token_major(k.data(), batch, s_k, kv_heads, d_qk);
+    return HeadsView<const Scalar>::token_major(k.data(), {batch, kv_heads, s_k, d_qk});
   }
   HeadsView<const Scalar> v_view() const {
-    return HeadsView<const Scalar>::token_major(v.data(), batch, s_k, kv_heads, d_v);
+    return HeadsView<const Scalar>::token_major(v.data(), {batch, kv_heads, s_k, d_v});
   }
   MatrixXd w_o_double() const { return w_o.template cast<double>(); }
 };
@@ -296,7 +296,8 @@ TYPED_TEST(MhaTyped, DenseMaskPerBatchAndHead) {
   using Scalar = TypeParam;
   const Problem<Scalar> p(3);
   Eigen::Matrix<bool, Eigen::Dynamic, 1> storage(p.batch * p.heads * p.s_q * p.s_k);
-  const auto allowed = HeadsView<bool>::contiguous(storage.data(), p.batch, p.heads, p.s_q, p.s_k);
+  const auto allowed =
+      HeadsView<bool>::contiguous(storage.data(), {p.batch, p.heads, p.s_q, p.s_k});
   for (Index b = 0; b < p.batch; ++b) {
     for (Index h = 0; h < p.heads; ++h) {
       for (Index i = 0; i < p.s_q; ++i) {
@@ -339,7 +340,7 @@ TYPED_TEST(MhaTyped, OutMayOverwriteTheQueries) {
   const RowMatrix<Scalar> v = random_matrix<Scalar>(batch * seq, heads * dim, 23);
   const RowMatrix<Scalar> w_o = random_matrix<Scalar>(heads * dim, heads * dim, 24);
   const auto view = [&](const RowMatrix<Scalar>& m) {
-    return HeadsView<const Scalar>::token_major(m.data(), batch, seq, heads, dim);
+    return HeadsView<const Scalar>::token_major(m.data(), {batch, heads, seq, dim});
   };
   const RowMatrix<Scalar> expected =
       apex::multi_head_attention(view(q), view(k), view(v), {}, {}, w_o);
@@ -357,8 +358,8 @@ TEST(Mha, RejectsQueryHeadsNotAMultipleOfKvHeads) {
   Problem<double> p(3);
   const RowMatrix<double> k = random_matrix<double>(p.batch * p.s_k, 2 * p.d_qk, 1);
   const RowMatrix<double> v = random_matrix<double>(p.batch * p.s_k, 2 * p.d_v, 2);
-  const auto kv = HeadsView<const double>::token_major(k.data(), p.batch, p.s_k, 2, p.d_qk);
-  const auto vv = HeadsView<const double>::token_major(v.data(), p.batch, p.s_k, 2, p.d_v);
+  const auto kv = HeadsView<const double>::token_major(k.data(), {p.batch, 2, p.s_k, p.d_qk});
+  const auto vv = HeadsView<const double>::token_major(v.data(), {p.batch, 2, p.s_k, p.d_v});
   RowMatrix<double> out = RowMatrix<double>::Constant(p.batch * p.s_q, p.d, kSentinel);
   expect_invalid([&] { apex::multi_head_attention(p.q_view(), kv, vv, {}, {}, p.w_o, out); },
                  {"[multi_head_attention] num_q_heads (3) must be a multiple of num_kv_heads (2)"});
@@ -401,8 +402,8 @@ TEST(Mha, RejectsAConcatenationBeyond64Bits) {
   // 2^32 · 2^32 · 2 cannot be allocated, and must be rejected rather than wrapped.
   const double data[2] = {1.0, 2.0};
   const Index big = Index{1} << 32;
-  const HeadsView<const double> q(data, big, 1, big, 2, 0, 0, 0);
-  const HeadsView<const double> kv(data, big, 1, 1, 2, 0, 0, 0);
+  const HeadsView<const double> q(data, {big, 1, big, 2}, {0, 0, 0});
+  const HeadsView<const double> kv(data, {big, 1, 1, 2}, {0, 0, 0});
   const RowMatrix<double> w_o = RowMatrix<double>::Ones(2, 3);
   RowMatrix<double> out = RowMatrix<double>::Constant(2, 3, kSentinel);
   expect_invalid([&] { apex::multi_head_attention(q, kv, kv, {}, {}, w_o, out); },
@@ -418,7 +419,7 @@ TEST(Mha, SplitAndMergeRejectBadShapes) {
                  {"[split_heads] batch (4) must be >= 1 and divide the rows of x (6)"});
   expect_invalid([&] { (void)apex::split_heads(x, 2, 3); },
                  {"[split_heads] heads (3) must be >= 1 and divide the columns of x (8)"});
-  HeadsTensor<float> wrong(2, 4, 3, 3);
+  HeadsTensor<float> wrong({2, 4, 3, 3});
   wrong.view().head(0, 0).setConstant(7.0f);
   expect_invalid([&] { apex::split_heads(x, 2, 4, wrong.view()); },
                  {"[split_heads] out shape [2, 4, 3, 3] must be [B, H, S, d_h] = [2, 4, 3, 2]"});

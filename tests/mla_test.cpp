@@ -340,7 +340,7 @@ TYPED_TEST(MlaTyped, ForwardEqualsSdpaOnDecompressedHeads) {
     RowMatrix<Scalar> concat(x.rows(), c.num_q_heads * c.head_dim);
     apex::reference::sdpa<Scalar>(p.q_heads(), p.k_heads(), p.v_heads(), mask, {},
                                   apex::HeadsView<Scalar>::token_major(
-                                      concat.data(), t.batch, t.seq, c.num_q_heads, c.head_dim));
+                                      concat.data(), {t.batch, c.num_q_heads, t.seq, c.head_dim}));
     const MatrixXd expected = (concat * layer.weights().w_o).template cast<double>();
     expect_close(layer.forward(x, t.batch, mask, params), expected, kTol<Scalar>);
   }

@@ -80,8 +80,8 @@ class Heads {
   Heads(Index batch, Index heads, Index seq, Index dim, Layout layout = Layout::kContiguous)
       : size_(static_cast<std::size_t>(batch * heads * seq * dim)), storage_(new T[size_]()) {
     view_ = layout == Layout::kContiguous
-                ? HeadsView<T>::contiguous(data(), batch, heads, seq, dim)
-                : HeadsView<T>::token_major(data(), batch, seq, heads, dim);
+                ? HeadsView<T>::contiguous(data(), {batch, heads, seq, dim})
+                : HeadsView<T>::token_major(data(), {batch, heads, seq, dim});
   }
 
   const HeadsView<T>& view() const { return view_; }
@@ -184,17 +184,9 @@ struct Outputs {
 template <class Scalar>
 void run_fast(const Problem<Scalar>& p, Outputs<Scalar>& o,
               const std::optional<apex::detail::FlashBlocking>& blocking = std::nullopt) {
-  if (!blocking) {
-    apex::sdpa<Scalar>(p.q.view(), p.k.view(), p.v.view(), p.mask, p.params, o.out.view(),
-                       o.lse.view());
-    return;
-  }
-  apex::detail::check_sdpa<Scalar>(p.q.view(), p.k.view(), p.v.view(), p.mask, p.params,
-                                   o.out.view(), o.lse.view(), "sdpa");
-  apex::detail::flash_sdpa<Scalar>(p.q.view(), p.k.view(), p.v.view(), p.mask.positions,
-                                   p.mask.allowed, p.mask.bias,
-                                   apex::detail::softmax_scale(p.params, p.shape.d_qk),
-                                   p.params.softcap, o.out.view(), o.lse.view(), *blocking);
+  apex::detail::flash_sdpa<Scalar>(p.q.view(), p.k.view(), p.v.view(), p.mask, p.params,
+                                   o.out.view(), o.lse.view(), {},
+                                   blocking.value_or(apex::detail::FlashBlocking{}));
 }
 
 template <class Scalar>

@@ -121,8 +121,8 @@ class Heads {
   Heads(Index batch, Index heads, Index seq, Index dim, Layout layout = Layout::kContiguous)
       : storage_(static_cast<std::size_t>(batch * heads * seq * dim)) {
     view_ = layout == Layout::kContiguous
-                ? HeadsView<Scalar>::contiguous(storage_.data(), batch, heads, seq, dim)
-                : HeadsView<Scalar>::token_major(storage_.data(), batch, seq, heads, dim);
+                ? HeadsView<Scalar>::contiguous(storage_.data(), {batch, heads, seq, dim})
+                : HeadsView<Scalar>::token_major(storage_.data(), {batch, heads, seq, dim});
   }
   Heads(const Heads&) = delete;
   Heads& operator=(const Heads&) = delete;
@@ -232,12 +232,12 @@ struct Problem {
     mask.positions.prefix = rule.prefix;
     mask.positions.query_offset = query_offset;
     if (allowed_batch > 0) {
-      mask.allowed = HeadsView<const bool>::contiguous(allowed.data(), allowed_batch, allowed_heads,
-                                                       shape.s_q, shape.s_k);
+      mask.allowed = HeadsView<const bool>::contiguous(
+          allowed.data(), {allowed_batch, allowed_heads, shape.s_q, shape.s_k});
     }
     if (bias_batch > 0) {
-      mask.bias = HeadsView<const Scalar>::contiguous(bias.data(), bias_batch, bias_heads,
-                                                      shape.s_q, shape.s_k);
+      mask.bias = HeadsView<const Scalar>::contiguous(
+          bias.data(), {bias_batch, bias_heads, shape.s_q, shape.s_k});
     }
     return mask;
   }
@@ -436,8 +436,8 @@ TYPED_TEST(Sdpa, S6_4_WorkedExample) {
   RowMatrix<Scalar> lse = RowMatrix<Scalar>::Constant(2, 1, static_cast<Scalar>(kSentinel));
   TypeParam::Path::template run<Scalar>(apex::as_heads_view(q), apex::as_heads_view(k),
                                         apex::as_heads_view(v), {}, {},
-                                        HeadsView<Scalar>(out.data(), 1, 1, 2, 2, 0, 0, 2),
-                                        HeadsView<Scalar>(lse.data(), 1, 1, 2, 1, 0, 0, 1));
+                                        HeadsView<Scalar>(out.data(), {1, 1, 2, 2}, {0, 0, 2}),
+                                        HeadsView<Scalar>(lse.data(), {1, 1, 2, 1}, {0, 0, 1}));
   EXPECT_NEAR(out(0, 0), 3.000, 1e-4);
   EXPECT_NEAR(out(0, 1), 4.000, 1e-4);
   // §6.4 prints row 1 as [3.406, 4.406]; the exact values are 3.40667, 4.40667 (SEED-NOTES.md)
@@ -730,12 +730,14 @@ void run_single_head(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
   AttentionMask<Scalar> mask;
   mask.positions = positions;
   mask.positions.key_offset = key_begin;
-  Path::template run<Scalar>(
-      apex::as_heads_view(q),
-      HeadsView<const Scalar>(k.data() + key_begin * k.cols(), 1, 1, n, k.cols(), 0, 0, k.cols()),
-      HeadsView<const Scalar>(v.data() + key_begin * v.cols(), 1, 1, n, v.cols(), 0, 0, v.cols()),
-      mask, SdpaParams{}, HeadsView<Scalar>(out.data(), 1, 1, s_q, v.cols(), 0, 0, v.cols()),
-      HeadsView<Scalar>(lse.data(), 1, 1, s_q, 1, 0, 0, 1));
+  Path::template run<Scalar>(apex::as_heads_view(q),
+                             HeadsView<const Scalar>(k.data() + key_begin * k.cols(),
+                                                     {1, 1, n, k.cols()}, {0, 0, k.cols()}),
+                             HeadsView<const Scalar>(v.data() + key_begin * v.cols(),
+                                                     {1, 1, n, v.cols()}, {0, 0, v.cols()}),
+                             mask, SdpaParams{},
+                             HeadsView<Scalar>(out.data(), {1, 1, s_q, v.cols()}, {0, 0, v.cols()}),
+                             HeadsView<Scalar>(lse.data(), {1, 1, s_q, 1}, {0, 0, 1}));
 }
 
 // Splitting the keys at several points, attending to each part (keys placed at their absolute
@@ -1011,7 +1013,7 @@ TYPED_TEST(Sdpa, RejectsMaskOfWrongShape) {
       s.q, s.k, s.v, s.mask, s.params, s.out, s.lse,
       "[sdpa] allowed mask shape [3, 6] must be [S_q, S_k] = [3, 7]");
   const BoolMatrix three_heads = BoolMatrix::Constant(9, 7, true);
-  s.mask.allowed = HeadsView<const bool>::contiguous(three_heads.data(), 1, 3, 3, 7);
+  s.mask.allowed = HeadsView<const bool>::contiguous(three_heads.data(), {1, 3, 3, 7});
   expect_rejected<typename TypeParam::Path>(
       s.q, s.k, s.v, s.mask, s.params, s.out, s.lse,
       "[sdpa] allowed mask heads (3) must be 1 or the number of query heads 2");
@@ -1025,7 +1027,7 @@ TYPED_TEST(Sdpa, RejectsBiasOfWrongShape) {
   expect_rejected<typename TypeParam::Path>(s.q, s.k, s.v, s.mask, s.params, s.out, s.lse,
                                             "[sdpa] bias shape [4, 7] must be [S_q, S_k] = [3, 7]");
   const RowMatrix<Scalar> two_batches = RowMatrix<Scalar>::Zero(6, 7);
-  s.mask.bias = HeadsView<const Scalar>::contiguous(two_batches.data(), 2, 1, 3, 7);
+  s.mask.bias = HeadsView<const Scalar>::contiguous(two_batches.data(), {2, 1, 3, 7});
   expect_rejected<typename TypeParam::Path>(s.q, s.k, s.v, s.mask, s.params, s.out, s.lse,
                                             "[sdpa] bias batch (2) must be 1 or the batch size 1");
 }

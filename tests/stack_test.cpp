@@ -66,7 +66,7 @@ apex::RowMatrix<double> attention_block(const Layer& layer, const apex::RowMatri
   }
   apex::RowMatrix<double> heads(h.rows(), p.num_q_heads * p.v_dim);
   const auto out =
-      apex::HeadsView<double>::token_major(heads.data(), batch, p.seq(), p.num_q_heads, p.v_dim);
+      apex::HeadsView<double>::token_major(heads.data(), {batch, p.num_q_heads, p.seq(), p.v_dim});
   apex::reference::sdpa<double>(p.q_heads(), p.k_heads(), p.v_heads(), mask, attention, out);
   return heads * layer.weights().w_o;
 }

@@ -140,7 +140,7 @@ void expect_close(const Actual& actual, const Expected& expected, double tol) {
 template <class Scalar>
 HeadsTensor<Scalar> random_heads(Index batch, Index heads, Index seq, Index dim, std::mt19937& rng,
                                  double lo = -1.0, double hi = 1.0) {
-  HeadsTensor<Scalar> t(batch, heads, seq, dim);
+  HeadsTensor<Scalar> t({batch, heads, seq, dim});
   std::uniform_real_distribution<double> dist(lo, hi);
   const Index size = batch * heads * seq * dim;
   for (Index i = 0; i < size; ++i) t.data()[i] = static_cast<Scalar>(dist(rng));

@@ -2,6 +2,9 @@
 // Umbrella header: every public apex header, nothing else.
 #pragma once
 
+#include <apex/attention_layer.hpp>
+#include <apex/cache_memory.hpp>
+#include <apex/cached_attention.hpp>
 #include <apex/config.hpp>
 #include <apex/embedding.hpp>
 #include <apex/gqa.hpp>

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #define APEX_VERSION_MAJOR 0
 #define APEX_VERSION_MINOR 1
@@ -33,6 +34,14 @@
 #ifndef APEX_ASSERT
 #include <cassert>
 #define APEX_ASSERT(cond) assert(cond)
+#endif
+
+/// Forces inlining of a small hot function whose callers need its locals in registers (a
+/// compiler would otherwise judge it by size alone).
+#if defined(__GNUC__) || defined(__clang__)
+#define APEX_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define APEX_ALWAYS_INLINE inline
 #endif
 
 /// The formulas of the APEX-1 Mathematical Reference, Parts 1 and 2, as Eigen code.
@@ -81,6 +90,43 @@ template <class Scalar>
 constexpr void require_supported_scalar() {
   static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
                 "apex supports float and double");
+}
+
+/// A value that a move leaves at T{}. apex's classes hold the numbers that describe their storage
+/// (extents, sizes, positions) in it, so that a moved-from object is an empty one, exactly like a
+/// default-constructed one, instead of one whose sizes outlive its memory. Reads convert to
+/// const T&; writes go through get().
+template <class T>
+class ResetOnMove {
+ public:
+  ResetOnMove() = default;
+  ResetOnMove(T value) : value_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  ResetOnMove(const ResetOnMove&) = default;
+  ResetOnMove& operator=(const ResetOnMove&) = default;
+  ResetOnMove(ResetOnMove&& other) noexcept : value_(std::exchange(other.value_, T{})) {}
+  ResetOnMove& operator=(ResetOnMove&& other) noexcept {
+    if (this != &other) value_ = std::exchange(other.value_, T{});
+    return *this;
+  }
+  ~ResetOnMove() = default;
+
+  const T& get() const { return value_; }
+  T& get() { return value_; }
+  operator const T&() const { return value_; }  // NOLINT(google-explicit-constructor)
+
+ private:
+  T value_{};
+};
+
+/// Whether a parameter given in double is represented by `Compute` without changing its meaning:
+/// finite there, and 0 or at least the smallest normal magnitude (a smaller one would round to
+/// 0 or lose its precision). The kernels compute in double when a parameter is not.
+template <class Compute>
+bool representable_in(double value) {
+  constexpr double kMax = static_cast<double>(std::numeric_limits<Compute>::max());
+  constexpr double kMin = static_cast<double>(std::numeric_limits<Compute>::min());
+  const double magnitude = value < 0 ? -value : value;
+  return magnitude <= kMax && (magnitude == 0.0 || magnitude >= kMin);
 }
 
 /// a·b for non-negative a and b, or std::invalid_argument naming `what` when the product does

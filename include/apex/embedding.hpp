@@ -8,6 +8,7 @@
 #pragma once
 
 #include <apex/config.hpp>
+#include <apex/detail/matmul.hpp>
 #include <apex/detail/parallel.hpp>
 
 #include <algorithm>
@@ -110,11 +111,11 @@ RowMatrix<typename TableDerived::Scalar> embed(const Eigen::MatrixBase<TableDeri
 
 /// LM head with weight tying (§2.5): logits = h · W_Eᵀ, reusing the embedding table as the
 /// output projection. h: [tokens, d], table: [V, d], out: [tokens, V].
-/// One Eigen GEMM (threaded by Eigen when OpenMP is enabled), written straight into out, which
-/// must not overlap h or table. Note that the table is used as stored: the √d of embed() is
-/// not undone here (Gemma, which also scales by √d, ties the weights the same way).
-/// Allocates nothing beyond Eigen's GEMM packing buffers (and a copy of an input that is not
-/// row-major).
+/// One product (detail::matmul: fixed tiles spread over the threads, bit-identical for any
+/// number of threads), written straight into out, which must not overlap h or table. Note that the
+/// table is used as stored: the √d of embed() is not undone here (Gemma, which also scales by √d,
+/// ties the weights the same way). Allocates nothing beyond Eigen's GEMM packing buffers (and a
+/// copy of an input that is not row-major).
 template <class HiddenDerived, class TableDerived>
 void lm_head(const Eigen::MatrixBase<HiddenDerived>& h,
              const Eigen::MatrixBase<TableDerived>& table,
@@ -132,7 +133,7 @@ void lm_head(const Eigen::MatrixBase<HiddenDerived>& h,
   APEX_CHECK(out.rows() == hr.rows() && out.cols() == w.rows(),
              "[lm_head] out (" << out.rows() << " x " << out.cols() << ") must be " << hr.rows()
                                << " x " << w.rows() << " (tokens x V)");
-  out.noalias() = hr * w.transpose();
+  detail::matmul_transposed<Scalar>(hr, w, out);
 }
 
 /// LM head with weight tying (§2.5) returning a new [tokens, V] matrix of logits.

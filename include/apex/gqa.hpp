@@ -13,7 +13,11 @@
 //               └─ x·W_V ─▶ V [B*S, H_kv·d_h] ────────┘    (sdpa per head, concat, ·W_O)
 #pragma once
 
+#include <apex/attention_layer.hpp>
+#include <apex/cached_attention.hpp>
 #include <apex/config.hpp>
+#include <apex/detail/checks.hpp>
+#include <apex/detail/matmul.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/mask.hpp>
 #include <apex/mha.hpp>
@@ -28,22 +32,28 @@
 
 namespace apex {
 
+/// The head counts of grouped-query attention: H_q query heads sharing H_kv key/value heads.
+struct HeadCounts {
+  Index num_q_heads = 0;   ///< H_q
+  Index num_kv_heads = 0;  ///< H_kv, a divisor of H_q
+};
+
 /// The key/value head that query head i uses (§8.2): ⌊i / G⌋ with G = H_q / H_kv, so each group
 /// of G consecutive query heads shares one key/value head. §8.4: H_q = 4, H_kv = 2 gives
 /// 0, 0, 1, 1. Throws unless 1 ≤ H_kv, H_kv divides H_q and 0 ≤ i < H_q.
-inline Index kv_head_for(Index query_head, Index num_q_heads, Index num_kv_heads) {
-  detail::check_head_counts(num_q_heads, num_kv_heads, "gqa");
-  APEX_CHECK(query_head >= 0 && query_head < num_q_heads,
+inline Index kv_head_for(const HeadCounts& heads, Index query_head) {
+  detail::check_head_counts(heads.num_q_heads, heads.num_kv_heads, "gqa");
+  APEX_CHECK(query_head >= 0 && query_head < heads.num_q_heads,
              "[gqa] query_head (" << query_head << ") must be in [0, num_q_heads) = [0, "
-                                  << num_q_heads << ")");
-  return query_head / (num_q_heads / num_kv_heads);
+                                  << heads.num_q_heads << ")");
+  return query_head / (heads.num_q_heads / heads.num_kv_heads);
 }
 
 /// KV-cache size relative to multi-head attention with H_q heads (§8.3): H_kv / H_q.
 /// H_q = 128: GQA with 8 KV heads gives 0.0625 (16× smaller), MQA 1/128 = 0.0078125.
-inline double kv_cache_ratio(Index num_kv_heads, Index num_q_heads) {
-  detail::check_head_counts(num_q_heads, num_kv_heads, "gqa");
-  return static_cast<double>(num_kv_heads) / static_cast<double>(num_q_heads);
+inline double kv_cache_ratio(const HeadCounts& heads) {
+  detail::check_head_counts(heads.num_q_heads, heads.num_kv_heads, "gqa");
+  return static_cast<double>(heads.num_kv_heads) / static_cast<double>(heads.num_q_heads);
 }
 
 /// Parameters of a grouped-query attention layer: W_Q [d, H_q·d_h], W_K and W_V
@@ -68,8 +78,14 @@ struct GqaConfig {
   Index num_kv_heads = 0;  ///< H_kv, a divisor of H_q (H_q: MHA, 1: MQA)
   Index head_dim = 0;      ///< d_h
 
-  /// G = H_q / H_kv, query heads per key/value head.
-  Index group_size() const { return num_q_heads / num_kv_heads; }
+  /// G = H_q / H_kv, query heads per key/value head. Throws unless the head counts are valid
+  /// (so that a default config never divides by zero).
+  Index group_size() const {
+    detail::check_head_counts(num_q_heads, num_kv_heads, "gqa");
+    return num_q_heads / num_kv_heads;
+  }
+  /// H_q and H_kv.
+  HeadCounts heads() const { return {num_q_heads, num_kv_heads}; }
   /// Multi-head attention (§7): H_kv = H_q.
   static GqaConfig multi_head(Index d_model, Index num_heads, Index head_dim) {
     return {d_model, num_heads, num_heads, head_dim};
@@ -128,15 +144,18 @@ inline void check_gqa_config(const GqaConfig& c) {
 template <class Scalar>
 class GroupedQueryAttention {
  public:
+  /// An empty layer: no weights and a zero config, as a moved-from layer is; every use of it
+  /// throws std::invalid_argument.
+  GroupedQueryAttention() = default;
   /// Takes ownership of the weights; throws if the config is invalid (H_kv must divide H_q) or
   /// any weight does not have the shape documented in GqaWeights.
   GroupedQueryAttention(const GqaConfig& config, GqaWeights<Scalar> weights)
       : config_(config), weights_(std::move(weights)) {
     detail::require_supported_scalar<Scalar>();
-    detail::check_gqa_config(config_);
-    const Index d = config_.d_model;
-    const Index q_width = config_.num_q_heads * config_.head_dim;
-    const Index kv_width = config_.num_kv_heads * config_.head_dim;
+    detail::check_gqa_config(config);
+    const Index d = config.d_model;
+    const Index q_width = config.num_q_heads * config.head_dim;
+    const Index kv_width = config.num_kv_heads * config.head_dim;
     detail::check_weight_shape(weights_.w_q, d, q_width, "gqa", "w_q",
                                "[d_model, num_q_heads*head_dim]");
     detail::check_weight_shape(weights_.w_k, d, kv_width, "gqa", "w_k",
@@ -171,7 +190,7 @@ class GroupedQueryAttention {
   /// The projections W_Q, W_K, W_V, W_O, read-only (shapes as in GqaWeights).
   const GqaWeights<Scalar>& weights() const { return weights_; }
   /// Number of weights, d·d_h·(2·H_q + 2·H_kv) (gqa_parameter_count).
-  std::int64_t parameter_count() const { return gqa_parameter_count(config_); }
+  std::int64_t parameter_count() const { return gqa_parameter_count(config()); }
 
   /// The projections of §8.2 with RoPE (§4) on Q and K when params.rope is set:
   ///   Q = RoPE(x·W_Q), K = RoPE(x·W_K), V = x·W_V, row b*S + s at position offset + s.
@@ -213,19 +232,21 @@ class GroupedQueryAttention {
   RowMatrix<Scalar> forward(const Eigen::MatrixBase<Derived>& x, Index batch,
                             const AttentionMask<Scalar>& mask = {},
                             const AttentionLayerParams<Scalar>& params = {}) const {
-    RowMatrix<Scalar> out(x.rows(), config_.d_model);
+    RowMatrix<Scalar> out(x.rows(), config().d_model);
     forward(x, batch, mask, params, out);
     return out;
   }
 
   /// An empty full cache for this layer: K and V of H_kv heads of d_h, `capacity` tokens.
   KvCache<Scalar> make_cache(Index batch, Index capacity) const {
-    return KvCache<Scalar>(batch, config_.num_kv_heads, config_.head_dim, capacity);
+    check_constructed();
+    return KvCache<Scalar>({batch, config().num_kv_heads, config().head_dim, capacity});
   }
 
   /// An empty sliding-window cache for this layer: the last `window` tokens.
   SlidingWindowCache<Scalar> make_window_cache(Index batch, Index window) const {
-    return SlidingWindowCache<Scalar>(batch, config_.num_kv_heads, config_.head_dim, window);
+    check_constructed();
+    return SlidingWindowCache<Scalar>({batch, config().num_kv_heads, config().head_dim, window});
   }
 
   /// Decoding with a full cache (§7.4, §8): the forward pass of a chunk of n new tokens per
@@ -282,21 +303,21 @@ class GroupedQueryAttention {
     detail::check_window_rule(mask, cache.window(), "gqa");
     const Index batch = cache.batch();
     const ProjectedQkv<Scalar> p = project_checked(xr, batch, params);
-    const Index h_q = config_.num_q_heads;
-    const Index d_h = config_.head_dim;
+    const Index h_q = config().num_q_heads;
+    const Index d_h = config().head_dim;
     RowMatrix<Scalar> concat(xr.rows(), h_q * d_h);
     sdpa_with_window_cache<Scalar>(
         p.q_heads(), p.k_heads(), p.v_heads(), mask, params.attention, cache,
-        HeadsView<Scalar>::token_major(concat.data(), batch, n, h_q, d_h));
+        HeadsView<Scalar>::token_major(concat.data(), {batch, h_q, n, d_h}));
     cache.append(p.k_heads(), p.v_heads(), params.position_offset);
-    detail::project_rows<Scalar>(concat, weights_.w_o, out);
+    detail::matmul<Scalar>(concat, weights_.w_o, out);
   }
 
   /// Value-returning forward_cached (either cache): a new [B*n, d] matrix.
   template <class Derived, class Cache>
   RowMatrix<Scalar> forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
                                    const AttentionLayerParams<Scalar>& params, Cache& cache) const {
-    RowMatrix<Scalar> out(x.rows(), config_.d_model);
+    RowMatrix<Scalar> out(x.rows(), config().d_model);
     forward_cached(x, mask, params, cache, out);
     return out;
   }
@@ -304,14 +325,20 @@ class GroupedQueryAttention {
  private:
   /// Every head, query, key or value, is d_h wide.
   detail::LayerHeads attention_heads() const {
-    return {config_.num_q_heads, config_.num_kv_heads, config_.head_dim, config_.head_dim};
+    return {config().num_q_heads, config().num_kv_heads, config().head_dim, config().head_dim};
+  }
+
+  /// Throws for an empty (default-constructed or moved-from) layer.
+  void check_constructed() const {
+    detail::check_constructed(config().d_model >= 1, "gqa", "layer");
   }
 
   void check_input(const ConstRowRef<Scalar>& x, Index batch,
                    const AttentionLayerParams<Scalar>& params) const {
-    detail::check_layer_input(x, batch, config_.d_model, params.rope, params.position_offset,
+    check_constructed();
+    detail::check_layer_input(x, batch, config().d_model, params.rope, params.position_offset,
                               "gqa");
-    detail::check_rope_head_dim(params.rope, config_.head_dim, "the layer's head_dim", "gqa");
+    detail::check_rope_head_dim(params.rope, config().head_dim, "the layer's head_dim", "gqa");
   }
 
   /// The checks shared by both cached forms (the cache's own checks come from the caller):
@@ -326,11 +353,12 @@ class GroupedQueryAttention {
     detail::check_cached_rule(mask, params.position_offset, cache.next_position(), x.rows() / batch,
                               "gqa");
     check_input(x, batch, params);
-    APEX_CHECK(cache.num_kv_heads() == config_.num_kv_heads && cache.head_dim() == config_.head_dim,
-               "[gqa] cache num_kv_heads ("
-                   << cache.num_kv_heads() << ") and head_dim (" << cache.head_dim()
-                   << ") must equal the layer's num_kv_heads (" << config_.num_kv_heads
-                   << ") and head_dim (" << config_.head_dim << ")");
+    APEX_CHECK(
+        cache.num_kv_heads() == config().num_kv_heads && cache.head_dim() == config().head_dim,
+        "[gqa] cache num_kv_heads ("
+            << cache.num_kv_heads() << ") and head_dim (" << cache.head_dim()
+            << ") must equal the layer's num_kv_heads (" << config().num_kv_heads
+            << ") and head_dim (" << config().head_dim << ")");
     const Index n = x.rows() / batch;
     const detail::LayerHeads heads = attention_heads();
     AttentionMask<Scalar> positions;
@@ -338,23 +366,23 @@ class GroupedQueryAttention {
     positions.positions.query_offset = params.position_offset;
     positions.positions.key_offset = params.position_offset - held;
     detail::check_sdpa<Scalar>(
-        detail::shape_only_view<const Scalar>(batch, heads.num_q_heads, n, heads.qk_dim),
-        detail::shape_only_view<const Scalar>(batch, heads.num_kv_heads, held + n, heads.qk_dim),
-        detail::shape_only_view<const Scalar>(batch, heads.num_kv_heads, held + n, heads.v_dim),
+        detail::shape_only_view<const Scalar>({batch, heads.num_q_heads, n, heads.qk_dim}),
+        detail::shape_only_view<const Scalar>({batch, heads.num_kv_heads, held + n, heads.qk_dim}),
+        detail::shape_only_view<const Scalar>({batch, heads.num_kv_heads, held + n, heads.v_dim}),
         positions, params.attention,
-        detail::shape_only_view<Scalar>(batch, heads.num_q_heads, n, heads.v_dim), {}, "gqa");
-    APEX_CHECK(out.rows() == x.rows() && out.cols() == config_.d_model,
+        detail::shape_only_view<Scalar>({batch, heads.num_q_heads, n, heads.v_dim}), {}, "gqa");
+    APEX_CHECK(out.rows() == x.rows() && out.cols() == config().d_model,
                "[gqa] out shape [" << out.rows() << ", " << out.cols() << "] must be [B*n, d] = ["
-                                   << x.rows() << ", " << config_.d_model << "]");
+                                   << x.rows() << ", " << config().d_model << "]");
     return n;
   }
 
   ProjectedQkv<Scalar> project_checked(const ConstRowRef<Scalar>& x, Index batch,
                                        const AttentionLayerParams<Scalar>& params) const {
     ProjectedQkv<Scalar> p = detail::empty_projection<Scalar>(batch, attention_heads());
-    p.q = detail::project_rows<Scalar>(x, weights_.w_q);
-    p.k = detail::project_rows<Scalar>(x, weights_.w_k);
-    p.v = detail::project_rows<Scalar>(x, weights_.w_v);
+    p.q = detail::matmul<Scalar>(x, weights_.w_q);
+    p.k = detail::matmul<Scalar>(x, weights_.w_k);
+    p.v = detail::matmul<Scalar>(x, weights_.w_v);
     if (params.rope != nullptr) {
       detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, p.q);
       detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, p.k);
@@ -362,7 +390,7 @@ class GroupedQueryAttention {
     return p;
   }
 
-  GqaConfig config_;
+  detail::ResetOnMove<GqaConfig> config_;  // a moved-from layer is an empty one
   GqaWeights<Scalar> weights_;
 };
 

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-// Caches for decoding one token (or a short chunk) at a time (§7.4, §8.3, §9.4, §10), the
-// attention of new queries over a sliding-window cache, and the memory they take.
+// Caches for decoding one token (or a short chunk) at a time (§7.4, §8.3, §9.4, §10): the
+// containers only. What they cost is in cache_memory.hpp, attention over them in
+// cached_attention.hpp and in the layers.
 //
 // Three caches, each owning its memory and reporting its exact size with bytes():
 //
@@ -33,81 +34,49 @@
 // capacity throws std::invalid_argument and leaves the cache unchanged. reserve() grows one
 // explicitly (one copy), truncate() drops the newest tokens (e.g. rejected speculative tokens).
 // SlidingWindowCache never fills. Every check of every member runs before anything is written.
+//
+// Empty caches. A default-constructed or moved-from cache is empty: every extent 0, no memory;
+// it can be assigned to, cleared, truncated to 0 and viewed (views with no elements), and every
+// append or reserve on it throws std::invalid_argument.
 #pragma once
 
 #include <apex/config.hpp>
-#include <apex/mask.hpp>
-#include <apex/mha.hpp>
-#include <apex/sdpa.hpp>
+#include <apex/detail/checks.hpp>
 #include <apex/tensor.hpp>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <limits>
-#include <string>
 #include <utility>
-#include <vector>
 
 namespace apex {
 
 namespace detail {
 
-/// Scalars of a [B, H, slots, D] buffer (K or V of a cache), checked together with the bytes of
-/// both buffers (which bytes() reports). The dimensions are already known to be >= 1.
-template <class Scalar>
-Index cache_buffer_size(Index batch, Index heads, Index slots, Index dim, const char* op) {
-  const std::int64_t values = checked_product({batch, heads, slots, dim}, op, "B*H*slots*d_h");
-  checked_product(values, 2 * static_cast<std::int64_t>(sizeof(Scalar)), op, "cache bytes");
-  return static_cast<Index>(values);
-}
-
-inline void check_append_position(Index position, Index next, const char* op) {
-  APEX_CHECK(position >= next, "[" << op << "] position (" << position
-                                   << ") goes backwards: the cache's next position is " << next);
-  APEX_CHECK(position == next, "[" << op << "] position (" << position
-                                   << ") skips ahead: the cache's next position is " << next);
-}
-
-/// A chunk of new keys and values [B, H, n, D] against a cache of batch B, H heads of width D.
-template <class Scalar>
-void check_kv_chunk(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v, Index batch,
-                    Index heads, Index dim, const char* op) {
-  APEX_CHECK(k.batch() == batch && v.batch() == batch,
-             "[" << op << "] chunk batch (k " << k.batch() << ", v " << v.batch()
-                 << ") must equal the cache's batch (" << batch << ")");
-  APEX_CHECK(k.heads() == heads && v.heads() == heads,
-             "[" << op << "] chunk heads (k " << k.heads() << ", v " << v.heads()
-                 << ") must equal the cache's num_kv_heads (" << heads << ")");
-  APEX_CHECK(k.dim() == dim && v.dim() == dim,
-             "[" << op << "] chunk head width (k " << k.dim() << ", v " << v.dim()
-                 << ") must equal the cache's head_dim (" << dim << ")");
-  APEX_CHECK(k.seq() >= 0, "[" << op << "] chunk length n (" << k.seq() << ") must be >= 0");
-  APEX_CHECK(v.seq() == k.seq(), "[" << op << "] value chunk length (" << v.seq()
-                                     << ") must equal the key chunk length (" << k.seq() << ")");
-}
-
-inline void check_cache_dims(Index batch, Index heads, Index dim, Index slots, const char* op,
-                             const char* slots_name) {
-  APEX_CHECK(batch >= 1, "[" << op << "] batch (" << batch << ") must be >= 1");
-  APEX_CHECK(heads >= 1, "[" << op << "] num_kv_heads (" << heads << ") must be >= 1");
-  APEX_CHECK(dim >= 1, "[" << op << "] head_dim (" << dim << ") must be >= 1");
-  APEX_CHECK(slots >= 1, "[" << op << "] " << slots_name << " (" << slots << ") must be >= 1");
-}
-
-/// Copies a [B, H, n, D] view into rows [first, first + n) of a [B, H, slots, D] buffer.
+/// Copies rows [src_row, src_row + count) of a [B, H, n, D] view into rows [first, first +
+/// count) of a [B, H, slots, D] buffer.
 template <class Scalar>
 void write_rows(const HeadsView<const Scalar>& src, Scalar* dst, Index slots, Index src_row,
                 Index count, Index first) {
-  const Index heads = src.heads();
-  const Index dim = src.dim();
-  const HeadsView<Scalar> target(dst, src.batch(), heads, slots, dim, heads * slots * dim,
-                                 slots * dim, dim);
-  for (Index b = 0; b < src.batch(); ++b) {
-    for (Index h = 0; h < heads; ++h) {
+  const HeadsShape& s = src.shape();
+  const HeadsView<Scalar> target(dst, {s.batch, s.heads, slots, s.dim},
+                                 {s.heads * slots * s.dim, slots * s.dim, s.dim});
+  for (Index b = 0; b < s.batch; ++b) {
+    for (Index h = 0; h < s.heads; ++h) {
       target.head(b, h).middleRows(first, count) = src.head(b, h).middleRows(src_row, count);
     }
   }
+}
+
+/// The [B, H, rows, D] view of rows [first, first + rows) of every head of a [B, H, slots, D]
+/// buffer.
+template <class Scalar>
+HeadsView<const Scalar> buffer_rows(const Scalar* data, const HeadsShape& buffer, Index first,
+                                    Index rows) {
+  const Index dim = buffer.dim;
+  return HeadsView<const Scalar>(rows == 0 ? data : data + first * dim,
+                                 {buffer.batch, buffer.heads, rows, dim},
+                                 {buffer.heads * buffer.seq * dim, buffer.seq * dim, dim});
 }
 
 }  // namespace detail
@@ -115,6 +84,14 @@ void write_rows(const HeadsView<const Scalar>& src, Scalar* dst, Index slots, In
 // ---------------------------------------------------------------------------------------------
 // KvCache (§7.4, §8.3)
 // ---------------------------------------------------------------------------------------------
+
+/// The shape of a KvCache: B sequences of up to C tokens, H_kv heads of d_h.
+struct KvCacheShape {
+  Index batch = 0;         ///< B
+  Index num_kv_heads = 0;  ///< H_kv
+  Index head_dim = 0;      ///< d_h
+  Index capacity = 0;      ///< C, tokens that fit
+};
 
 /// The full K/V cache of one multi-head or grouped-query attention layer: K and V of every token
 /// so far, [B, H_kv, C, d_h] each, capacity C fixed at construction. keys() and values() are
@@ -124,26 +101,27 @@ void write_rows(const HeadsView<const Scalar>& src, Scalar* dst, Index slots, In
 template <class Scalar>
 class KvCache {
  public:
+  /// An empty cache (see "Empty caches" above).
+  KvCache() = default;
   /// Allocates K and V. Throws unless batch, num_kv_heads, head_dim and capacity are >= 1.
-  KvCache(Index batch, Index num_kv_heads, Index head_dim, Index capacity)
-      : batch_(batch), heads_(num_kv_heads), dim_(head_dim) {
+  explicit KvCache(const KvCacheShape& s) {
     detail::require_supported_scalar<Scalar>();
-    detail::check_cache_dims(batch, num_kv_heads, head_dim, capacity, "kv_cache", "capacity");
-    const Index size =
-        detail::cache_buffer_size<Scalar>(batch, num_kv_heads, capacity, head_dim, "kv_cache");
-    capacity_ = capacity;
+    const HeadsShape shape{s.batch, s.num_kv_heads, s.capacity, s.head_dim};
+    detail::check_cache_dims(shape, "kv_cache", "capacity");
+    const Index size = detail::cache_buffer_size<Scalar>(shape, "kv_cache");
     k_ = Vector<Scalar>::Zero(size);
     v_ = Vector<Scalar>::Zero(size);
+    shape_ = shape;
   }
 
   /// Number of sequences B cached side by side.
-  Index batch() const { return batch_; }
+  Index batch() const { return shape().batch; }
   /// Number of cached K/V heads H_kv (H_q for MHA, fewer for GQA/MQA).
-  Index num_kv_heads() const { return heads_; }
+  Index num_kv_heads() const { return shape().heads; }
   /// Per-head width d_h of K and V.
-  Index head_dim() const { return dim_; }
+  Index head_dim() const { return shape().dim; }
   /// Tokens C that fit before append throws; changes only through reserve().
-  Index capacity() const { return capacity_; }
+  Index capacity() const { return shape().seq; }
   /// Tokens held: positions [0, size()).
   Index size() const { return size_; }
   /// Absolute position of the next token to append (= size()).
@@ -162,80 +140,87 @@ class KvCache {
   /// overlap the cache. Allocates nothing.
   void append(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v, Index position) {
     check_append(k, v, position);
-    detail::write_rows(k, k_.data(), capacity_, 0, k.seq(), size_);
-    detail::write_rows(v, v_.data(), capacity_, 0, v.seq(), size_);
-    size_ += k.seq();
+    detail::write_rows(k, k_.data(), capacity(), 0, k.seq(), size_);
+    detail::write_rows(v, v_.data(), capacity(), 0, v.seq(), size_);
+    size_.get() += k.seq();
   }
 
   /// Everything append checks, without appending: for callers that must validate a whole step
   /// before changing any cache.
   void check_append(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
                     Index position) const {
-    detail::check_kv_chunk(k, v, batch_, heads_, dim_, "kv_cache");
+    detail::check_constructed(batch() >= 1, "kv_cache", "cache");
+    detail::check_kv_chunk(k, v, shape(), "kv_cache");
     detail::check_append_position(position, size_, "kv_cache");
     check_room(k.seq());
   }
 
   /// Throws unless n more tokens fit.
   void check_room(Index n) const {
-    APEX_CHECK(n <= capacity_ - size_, "[kv_cache] appending "
-                                           << n << " tokens at position " << size_
-                                           << " would exceed the capacity (" << capacity_
-                                           << "): a KvCache never grows by itself; reserve() a "
-                                              "larger capacity (or use a SlidingWindowCache for a "
-                                              "windowed layer)");
+    APEX_CHECK(n <= capacity() - size_, "[kv_cache] appending "
+                                            << n << " tokens at position " << size()
+                                            << " would exceed the capacity (" << capacity()
+                                            << "): a KvCache never grows by itself; reserve() a "
+                                               "larger capacity (or use a SlidingWindowCache for "
+                                               "a windowed layer)");
   }
 
   /// [B, H_kv, size(), d_h] view of the cached keys (head stride C·d_h), no copy. It holds
   /// size() as of the call, and reserve() frees the memory it points to.
-  HeadsView<const Scalar> keys() const { return view(k_.data()); }
+  HeadsView<const Scalar> keys() const { return detail::buffer_rows(k_.data(), shape(), 0, size_); }
   /// [B, H_kv, size(), d_h] view of the cached values; same layout and lifetime as keys().
-  HeadsView<const Scalar> values() const { return view(v_.data()); }
+  HeadsView<const Scalar> values() const {
+    return detail::buffer_rows(v_.data(), shape(), 0, size_);
+  }
 
   /// Drops the tokens at positions >= new_size (0 <= new_size <= size()). O(1).
   void truncate(Index new_size) {
     APEX_CHECK(new_size >= 0 && new_size <= size_,
-               "[kv_cache] truncate size (" << new_size << ") must lie in [0, " << size_ << "]");
+               "[kv_cache] truncate size (" << new_size << ") must lie in [0, " << size() << "]");
     size_ = new_size;
   }
 
   /// Grows the capacity to at least `capacity`, keeping the cached tokens (one copy; allocates
   /// the new K and V, then frees the old ones). Never shrinks. Throws (cache unchanged) if the
-  /// new size does not fit in 64 bits.
+  /// new size does not fit in 64 bits, or on an empty cache.
   void reserve(Index capacity) {
-    if (capacity <= capacity_) return;
-    const Index size =
-        detail::cache_buffer_size<Scalar>(batch_, heads_, capacity, dim_, "kv_cache");
+    detail::check_constructed(batch() >= 1, "kv_cache", "cache");
+    if (capacity <= this->capacity()) return;
+    HeadsShape grown = shape();
+    grown.seq = capacity;
+    const Index size = detail::cache_buffer_size<Scalar>(grown, "kv_cache");
     Vector<Scalar> k = Vector<Scalar>::Zero(size);
     Vector<Scalar> v = Vector<Scalar>::Zero(size);
     detail::write_rows(keys(), k.data(), capacity, 0, size_, 0);
     detail::write_rows(values(), v.data(), capacity, 0, size_, 0);
     k_ = std::move(k);
     v_ = std::move(v);
-    capacity_ = capacity;
+    shape_ = grown;
   }
 
   /// Forgets every token (the memory is kept).
   void clear() { size_ = 0; }
 
  private:
-  HeadsView<const Scalar> view(const Scalar* data) const {
-    return HeadsView<const Scalar>(data, batch_, heads_, size_, dim_, heads_ * capacity_ * dim_,
-                                   capacity_ * dim_, dim_);
-  }
+  const HeadsShape& shape() const { return shape_; }
 
-  Index batch_ = 0;
-  Index heads_ = 0;
-  Index dim_ = 0;
-  Index capacity_ = 0;
-  Index size_ = 0;
-  Vector<Scalar> k_;
+  detail::ResetOnMove<HeadsShape> shape_;  // [B, H_kv, C, d_h]
+  detail::ResetOnMove<Index> size_;
+  Vector<Scalar> k_;  // Eigen leaves a moved-from vector empty
   Vector<Scalar> v_;
 };
 
 // ---------------------------------------------------------------------------------------------
 // SlidingWindowCache (§10)
 // ---------------------------------------------------------------------------------------------
+
+/// The shape of a SlidingWindowCache: B sequences, H_kv heads of d_h, the last W tokens.
+struct WindowCacheShape {
+  Index batch = 0;         ///< B
+  Index num_kv_heads = 0;  ///< H_kv
+  Index head_dim = 0;      ///< d_h
+  Index window = 0;        ///< W, tokens held
+};
 
 /// The cache of a sliding-window layer (§10.2: query i sees keys 0 <= i − j < W): K and V of the
 /// last W tokens only, [B, H_kv, W, d_h] each, as a ring where absolute position p lives in slot
@@ -255,31 +240,31 @@ class SlidingWindowCache {
     HeadsView<const Scalar> values;  ///< [B, H_kv, n, d_h] values of the run
   };
 
+  /// An empty cache (see "Empty caches" above).
+  SlidingWindowCache() = default;
   /// Allocates the ring. Throws unless batch, num_kv_heads, head_dim and window are >= 1.
-  SlidingWindowCache(Index batch, Index num_kv_heads, Index head_dim, Index window)
-      : batch_(batch), heads_(num_kv_heads), dim_(head_dim) {
+  explicit SlidingWindowCache(const WindowCacheShape& s) {
     detail::require_supported_scalar<Scalar>();
-    detail::check_cache_dims(batch, num_kv_heads, head_dim, window, "sliding_window_cache",
-                             "window");
-    const Index size = detail::cache_buffer_size<Scalar>(batch, num_kv_heads, window, head_dim,
-                                                         "sliding_window_cache");
-    window_ = window;
+    const HeadsShape shape{s.batch, s.num_kv_heads, s.window, s.head_dim};
+    detail::check_cache_dims(shape, "sliding_window_cache", "window");
+    const Index size = detail::cache_buffer_size<Scalar>(shape, "sliding_window_cache");
     k_ = Vector<Scalar>::Zero(size);
     v_ = Vector<Scalar>::Zero(size);
+    shape_ = shape;
   }
 
   /// Number of sequences B cached side by side.
-  Index batch() const { return batch_; }
+  Index batch() const { return shape().batch; }
   /// Number of cached K/V heads H_kv.
-  Index num_kv_heads() const { return heads_; }
+  Index num_kv_heads() const { return shape().heads; }
   /// Per-head width d_h of K and V.
-  Index head_dim() const { return dim_; }
+  Index head_dim() const { return shape().dim; }
   /// Window W: the number of ring slots, i.e. the most tokens ever held (§10.2).
-  Index window() const { return window_; }
+  Index window() const { return shape().seq; }
   /// Absolute position of the next token (= tokens seen so far).
   Index next_position() const { return next_; }
   /// Tokens held: min(next_position(), W), positions [first_position(), next_position()).
-  Index size() const { return std::min(next_, window_); }
+  Index size() const { return std::min<Index>(next_, window()); }
   /// Absolute position of the oldest held token: next_position() − size() (0 until the ring
   /// wraps).
   Index first_position() const { return next_ - size(); }
@@ -296,25 +281,27 @@ class SlidingWindowCache {
   void append(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v, Index position) {
     check_append(k, v, position);
     const Index n = k.seq();
-    const Index kept = std::min(n, window_);
+    const Index w = window();
+    const Index kept = std::min(n, w);
     const Index first = position + n - kept;  // absolute position of the first kept token
     // At most two runs: slots [first mod W, W) then [0, ...).
-    const Index slot = first % window_;
-    const Index run = std::min(kept, window_ - slot);
+    const Index slot = first % w;
+    const Index run = std::min(kept, w - slot);
     const Index src = n - kept;
-    detail::write_rows(k, k_.data(), window_, src, run, slot);
-    detail::write_rows(v, v_.data(), window_, src, run, slot);
+    detail::write_rows(k, k_.data(), w, src, run, slot);
+    detail::write_rows(v, v_.data(), w, src, run, slot);
     if (kept > run) {
-      detail::write_rows(k, k_.data(), window_, src + run, kept - run, 0);
-      detail::write_rows(v, v_.data(), window_, src + run, kept - run, 0);
+      detail::write_rows(k, k_.data(), w, src + run, kept - run, 0);
+      detail::write_rows(v, v_.data(), w, src + run, kept - run, 0);
     }
-    next_ += n;
+    next_.get() += n;
   }
 
   /// Everything append checks, without appending.
   void check_append(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
                     Index position) const {
-    detail::check_kv_chunk(k, v, batch_, heads_, dim_, "sliding_window_cache");
+    detail::check_constructed(batch() >= 1, "sliding_window_cache", "cache");
+    detail::check_kv_chunk(k, v, shape(), "sliding_window_cache");
     detail::check_append_position(position, next_, "sliding_window_cache");
     // The ring holds only the last W tokens, so n is otherwise unbounded: the next position
     // after the chunk must still be an Index.
@@ -326,9 +313,10 @@ class SlidingWindowCache {
   std::array<Segment, 2> segments() const {
     std::array<Segment, 2> result;
     const Index held = size();
+    if (held == 0) return result;
     const Index first = first_position();
-    const Index slot = first % window_;
-    const Index run = std::min(held, window_ - slot);
+    const Index slot = first % window();
+    const Index run = std::min(held, window() - slot);
     result[0] = segment(first, slot, run);
     result[1] = segment(first + run, 0, held - run);
     return result;
@@ -338,19 +326,15 @@ class SlidingWindowCache {
   void clear() { next_ = 0; }
 
  private:
+  const HeadsShape& shape() const { return shape_; }
+
   Segment segment(Index first_position, Index slot, Index count) const {
-    const auto view = [&](const Scalar* data) {
-      return HeadsView<const Scalar>(data + slot * dim_, batch_, heads_, count, dim_,
-                                     heads_ * window_ * dim_, window_ * dim_, dim_);
-    };
-    return Segment{first_position, view(k_.data()), view(v_.data())};
+    return Segment{first_position, detail::buffer_rows(k_.data(), shape(), slot, count),
+                   detail::buffer_rows(v_.data(), shape(), slot, count)};
   }
 
-  Index batch_ = 0;
-  Index heads_ = 0;
-  Index dim_ = 0;
-  Index window_ = 0;
-  Index next_ = 0;
+  detail::ResetOnMove<HeadsShape> shape_;  // [B, H_kv, W, d_h]
+  detail::ResetOnMove<Index> next_;
   Vector<Scalar> k_;
   Vector<Scalar> v_;
 };
@@ -358,6 +342,16 @@ class SlidingWindowCache {
 // ---------------------------------------------------------------------------------------------
 // LatentCache (§9.4)
 // ---------------------------------------------------------------------------------------------
+
+/// The shape of a LatentCache: B sequences of up to C tokens, each token d_kv latent values and
+/// H_kr rotated K_rope heads of d_r.
+struct LatentCacheShape {
+  Index batch = 0;       ///< B
+  Index latent_dim = 0;  ///< d_kv
+  Index rope_heads = 0;  ///< H_kr
+  Index rope_dim = 0;    ///< d_r (even)
+  Index capacity = 0;    ///< C
+};
 
 /// The cache of one multi-head latent attention layer (§9): per token, c_kv = x·W_DKV (d_kv
 /// values) and the rotated K_rope = RoPE(x·W_KR) (H_kr heads of d_r), side by side in one row
@@ -368,38 +362,41 @@ class SlidingWindowCache {
 template <class Scalar>
 class LatentCache {
  public:
-  /// Allocates the rows. Throws unless every argument is >= 1 (and rope_dim is even).
-  LatentCache(Index batch, Index latent_dim, Index rope_heads, Index rope_dim, Index capacity)
-      : batch_(batch), latent_(latent_dim), rope_heads_(rope_heads), rope_dim_(rope_dim) {
+  /// An empty cache (see "Empty caches" above).
+  LatentCache() = default;
+  /// Allocates the rows. Throws unless every extent is >= 1 (and rope_dim is even).
+  explicit LatentCache(const LatentCacheShape& shape) {
     detail::require_supported_scalar<Scalar>();
-    APEX_CHECK(batch >= 1, "[latent_cache] batch (" << batch << ") must be >= 1");
-    APEX_CHECK(latent_dim >= 1,
-               "[latent_cache] latent_dim d_kv (" << latent_dim << ") must be >= 1");
-    APEX_CHECK(rope_heads >= 1,
-               "[latent_cache] rope_heads H_kr (" << rope_heads << ") must be >= 1");
-    APEX_CHECK(rope_dim >= 2 && rope_dim % 2 == 0,
-               "[latent_cache] rope_dim d_r (" << rope_dim << ") must be even and at least 2");
-    APEX_CHECK(capacity >= 1, "[latent_cache] capacity (" << capacity << ") must be >= 1");
-    detail::checked_sum(latent_dim,
-                        detail::checked_product(rope_heads, rope_dim, "latent_cache", "H_kr*d_r"),
-                        "latent_cache", "d_kv + H_kr*d_r");
-    const Index size = storage_size(capacity);
-    capacity_ = capacity;
-    rows_ = Vector<Scalar>::Zero(size);
+    APEX_CHECK(shape.batch >= 1, "[latent_cache] batch (" << shape.batch << ") must be >= 1");
+    APEX_CHECK(shape.latent_dim >= 1,
+               "[latent_cache] latent_dim d_kv (" << shape.latent_dim << ") must be >= 1");
+    APEX_CHECK(shape.rope_heads >= 1,
+               "[latent_cache] rope_heads H_kr (" << shape.rope_heads << ") must be >= 1");
+    APEX_CHECK(
+        shape.rope_dim >= 2 && shape.rope_dim % 2 == 0,
+        "[latent_cache] rope_dim d_r (" << shape.rope_dim << ") must be even and at least 2");
+    APEX_CHECK(shape.capacity >= 1,
+               "[latent_cache] capacity (" << shape.capacity << ") must be >= 1");
+    detail::checked_sum(
+        shape.latent_dim,
+        detail::checked_product(shape.rope_heads, shape.rope_dim, "latent_cache", "H_kr*d_r"),
+        "latent_cache", "d_kv + H_kr*d_r");
+    rows_ = Vector<Scalar>::Zero(storage_size(shape, shape.capacity));
+    shape_ = shape;
   }
 
   /// Number of sequences B cached side by side.
-  Index batch() const { return batch_; }
+  Index batch() const { return shape().batch; }
   /// Latent width d_kv: the first d_kv values of every row (c_kv).
-  Index latent_dim() const { return latent_; }
+  Index latent_dim() const { return shape().latent_dim; }
   /// Number of cached K_rope heads H_kr.
-  Index rope_heads() const { return rope_heads_; }
+  Index rope_heads() const { return shape().rope_heads; }
   /// Width d_r of one K_rope head (even).
-  Index rope_dim() const { return rope_dim_; }
+  Index rope_dim() const { return shape().rope_dim; }
   /// d_kv + H_kr·d_r: the values cached per token (mla_cache_values_per_token).
-  Index row_width() const { return latent_ + rope_heads_ * rope_dim_; }
+  Index row_width() const { return latent_dim() + rope_heads() * rope_dim(); }
   /// Tokens C that fit before append throws; changes only through reserve().
-  Index capacity() const { return capacity_; }
+  Index capacity() const { return shape().capacity; }
   /// Tokens held: positions [0, size()).
   Index size() const { return size_; }
   /// Absolute position of the next token to append (= size()).
@@ -419,20 +416,21 @@ class LatentCache {
               Index position) {
     const ConstRowRef<Scalar> c(c_kv.derived());
     const ConstRowRef<Scalar> r(k_rope.derived());
-    check_rows(c.rows(), c.cols(), latent_, "c_kv", "d_kv");
-    check_rows(r.rows(), r.cols(), rope_heads_ * rope_dim_, "k_rope", "H_kr*d_r");
+    detail::check_constructed(batch() >= 1, "latent_cache", "cache");
+    check_rows(c.rows(), c.cols(), latent_dim(), "c_kv", "d_kv");
+    check_rows(r.rows(), r.cols(), rope_heads() * rope_dim(), "k_rope", "H_kr*d_r");
     APEX_CHECK(r.rows() == c.rows(), "[latent_cache] k_rope rows ("
                                          << r.rows() << ") must equal c_kv rows (" << c.rows()
                                          << ")");
     detail::check_append_position(position, size_, "latent_cache");
-    const Index n = c.rows() / batch_;
+    const Index n = c.rows() / batch();
     check_room(n);
-    for (Index b = 0; b < batch_; ++b) {
+    for (Index b = 0; b < batch(); ++b) {
       auto target = batch_rows(b).middleRows(size_, n);
-      target.leftCols(latent_) = c.middleRows(b * n, n);
-      target.rightCols(rope_heads_ * rope_dim_) = r.middleRows(b * n, n);
+      target.leftCols(latent_dim()) = c.middleRows(b * n, n);
+      target.rightCols(rope_heads() * rope_dim()) = r.middleRows(b * n, n);
     }
-    size_ += n;
+    size_.get() += n;
   }
 
   /// Appends n tokens from whole rows [B*n, d_kv + H_kr·d_r] = [c_kv ‖ K_rope] (the layout of
@@ -440,343 +438,103 @@ class LatentCache {
   template <class D>
   void append(const Eigen::MatrixBase<D>& rows, Index position) {
     const ConstRowRef<Scalar> r(rows.derived());
+    detail::check_constructed(batch() >= 1, "latent_cache", "cache");
     check_rows(r.rows(), r.cols(), row_width(), "rows", "d_kv + H_kr*d_r");
     detail::check_append_position(position, size_, "latent_cache");
-    const Index n = r.rows() / batch_;
+    const Index n = r.rows() / batch();
     check_room(n);
-    for (Index b = 0; b < batch_; ++b) batch_rows(b).middleRows(size_, n) = r.middleRows(b * n, n);
-    size_ += n;
+    for (Index b = 0; b < batch(); ++b) {
+      batch_rows(b).middleRows(size_, n) = r.middleRows(b * n, n);
+    }
+    size_.get() += n;
   }
 
   /// Throws unless n more tokens fit.
   void check_room(Index n) const {
-    APEX_CHECK(n <= capacity_ - size_, "[latent_cache] appending "
-                                           << n << " tokens at position " << size_
-                                           << " would exceed the capacity (" << capacity_
-                                           << "): a LatentCache never grows by itself; reserve() "
-                                              "a larger capacity");
+    APEX_CHECK(n <= capacity() - size_, "[latent_cache] appending "
+                                            << n << " tokens at position " << size()
+                                            << " would exceed the capacity (" << capacity()
+                                            << "): a LatentCache never grows by itself; reserve() "
+                                               "a larger capacity");
   }
 
   /// [B, 1, size(), d_kv]: the cached c_kv (row stride d_kv + H_kr·d_r).
   HeadsView<const Scalar> latent() const {
-    return HeadsView<const Scalar>(rows_.data(), batch_, 1, size_, latent_, capacity_ * row_width(),
-                                   0, row_width());
+    return HeadsView<const Scalar>(rows_.data(), {batch(), 1, size_, latent_dim()},
+                                   {capacity() * row_width(), 0, row_width()});
   }
   /// [B, H_kr, size(), d_r]: the cached rotated K_rope.
   HeadsView<const Scalar> rope_keys() const {
-    return HeadsView<const Scalar>(rows_.data() + latent_, batch_, rope_heads_, size_, rope_dim_,
-                                   capacity_ * row_width(), rope_dim_, row_width());
+    return HeadsView<const Scalar>(size_ == 0 ? rows_.data() : rows_.data() + latent_dim(),
+                                   {batch(), rope_heads(), size_, rope_dim()},
+                                   {capacity() * row_width(), rope_dim(), row_width()});
   }
   /// [B, 1, size(), d_kv + H_kr·d_r]: whole rows [c_kv ‖ K_rope], the keys of absorbed MLA.
   HeadsView<const Scalar> rows() const {
-    return HeadsView<const Scalar>(rows_.data(), batch_, 1, size_, row_width(),
-                                   capacity_ * row_width(), 0, row_width());
+    return HeadsView<const Scalar>(rows_.data(), {batch(), 1, size_, row_width()},
+                                   {capacity() * row_width(), 0, row_width()});
   }
 
   /// Drops the tokens at positions >= new_size (0 <= new_size <= size()). O(1).
   void truncate(Index new_size) {
     APEX_CHECK(new_size >= 0 && new_size <= size_, "[latent_cache] truncate size ("
-                                                       << new_size << ") must lie in [0, " << size_
+                                                       << new_size << ") must lie in [0, " << size()
                                                        << "]");
     size_ = new_size;
   }
 
   /// Grows the capacity to at least `capacity`, keeping the cached tokens (one copy). Never
-  /// shrinks. Throws (cache unchanged) if the new size does not fit in 64 bits.
+  /// shrinks. Throws (cache unchanged) if the new size does not fit in 64 bits, or on an empty
+  /// cache.
   void reserve(Index capacity) {
-    if (capacity <= capacity_) return;
-    Vector<Scalar> rows = Vector<Scalar>::Zero(storage_size(capacity));
-    for (Index b = 0; b < batch_; ++b) {
+    detail::check_constructed(batch() >= 1, "latent_cache", "cache");
+    if (capacity <= this->capacity()) return;
+    Vector<Scalar> rows = Vector<Scalar>::Zero(storage_size(shape(), capacity));
+    for (Index b = 0; b < batch(); ++b) {
       Eigen::Map<RowMatrix<Scalar>>(rows.data() + b * capacity * row_width(), capacity, row_width())
           .topRows(size_) = batch_rows(b).topRows(size_);
     }
     rows_ = std::move(rows);
-    capacity_ = capacity;
+    shape_.get().capacity = capacity;
   }
 
   /// Forgets every token (the memory is kept).
   void clear() { size_ = 0; }
 
  private:
+  const LatentCacheShape& shape() const { return shape_; }
+
   /// Scalars of [B, capacity, d_kv + H_kr·d_r], checked together with their bytes.
-  Index storage_size(Index capacity) const {
+  static Index storage_size(const LatentCacheShape& s, Index capacity) {
+    const Index width = s.latent_dim + s.rope_heads * s.rope_dim;
     const std::int64_t values =
-        detail::checked_product({batch_, capacity, row_width()}, "latent_cache", "B*C*row_width");
+        detail::checked_product({s.batch, capacity, width}, "latent_cache", "B*C*row_width");
     detail::checked_product(values, static_cast<std::int64_t>(sizeof(Scalar)), "latent_cache",
                             "cache bytes");
     return static_cast<Index>(values);
   }
 
   Eigen::Map<RowMatrix<Scalar>> batch_rows(Index b) {
-    return Eigen::Map<RowMatrix<Scalar>>(rows_.data() + b * capacity_ * row_width(), capacity_,
+    return Eigen::Map<RowMatrix<Scalar>>(rows_.data() + b * capacity() * row_width(), capacity(),
                                          row_width());
   }
   Eigen::Map<const RowMatrix<Scalar>> batch_rows(Index b) const {
-    return Eigen::Map<const RowMatrix<Scalar>>(rows_.data() + b * capacity_ * row_width(),
-                                               capacity_, row_width());
+    return Eigen::Map<const RowMatrix<Scalar>>(rows_.data() + b * capacity() * row_width(),
+                                               capacity(), row_width());
   }
 
   void check_rows(Index rows, Index cols, Index width, const char* name, const char* what) const {
     APEX_CHECK(cols == width, "[latent_cache] " << name << " width (" << cols << ") must equal "
                                                 << what << " (" << width << ")");
-    APEX_CHECK(rows % batch_ == 0, "[latent_cache] "
-                                       << name << " rows (" << rows
-                                       << ") must be a multiple of the cache's batch (" << batch_
-                                       << "): B blocks of n rows");
+    APEX_CHECK(rows % batch() == 0, "[latent_cache] "
+                                        << name << " rows (" << rows
+                                        << ") must be a multiple of the cache's batch (" << batch()
+                                        << "): B blocks of n rows");
   }
 
-  Index batch_ = 0;
-  Index latent_ = 0;
-  Index rope_heads_ = 0;
-  Index rope_dim_ = 0;
-  Index capacity_ = 0;
-  Index size_ = 0;
+  detail::ResetOnMove<LatentCacheShape> shape_;
+  detail::ResetOnMove<Index> size_;
   Vector<Scalar> rows_;
 };
-
-// ---------------------------------------------------------------------------------------------
-// Attention against a cache
-// ---------------------------------------------------------------------------------------------
-
-namespace detail {
-
-/// Checks the position rule of a cached call: n new queries at absolute positions
-/// [first, first + n) against a cache whose next position is `next`.
-///   - the rule's offsets must be unset: the cache supplies them;
-///   - first must equal next (positions never go backwards or skip);
-///   - a bidirectional prefix [0, P) must lie inside one call starting at 0: every prefix token
-///     attends to every other, so none can be processed before the last of them is known.
-inline void check_cached_rule(const PositionMask& rule, Index first, Index next, Index n,
-                              const char* op) {
-  check_position_mask(rule, op);
-  APEX_CHECK(!rule.query_offset && rule.key_offset == 0,
-             "[" << op << "] mask query_offset/key_offset must be unset: the cache supplies the "
-                 << "positions");
-  APEX_CHECK(n >= 1, "[" << op << "] the chunk must hold at least one token per sequence (got " << n
-                         << ")");
-  APEX_CHECK(first >= next, "[" << op << "] position_offset (" << first
-                                << ") goes backwards: the cache's next position is " << next);
-  APEX_CHECK(first == next, "[" << op << "] position_offset (" << first
-                                << ") skips ahead: the cache's next position is " << next);
-  // The chunk's positions [first, first + n) and everything formed from them must be Index
-  // values (a sliding-window cache's next position is bounded by nothing else).
-  checked_sum(first, n, op, "position_offset + n");
-  APEX_CHECK(rule.prefix == 0 || first >= rule.prefix || (first == 0 && n >= rule.prefix),
-             "[" << op << "] prefix P (" << rule.prefix << ") must lie within one chunk starting "
-                 << "at position 0 (this chunk covers [" << first << ", " << first + n
-                 << ")): the prefix is bidirectional");
-}
-
-/// A sliding-window cache holds the last W tokens: the rule must be causal with a window of at
-/// most W.
-inline void check_window_rule(const PositionMask& rule, Index cache_window, const char* op) {
-  APEX_CHECK(rule.causal && rule.window && *rule.window <= cache_window,
-             "[" << op << "] a SlidingWindowCache of W = " << cache_window
-                 << " needs a causal mask with a window of at most " << cache_window << " (got "
-                 << (rule.window ? std::to_string(*rule.window) : std::string("none")) << ")");
-}
-
-}  // namespace detail
-
-/// Attention of n new queries over a sliding-window cache plus the chunk's own keys (§10, §6.2),
-/// without changing the cache: the keys are what the cache holds (the at most W tokens before
-/// the chunk) followed by the chunk's n keys. Each of the at most three runs of consecutive
-/// positions (two in the ring, one in the chunk) is one apex::sdpa call with its own key_offset;
-/// the partial results are combined exactly by merge_attention (log-sum-exp), and runs the
-/// rule forbids entirely are skipped. Afterwards the caller appends the chunk (append keeps the
-/// last W). Queries sit at positions [next, next + n), next = cache.next_position().
-///   q: [B, H_q, n, d_h], k_new, v_new: [B, H_kv, n, d_h] (any layout)
-///   rule: causal with window <= W (and an optional prefix); offsets unset
-///   -> out: [B, H_q, n, d_h] (any layout; must not overlap the inputs).
-/// Every check runs before out is written. Allocates, when more than one run is attended, a
-/// [B, H_q, n, d_h] partial result and two [B, H_q, n] log-sum-exps.
-template <class Scalar>
-void sdpa_with_window_cache(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k_new,
-                            const ConstHeadsView<Scalar>& v_new, const PositionMask& rule,
-                            const SdpaParams& params, const SlidingWindowCache<Scalar>& cache,
-                            const HeadsView<Scalar>& out) {
-  detail::require_supported_scalar<Scalar>();
-  const char* op = "sdpa_with_window_cache";
-  const Index next = cache.next_position();
-  const Index n = q.seq();
-  detail::check_kv_chunk(k_new, v_new, cache.batch(), cache.num_kv_heads(), cache.head_dim(), op);
-  APEX_CHECK(k_new.seq() == n, "[" << op << "] chunk keys (" << k_new.seq()
-                                   << ") must be as many as the queries (" << n << ")");
-  detail::check_cached_rule(rule, next, next, n, op);
-  detail::check_window_rule(rule, cache.window(), op);
-  AttentionMask<Scalar> whole;
-  whole.positions = rule;
-  whole.positions.query_offset = next;
-  whole.positions.key_offset = cache.first_position();
-  detail::check_sdpa<Scalar>(q,
-                             detail::shape_only_view<const Scalar>(k_new.batch(), k_new.heads(),
-                                                                   cache.size() + n, k_new.dim()),
-                             detail::shape_only_view<const Scalar>(v_new.batch(), v_new.heads(),
-                                                                   cache.size() + n, v_new.dim()),
-                             whole, params, out, {}, op);
-
-  struct Run {
-    Index first_position;
-    HeadsView<const Scalar> keys;
-    HeadsView<const Scalar> values;
-  };
-  std::array<Run, 3> runs;
-  Index count = 0;
-  const auto add = [&](Index first, const HeadsView<const Scalar>& k,
-                       const HeadsView<const Scalar>& v) {
-    if (k.seq() == 0) return;
-    if (classify_block(rule, next, next + n, first, first + k.seq()) == BlockCoverage::kNone) {
-      return;
-    }
-    runs[static_cast<std::size_t>(count++)] = Run{first, k, v};
-  };
-  for (const auto& segment : cache.segments()) {
-    add(segment.first_position, segment.keys, segment.values);
-  }
-  add(next, k_new, v_new);  // never skipped: each query sees itself
-
-  const auto mask_for = [&](Index first) {
-    AttentionMask<Scalar> mask;
-    mask.positions = rule;
-    mask.positions.query_offset = next;
-    mask.positions.key_offset = first;
-    return mask;
-  };
-  if (count == 1) {
-    sdpa<Scalar>(q, runs[0].keys, runs[0].values, mask_for(runs[0].first_position), params, out);
-    return;
-  }
-  const Index batch = q.batch();
-  const Index heads = q.heads();
-  HeadsTensor<Scalar> lse(batch, heads, n, 1);
-  HeadsTensor<Scalar> part(batch, heads, n, out.dim());
-  HeadsTensor<Scalar> part_lse(batch, heads, n, 1);
-  sdpa<Scalar>(q, runs[0].keys, runs[0].values, mask_for(runs[0].first_position), params, out,
-               lse.view());
-  for (Index r = 1; r < count; ++r) {
-    const Run& run = runs[static_cast<std::size_t>(r)];
-    sdpa<Scalar>(q, run.keys, run.values, mask_for(run.first_position), params, part.view(),
-                 part_lse.view());
-    for (Index b = 0; b < batch; ++b) {
-      for (Index h = 0; h < heads; ++h) {
-        Eigen::Map<Vector<Scalar>> acc_lse(lse.head(b, h).data(), n);
-        const Eigen::Map<const Vector<Scalar>> new_lse(part_lse.head(b, h).data(), n);
-        const auto acc = out.head(b, h);
-        merge_attention(acc, acc_lse, part.head(b, h), new_lse, RowRef<Scalar>(acc),
-                        VectorRef<Scalar>(acc_lse));
-      }
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Memory (§7.4, §8.3, §9.4, §10.3)
-// ---------------------------------------------------------------------------------------------
-
-/// Bytes of a sliding-window cache after `context` tokens: 2·B·min(S, W)·H_kv·d_h·bytes — the
-/// full-cache formula of §7.4 with S capped at W. Throws on a negative argument or overflow.
-inline std::int64_t sliding_window_cache_bytes(std::int64_t batch, std::int64_t context,
-                                               std::int64_t window, std::int64_t num_kv_heads,
-                                               std::int64_t head_dim,
-                                               std::int64_t bytes_per_value) {
-  APEX_CHECK(context >= 0 && window >= 0, "[sliding_window_cache_bytes] context ("
-                                              << context << ") and window (" << window
-                                              << ") must be >= 0");
-  return detail::checked_kv_cache_bytes(batch, std::min(context, window), num_kv_heads, head_dim,
-                                        bytes_per_value, "sliding_window_cache_bytes");
-}
-
-/// Bytes of a latent cache (§9.4) after `context` tokens: B·S·(d_kv + H_kr·d_r)·bytes. With
-/// rope_heads = 0 it is §9.4's count (c_kv only), which undercounts what a decoder keeps.
-/// Throws on a negative argument or overflow.
-inline std::int64_t latent_cache_bytes(std::int64_t batch, std::int64_t context,
-                                       std::int64_t latent_dim, std::int64_t rope_heads,
-                                       std::int64_t rope_dim, std::int64_t bytes_per_value) {
-  const char* op = "latent_cache_bytes";
-  const std::int64_t width =
-      detail::checked_sum(latent_dim, detail::checked_product(rope_heads, rope_dim, op, "H_kr*d_r"),
-                          op, "d_kv + H_kr*d_r");
-  return detail::checked_product({batch, context, width, bytes_per_value}, op,
-                                 "B*S*(d_kv + H_kr*d_r)*bytes");
-}
-
-/// The dimensions the §7.4 / §8.3 / §9.4 / §10.3 cache comparisons are made at. No defaults: the
-/// documents give APEX-1 Large's H_q = 128, H_kv = 8, d_h = 128, d_kv = 512, W = 4096 and a 128K
-/// context, but no d_r (their range is 32–64).
-struct CacheComparisonParams {
-  Index num_q_heads = 0;      ///< H_q (the MHA baseline caches H_q heads)
-  Index num_kv_heads = 0;     ///< H_kv of GQA
-  Index head_dim = 0;         ///< d_h
-  Index latent_dim = 0;       ///< d_kv of MLA
-  Index rope_dim = 0;         ///< d_r of MLA's decoupled RoPE
-  Index rope_heads = 0;       ///< H_kr, MLA's K_rope heads (H_kv as §9.3 writes it, or 1)
-  Index window = 0;           ///< W of the sliding-window layers
-  Index context = 0;          ///< S, tokens cached
-  Index batch = 1;            ///< B
-  Index bytes_per_value = 2;  ///< 2 for FP16 / BF16 as §7.4 assumes, 4 for float
-};
-
-/// One row of the cache comparison.
-struct CacheComparisonRow {
-  std::string method;                 ///< "MHA", "GQA", "MQA", "MLA (as §9.4 counts)", ...
-  std::string cached;                 ///< what is stored per token
-  std::int64_t values_per_token = 0;  ///< per layer and sequence (window layers: while filling)
-  std::int64_t bytes_per_layer = 0;   ///< at the given context and batch
-  double relative = 0.0;              ///< bytes_per_layer / the MHA row's
-};
-
-/// The §7.4, §8.3 and §9.4 tables (and the §10.3 sliding window) for one set of dimensions, one
-/// layer each, relative to multi-head attention with H_q heads:
-///   MHA                   K + V, H_q heads           2·H_q·d_h per token   (§7.4, §8.3)
-///   GQA                   K + V, H_kv heads          2·H_kv·d_h            (§8.3, §9.4)
-///   MQA                   K + V, one head            2·d_h                 (§8.3)
-///   GQA + window          K + V, H_kv heads, last W  2·H_kv·d_h, min(S, W) tokens (§10.3)
-///   MLA (as §9.4 counts)  c_kv only                  d_kv                  (§9.4)
-///   MLA                   c_kv + K_rope              d_kv + H_kr·d_r       (what is cached)
-/// §7.4 prints "4 GB per layer" for the MHA row at 128K, FP16; the row is 8 GiB (K and V), and
-/// §9.4's 1.6% is 1.5625% for c_kv alone (SEED-NOTES.md). Allocates the rows.
-inline std::vector<CacheComparisonRow> cache_comparison(const CacheComparisonParams& p) {
-  APEX_CHECK(p.num_q_heads >= 1 && p.num_kv_heads >= 1 && p.head_dim >= 1 && p.latent_dim >= 1 &&
-                 p.rope_dim >= 1 && p.rope_heads >= 1 && p.window >= 1 && p.context >= 1 &&
-                 p.batch >= 1 && p.bytes_per_value >= 1,
-             "[cache_comparison] every dimension must be >= 1 (H_q "
-                 << p.num_q_heads << ", H_kv " << p.num_kv_heads << ", d_h " << p.head_dim
-                 << ", d_kv " << p.latent_dim << ", d_r " << p.rope_dim << ", H_kr " << p.rope_heads
-                 << ", W " << p.window << ", S " << p.context << ", B " << p.batch << ", bytes "
-                 << p.bytes_per_value << ")");
-  const char* op = "cache_comparison";
-  const auto kv_bytes = [&](std::int64_t heads, std::int64_t tokens) {
-    return detail::checked_kv_cache_bytes(p.batch, tokens, heads, p.head_dim, p.bytes_per_value,
-                                          op);
-  };
-  const auto kv_values = [&](std::int64_t heads) {
-    return detail::checked_product({2, heads, p.head_dim}, op, "2*H*d_h");
-  };
-  const std::int64_t mha = kv_bytes(p.num_q_heads, p.context);
-  const auto row = [&](std::string method, std::string cached, std::int64_t values,
-                       std::int64_t bytes) {
-    return CacheComparisonRow{std::move(method), std::move(cached), values, bytes,
-                              static_cast<double>(bytes) / static_cast<double>(mha)};
-  };
-  const std::string kv_heads = std::to_string(p.num_kv_heads);
-  const std::int64_t latent_values = detail::checked_sum(
-      p.latent_dim, detail::checked_product(p.rope_heads, p.rope_dim, op, "H_kr*d_r"), op,
-      "d_kv + H_kr*d_r");
-  return {
-      row("MHA", "K + V, " + std::to_string(p.num_q_heads) + " heads", kv_values(p.num_q_heads),
-          mha),
-      row("GQA", "K + V, " + kv_heads + " heads", kv_values(p.num_kv_heads),
-          kv_bytes(p.num_kv_heads, p.context)),
-      row("MQA", "K + V, 1 head", kv_values(1), kv_bytes(1, p.context)),
-      row("GQA + window", "K + V, " + kv_heads + " heads, last " + std::to_string(p.window),
-          kv_values(p.num_kv_heads), kv_bytes(p.num_kv_heads, std::min(p.context, p.window))),
-      row("MLA (as §9.4 counts)", "c_kv only", p.latent_dim,
-          detail::checked_product({p.batch, p.context, p.latent_dim, p.bytes_per_value}, op,
-                                  "B*S*d_kv*bytes")),
-      row("MLA", "c_kv + K_rope (" + std::to_string(p.rope_heads) + " heads)", latent_values,
-          detail::checked_product({p.batch, p.context, latent_values, p.bytes_per_value}, op,
-                                  "B*S*(d_kv + H_kr*d_r)*bytes")),
-  };
-}
 
 }  // namespace apex

@@ -36,7 +36,12 @@
 //             O(H_kv·d_h·d_kv) decompression, which is what makes MLA decoding cheap.
 #pragma once
 
+#include <apex/attention_layer.hpp>
+#include <apex/cache_memory.hpp>
+#include <apex/cached_attention.hpp>
 #include <apex/config.hpp>
+#include <apex/detail/checks.hpp>
+#include <apex/detail/matmul.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/mask.hpp>
 #include <apex/mha.hpp>
@@ -278,12 +283,15 @@ class MultiHeadLatentAttention;
 template <class Scalar>
 class MultiHeadLatentAttention {
  public:
+  /// An empty layer: no weights and a zero config, as a moved-from layer is; every use of it
+  /// throws std::invalid_argument.
+  MultiHeadLatentAttention() = default;
   /// Takes ownership of the weights; throws if the config is invalid (H_kv must divide H_q, d_r
   /// even, H_kr ∈ {1, H_kv}) or any weight does not have its §9.5 shape.
   MultiHeadLatentAttention(const MlaConfig& config, MlaWeights<Scalar> weights)
       : config_(config), weights_(std::move(weights)) {
     detail::require_supported_scalar<Scalar>();
-    const std::vector<MlaMatrixShape> table = mla_parameter_table(config_);
+    const std::vector<MlaMatrixShape> table = mla_parameter_table(config);
     const RowMatrix<Scalar>* const matrices[] = {&weights_.w_dkv, &weights_.w_uk, &weights_.w_uv,
                                                  &weights_.w_dq,  &weights_.w_uq, &weights_.w_qr,
                                                  &weights_.w_kr,  &weights_.w_o};
@@ -317,7 +325,7 @@ class MultiHeadLatentAttention {
   /// The eight weight matrices, read-only (shapes as in mla_parameter_table).
   const MlaWeights<Scalar>& weights() const { return weights_; }
   /// Number of weights, the §9.5 total (mla_parameter_count).
-  std::int64_t parameter_count() const { return mla_parameter_count(config_); }
+  std::int64_t parameter_count() const { return mla_parameter_count(config()); }
 
   /// Compression, decompression and decoupled RoPE (§9.2, §9.3), everything before attention:
   ///   c_kv = x·W_DKV, K = c_kv·W_UK, V = c_kv·W_UV, c_q = x·W_DQ, Q = c_q·W_UQ,
@@ -362,15 +370,16 @@ class MultiHeadLatentAttention {
   RowMatrix<Scalar> forward(const Eigen::MatrixBase<Derived>& x, Index batch,
                             const AttentionMask<Scalar>& mask,
                             const AttentionLayerParams<Scalar>& params) const {
-    RowMatrix<Scalar> out(x.rows(), config_.d_model);
+    RowMatrix<Scalar> out(x.rows(), config().d_model);
     forward(x, batch, mask, params, out);
     return out;
   }
 
   /// An empty latent cache for this layer: c_kv and K_rope of `capacity` tokens.
   LatentCache<Scalar> make_cache(Index batch, Index capacity) const {
-    return LatentCache<Scalar>(batch, config_.d_kv, config_.rope_key_heads(), config_.rope_dim,
-                               capacity);
+    check_constructed();
+    return LatentCache<Scalar>(
+        {batch, config().d_kv, config().rope_key_heads(), config().rope_dim, capacity});
   }
 
   /// Naive decoding (§9, the oracle of forward_absorbed): the forward pass of a chunk of n new
@@ -395,11 +404,11 @@ class MultiHeadLatentAttention {
     const ConstRowRef<Scalar> xr(x.derived());
     const Index n = check_cached(xr, mask, params, cache, /*absorbed=*/false, out);
     const Index batch = cache.batch();
-    const Index h_kv = config_.num_kv_heads;
-    const Index h_kr = config_.rope_key_heads();
-    const Index d_h = config_.head_dim;
-    const Index d_r = config_.rope_dim;
-    const Index d_qk = config_.qk_dim();
+    const Index h_kv = config().num_kv_heads;
+    const Index h_kr = config().rope_key_heads();
+    const Index d_h = config().head_dim;
+    const Index d_r = config().rope_dim;
+    const Index d_qk = config().qk_dim();
 
     const RowMatrix<Scalar> q = final_queries(xr, batch, params);
     append_latents(xr, batch, params, cache);
@@ -409,8 +418,8 @@ class MultiHeadLatentAttention {
     RowMatrix<Scalar> k_content;
     for (Index b = 0; b < batch; ++b) {
       const auto c_kv = cache.latent().head(b, 0);  // [len, d_kv]
-      k_content.noalias() = c_kv * weights_.w_uk;
-      v.middleRows(b * len, len).noalias() = c_kv * weights_.w_uv;
+      k_content = detail::matmul<Scalar>(c_kv, weights_.w_uk);
+      detail::matmul<Scalar>(c_kv, weights_.w_uv, v.middleRows(b * len, len));
       for (Index g = 0; g < h_kv; ++g) {
         k.block(b * len, g * d_qk, len, d_h) = k_content.middleCols(g * d_h, d_h);
         k.block(b * len, g * d_qk + d_h, len, d_r) = cache.rope_keys().head(b, h_kr == 1 ? 0 : g);
@@ -420,9 +429,9 @@ class MultiHeadLatentAttention {
     positions.positions = mask;
     positions.positions.query_offset = params.position_offset;
     multi_head_attention(
-        HeadsView<const Scalar>::token_major(q.data(), batch, n, config_.num_q_heads, d_qk),
-        HeadsView<const Scalar>::token_major(k.data(), batch, len, h_kv, d_qk),
-        HeadsView<const Scalar>::token_major(v.data(), batch, len, h_kv, d_h), positions,
+        HeadsView<const Scalar>::token_major(q.data(), {batch, config().num_q_heads, n, d_qk}),
+        HeadsView<const Scalar>::token_major(k.data(), {batch, h_kv, len, d_qk}),
+        HeadsView<const Scalar>::token_major(v.data(), {batch, h_kv, len, d_h}), positions,
         params.attention, weights_.w_o, out);
   }
 
@@ -453,7 +462,7 @@ class MultiHeadLatentAttention {
   RowMatrix<Scalar> forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
                                    const AttentionLayerParams<Scalar>& params,
                                    LatentCache<Scalar>& cache) const {
-    RowMatrix<Scalar> out(x.rows(), config_.d_model);
+    RowMatrix<Scalar> out(x.rows(), config().d_model);
     forward_cached(x, mask, params, cache, out);
     return out;
   }
@@ -464,7 +473,7 @@ class MultiHeadLatentAttention {
                                      const AttentionLayerParams<Scalar>& params,
                                      const MlaAbsorbedWeights<Scalar>& absorbed,
                                      LatentCache<Scalar>& cache) const {
-    RowMatrix<Scalar> out(x.rows(), config_.d_model);
+    RowMatrix<Scalar> out(x.rows(), config().d_model);
     forward_absorbed(x, mask, params, absorbed, cache, out);
     return out;
   }
@@ -472,16 +481,22 @@ class MultiHeadLatentAttention {
  private:
   /// Queries and keys are [content ‖ rope], d_h + d_r wide; values d_h wide.
   detail::LayerHeads attention_heads() const {
-    return {config_.num_q_heads, config_.num_kv_heads, config_.qk_dim(), config_.head_dim};
+    return {config().num_q_heads, config().num_kv_heads, config().qk_dim(), config().head_dim};
+  }
+
+  /// Throws for an empty (default-constructed or moved-from) layer.
+  void check_constructed() const {
+    detail::check_constructed(config().d_model >= 1, "mla", "layer");
   }
 
   void check_input(const ConstRowRef<Scalar>& x, Index batch,
                    const AttentionLayerParams<Scalar>& params) const {
+    check_constructed();
     APEX_CHECK(params.rope != nullptr,
                "[mla] params.rope (null) must be a RoPE table with head_dim = rope_dim ("
-                   << config_.rope_dim << "): decoupled RoPE (§9.3) always applies");
-    detail::check_rope_head_dim(params.rope, config_.rope_dim, "rope_dim d_r", "mla");
-    detail::check_layer_input(x, batch, config_.d_model, params.rope, params.position_offset,
+                   << config().rope_dim << "): decoupled RoPE (§9.3) always applies");
+    detail::check_rope_head_dim(params.rope, config().rope_dim, "rope_dim d_r", "mla");
+    detail::check_layer_input(x, batch, config().d_model, params.rope, params.position_offset,
                               "mla");
   }
 
@@ -498,50 +513,50 @@ class MultiHeadLatentAttention {
     detail::check_cached_rule(mask, params.position_offset, cache.next_position(), x.rows() / batch,
                               "mla");
     check_input(x, batch, params);
-    APEX_CHECK(cache.latent_dim() == config_.d_kv &&
-                   cache.rope_heads() == config_.rope_key_heads() &&
-                   cache.rope_dim() == config_.rope_dim,
+    APEX_CHECK(cache.latent_dim() == config().d_kv &&
+                   cache.rope_heads() == config().rope_key_heads() &&
+                   cache.rope_dim() == config().rope_dim,
                "[mla] cache latent_dim, rope_heads, rope_dim ("
                    << cache.latent_dim() << ", " << cache.rope_heads() << ", " << cache.rope_dim()
-                   << ") must equal the layer's d_kv, H_kr, d_r (" << config_.d_kv << ", "
-                   << config_.rope_key_heads() << ", " << config_.rope_dim << ")");
+                   << ") must equal the layer's d_kv, H_kr, d_r (" << config().d_kv << ", "
+                   << config().rope_key_heads() << ", " << config().rope_dim << ")");
     const Index n = x.rows() / batch;
     cache.check_room(n);
     const Index keys = cache.size() + n;
-    const Index qk_dim = absorbed ? cache.row_width() : config_.qk_dim();
-    const Index kv_heads = absorbed ? 1 : config_.num_kv_heads;
-    const Index v_dim = absorbed ? config_.d_kv : config_.head_dim;
+    const Index qk_dim = absorbed ? cache.row_width() : config().qk_dim();
+    const Index kv_heads = absorbed ? 1 : config().num_kv_heads;
+    const Index v_dim = absorbed ? config().d_kv : config().head_dim;
     AttentionMask<Scalar> positions;
     positions.positions = mask;
     positions.positions.query_offset = params.position_offset;
     SdpaParams attention = params.attention;
     if (!attention.scale) attention.scale = mla_softmax_scale();
     detail::check_sdpa<Scalar>(
-        detail::shape_only_view<const Scalar>(batch, config_.num_q_heads, n, qk_dim),
-        detail::shape_only_view<const Scalar>(batch, kv_heads, keys, qk_dim),
-        detail::shape_only_view<const Scalar>(batch, kv_heads, keys, v_dim), positions, attention,
-        detail::shape_only_view<Scalar>(batch, config_.num_q_heads, n, v_dim), {}, "mla");
-    APEX_CHECK(out.rows() == x.rows() && out.cols() == config_.d_model,
+        detail::shape_only_view<const Scalar>({batch, config().num_q_heads, n, qk_dim}),
+        detail::shape_only_view<const Scalar>({batch, kv_heads, keys, qk_dim}),
+        detail::shape_only_view<const Scalar>({batch, kv_heads, keys, v_dim}), positions, attention,
+        detail::shape_only_view<Scalar>({batch, config().num_q_heads, n, v_dim}), {}, "mla");
+    APEX_CHECK(out.rows() == x.rows() && out.cols() == config().d_model,
                "[mla] out shape [" << out.rows() << ", " << out.cols() << "] must be [B*n, d] = ["
-                                   << x.rows() << ", " << config_.d_model << "]");
+                                   << x.rows() << ", " << config().d_model << "]");
     return n;
   }
 
   /// 1/√(d_h + d_r): the default softmax scale of the layer, whatever width its keys are read at.
   double mla_softmax_scale() const {
-    return 1.0 / std::sqrt(static_cast<double>(config_.qk_dim()));
+    return 1.0 / std::sqrt(static_cast<double>(config().qk_dim()));
   }
 
   /// Q_final = [c_q·W_UQ ‖ RoPE(x·W_QR)] per head: [B*n, H_q·(d_h + d_r)].
   RowMatrix<Scalar> final_queries(const ConstRowRef<Scalar>& x, Index batch,
                                   const AttentionLayerParams<Scalar>& params) const {
-    const Index h_q = config_.num_q_heads;
-    const Index d_h = config_.head_dim;
-    const Index d_r = config_.rope_dim;
-    const Index d_qk = config_.qk_dim();
-    const RowMatrix<Scalar> c_q = detail::project_rows<Scalar>(x, weights_.w_dq);
-    const RowMatrix<Scalar> q_content = detail::project_rows<Scalar>(c_q, weights_.w_uq);
-    RowMatrix<Scalar> q_rope = detail::project_rows<Scalar>(x, weights_.w_qr);
+    const Index h_q = config().num_q_heads;
+    const Index d_h = config().head_dim;
+    const Index d_r = config().rope_dim;
+    const Index d_qk = config().qk_dim();
+    const RowMatrix<Scalar> c_q = detail::matmul<Scalar>(x, weights_.w_dq);
+    const RowMatrix<Scalar> q_content = detail::matmul<Scalar>(c_q, weights_.w_uq);
+    RowMatrix<Scalar> q_rope = detail::matmul<Scalar>(x, weights_.w_qr);
     detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, q_rope);
     RowMatrix<Scalar> q(x.rows(), h_q * d_qk);
     for (Index h = 0; h < h_q; ++h) {
@@ -555,8 +570,8 @@ class MultiHeadLatentAttention {
   void append_latents(const ConstRowRef<Scalar>& x, Index batch,
                       const AttentionLayerParams<Scalar>& params,
                       LatentCache<Scalar>& cache) const {
-    const RowMatrix<Scalar> c_kv = detail::project_rows<Scalar>(x, weights_.w_dkv);
-    RowMatrix<Scalar> k_rope = detail::project_rows<Scalar>(x, weights_.w_kr);
+    const RowMatrix<Scalar> c_kv = detail::matmul<Scalar>(x, weights_.w_dkv);
+    RowMatrix<Scalar> k_rope = detail::matmul<Scalar>(x, weights_.w_kr);
     detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, k_rope);
     cache.append(c_kv, k_rope, params.position_offset);
   }
@@ -564,12 +579,12 @@ class MultiHeadLatentAttention {
   ProjectedQkv<Scalar> decompress_checked(const ConstRowRef<Scalar>& x, Index batch,
                                           const AttentionLayerParams<Scalar>& params) const {
     const Index rows = x.rows();
-    const Index h_q = config_.num_q_heads;
-    const Index h_kv = config_.num_kv_heads;
-    const Index h_kr = config_.rope_key_heads();
-    const Index d_h = config_.head_dim;
-    const Index d_r = config_.rope_dim;
-    const Index d_qk = config_.qk_dim();
+    const Index h_q = config().num_q_heads;
+    const Index h_kv = config().num_kv_heads;
+    const Index h_kr = config().rope_key_heads();
+    const Index d_h = config().head_dim;
+    const Index d_r = config().rope_dim;
+    const Index d_qk = config().qk_dim();
 
     ProjectedQkv<Scalar> p = detail::empty_projection<Scalar>(batch, attention_heads());
     if (rows == 0) {
@@ -581,15 +596,15 @@ class MultiHeadLatentAttention {
     }
 
     // Keys and values from the latent (§9.2).
-    const RowMatrix<Scalar> c_kv = x * weights_.w_dkv;
-    const RowMatrix<Scalar> k_content = c_kv * weights_.w_uk;
-    p.v.noalias() = c_kv * weights_.w_uv;
+    const RowMatrix<Scalar> c_kv = detail::matmul<Scalar>(x, weights_.w_dkv);
+    const RowMatrix<Scalar> k_content = detail::matmul<Scalar>(c_kv, weights_.w_uk);
+    p.v = detail::matmul<Scalar>(c_kv, weights_.w_uv);
     // Queries from their own latent (§9.2).
-    const RowMatrix<Scalar> c_q = x * weights_.w_dq;
-    const RowMatrix<Scalar> q_content = c_q * weights_.w_uq;
+    const RowMatrix<Scalar> c_q = detail::matmul<Scalar>(x, weights_.w_dq);
+    const RowMatrix<Scalar> q_content = detail::matmul<Scalar>(c_q, weights_.w_uq);
     // Decoupled RoPE features straight from x (§9.3).
-    RowMatrix<Scalar> q_rope = x * weights_.w_qr;
-    RowMatrix<Scalar> k_rope = x * weights_.w_kr;
+    RowMatrix<Scalar> q_rope = detail::matmul<Scalar>(x, weights_.w_qr);
+    RowMatrix<Scalar> k_rope = detail::matmul<Scalar>(x, weights_.w_kr);
     detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, q_rope);
     detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, k_rope);
 
@@ -608,7 +623,7 @@ class MultiHeadLatentAttention {
     return p;
   }
 
-  MlaConfig config_;
+  detail::ResetOnMove<MlaConfig> config_;  // a moved-from layer is an empty one
   MlaWeights<Scalar> weights_;
 };
 
@@ -654,24 +669,26 @@ MlaAbsorbedWeights<Scalar> absorb_mla_weights(const MultiHeadLatentAttention<Sca
     detail::checked_product({h_q, d_kv, d, bytes}, "mla", "w_o_latent bytes H_q*d_kv*d");
   }
   if (multiply_query) {
-    const Eigen::MatrixXd w_uq = w.w_uq.template cast<double>();
-    const Eigen::MatrixXd w_uk = w.w_uk.template cast<double>();
+    const RowMatrix<double> w_uq = w.w_uq.template cast<double>();
+    const RowMatrix<double> w_uk = w.w_uk.template cast<double>();
     result.w_q_latent.resize(c.d_q, h_q * d_kv);
     for (Index h = 0; h < h_q; ++h) {
       const Index g = h / group;
       result.w_q_latent.middleCols(h * d_kv, d_kv) =
-          (w_uq.middleCols(h * d_h, d_h) * w_uk.middleCols(g * d_h, d_h).transpose())
+          detail::matmul_transposed<double>(w_uq.middleCols(h * d_h, d_h),
+                                            w_uk.middleCols(g * d_h, d_h))
               .template cast<Scalar>();
     }
   }
   if (multiply_output) {
-    const Eigen::MatrixXd w_uv = w.w_uv.template cast<double>();
-    const Eigen::MatrixXd w_o = w.w_o.template cast<double>();
+    const RowMatrix<double> w_uv = w.w_uv.template cast<double>();
+    const RowMatrix<double> w_o = w.w_o.template cast<double>();
     result.w_o_latent.resize(h_q * d_kv, d);
     for (Index h = 0; h < h_q; ++h) {
       const Index g = h / group;
       result.w_o_latent.middleRows(h * d_kv, d_kv) =
-          (w_uv.middleCols(g * d_h, d_h) * w_o.middleRows(h * d_h, d_h)).template cast<Scalar>();
+          detail::matmul<double>(w_uv.middleCols(g * d_h, d_h), w_o.middleRows(h * d_h, d_h))
+              .template cast<Scalar>();
     }
   }
   return result;
@@ -687,7 +704,8 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
                                                         RowRef<Scalar> out) const {
   static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
                 "[mla] x must have the layer's scalar type");
-  const MlaConfig& c = config_;
+  check_constructed();
+  const MlaConfig& c = config();
   const Index h_q = c.num_q_heads;
   const Index h_kv = c.num_kv_heads;
   const Index h_kr = c.rope_key_heads();
@@ -728,15 +746,15 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
 
   // Queries [q̃_h ‖ 0 … Q_rope,h … 0] per head, the rope part in the slot of head h's K_rope.
   RowMatrix<Scalar> q = RowMatrix<Scalar>::Zero(rows, q_width);
-  const RowMatrix<Scalar> c_q = detail::project_rows<Scalar>(xr, weights_.w_dq);
+  const RowMatrix<Scalar> c_q = detail::matmul<Scalar>(xr, weights_.w_dq);
   if (absorbed.query_multiplied()) {
-    const RowMatrix<Scalar> q_latent = detail::project_rows<Scalar>(c_q, absorbed.w_q_latent);
+    const RowMatrix<Scalar> q_latent = detail::matmul<Scalar>(c_q, absorbed.w_q_latent);
     for (Index h = 0; h < h_q; ++h) {
       q.middleCols(h * width, d_kv) = q_latent.middleCols(h * d_kv, d_kv);
     }
   } else {
     // q̃ for the G heads of group g of token t: [G, d_h] (contiguous in Q's row) · W_UK,gᵀ.
-    const RowMatrix<Scalar> q_content = detail::project_rows<Scalar>(c_q, weights_.w_uq);
+    const RowMatrix<Scalar> q_content = detail::matmul<Scalar>(c_q, weights_.w_uq);
     using Strided = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
     for (Index t = 0; t < rows; ++t) {
       for (Index g = 0; g < h_kv; ++g) {
@@ -744,11 +762,11 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
                                                           group, d_h);
         Strided target(q.row(t).data() + g * group * width, group, d_kv,
                        Eigen::OuterStride<>(width));
-        target.noalias() = q_group * weights_.w_uk.middleCols(g * d_h, d_h).transpose();
+        detail::matmul_transposed<Scalar>(q_group, weights_.w_uk.middleCols(g * d_h, d_h), target);
       }
     }
   }
-  RowMatrix<Scalar> q_rope = detail::project_rows<Scalar>(xr, weights_.w_qr);
+  RowMatrix<Scalar> q_rope = detail::matmul<Scalar>(xr, weights_.w_qr);
   detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, q_rope);
   for (Index h = 0; h < h_q; ++h) {
     const Index slot = h_kr == 1 ? 0 : h / group;
@@ -764,12 +782,12 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
   positions.positions.query_offset = params.position_offset;
   SdpaParams attention = params.attention;
   if (!attention.scale) attention.scale = mla_softmax_scale();
-  sdpa<Scalar>(HeadsView<const Scalar>::token_major(q.data(), batch, n, h_q, width), cache.rows(),
+  sdpa<Scalar>(HeadsView<const Scalar>::token_major(q.data(), {batch, h_q, n, width}), cache.rows(),
                cache.latent(), positions, attention,
-               HeadsView<Scalar>::token_major(o_latent.data(), batch, n, h_q, d_kv));
+               HeadsView<Scalar>::token_major(o_latent.data(), {batch, h_q, n, d_kv}));
 
   if (absorbed.output_multiplied()) {
-    detail::project_rows<Scalar>(o_latent, absorbed.w_o_latent, out);
+    detail::matmul<Scalar>(o_latent, absorbed.w_o_latent, out);
     return;
   }
   // o_h W_UV,g for the G heads of group g of token t: [G, d_kv] · W_UV,g -> [G, d_h].
@@ -779,10 +797,10 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
       const Eigen::Map<const RowMatrix<Scalar>> o_group(o_latent.row(t).data() + g * group * d_kv,
                                                         group, d_kv);
       Eigen::Map<RowMatrix<Scalar>> target(concat.row(t).data() + g * group * d_h, group, d_h);
-      target.noalias() = o_group * weights_.w_uv.middleCols(g * d_h, d_h);
+      detail::matmul<Scalar>(o_group, weights_.w_uv.middleCols(g * d_h, d_h), target);
     }
   }
-  detail::project_rows<Scalar>(concat, weights_.w_o, out);
+  detail::matmul<Scalar>(concat, weights_.w_o, out);
 }
 
 }  // namespace apex

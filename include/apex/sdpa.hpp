@@ -1,14 +1,32 @@
 // SPDX-License-Identifier: MIT
 // Scaled dot-product attention (§6), for one head or for [B, H, S, D] heads with grouped
-// key/value heads (§8), plus the log-sum-exp merge of partial results over disjoint keys.
+// key/value heads (§8); the merge of partial results over disjoint keys; the plain reference.
+//
+// NON-FINITE INPUT AND OVERFLOW: the policy of every attention path of apex (sdpa, its reference,
+// split-key decoding, the caches' attention, merge_attention):
+//   - a key takes part in a row when the mask allows it and its score is not -inf; a forbidden
+//     key, or one whose score is -inf (an infinite key, a -inf bias), never reaches the output,
+//     whatever its key, value or bias hold (NaN included);
+//   - a NaN score among a row's keys (NaN in q_i, in an allowed k_j or in bias_ij), or a +inf
+//     one, makes that row's out and lse NaN;
+//   - a NaN or ±inf value v_j reaches exactly the rows in which key j takes part, even where its
+//     weight underflows to 0: those rows' outputs are not finite in its columns;
+//   - a row in which no key takes part is zeros, with lse = -inf;
+//   - finite inputs whose scores (or outputs) overflow float are computed again in double: a
+//     float call returns the double reference's finite answer, rounded to float. The lse is
+//     rounded to the output type, so it may be ±inf there;
+//   - other rows, heads and batches are unaffected.
 #pragma once
 
 #include <apex/config.hpp>
 #include <apex/detail/flash_attention.hpp>
+#include <apex/detail/online_softmax.hpp>
+#include <apex/detail/scratch.hpp>
 #include <apex/mask.hpp>
 #include <apex/tensor.hpp>
 
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 
@@ -16,7 +34,8 @@ namespace apex {
 
 /// Parameters of softmax(softcap(scale · Q Kᵀ) + mask) V.
 struct SdpaParams {
-  /// Multiplies Q Kᵀ. Unset: 1/√d_qk (§6.2), where d_qk is the width of Q and K.
+  /// Multiplies Q Kᵀ. Unset: 1/√d_qk (§6.2), where d_qk is the width of Q and K. Any finite
+  /// value; one that float cannot represent makes a float call compute in double.
   std::optional<double> scale;
   /// c > 0 maps each scaled score x to c·tanh(x/c) (Gemma 2's logit soft-capping) before the
   /// mask and the bias are applied, so a forbidden key stays forbidden. 0 turns it off.
@@ -36,25 +55,52 @@ struct AttentionMask {
   HeadsView<const Scalar> bias;   ///< added to the scores; -inf forbids; empty = no bias
 };
 
+/// The softmax statistics of every row of an attention result, optional outputs of sdpa beside
+/// the lse, [B, H_q, S_q, 1] each (an empty view is not written):
+///   max  m, the largest score among the row's keys (-inf when no key takes part, NaN for a NaN
+///        row);
+///   sum  l = Σ_j exp(s_j − m), in [1, S_k] (0 when no key takes part).
+/// lse = m + log l. Unlike the lse they lose nothing when the scores are large, so partial
+/// results merged through them (merge_attention) are exact at any logit magnitude.
+template <class Scalar>
+struct SoftmaxStatsView {
+  HeadsView<Scalar> max;  ///< m per row, or empty
+  HeadsView<Scalar> sum;  ///< l per row, or empty
+};
+
 namespace detail {
 
-inline void check_mask_view_shape(Index batch, Index heads, Index rows, Index cols, Index b,
-                                  Index h, Index s_q, Index s_k, const char* op, const char* name) {
-  APEX_CHECK(batch == 1 || batch == b, "[" << op << "] " << name << " batch (" << batch
-                                           << ") must be 1 or the batch size " << b);
-  APEX_CHECK(heads == 1 || heads == h, "[" << op << "] " << name << " heads (" << heads
-                                           << ") must be 1 or the number of query heads " << h);
-  APEX_CHECK(rows == s_q && cols == s_k, "[" << op << "] " << name << " shape [" << rows << ", "
-                                             << cols << "] must be [S_q, S_k] = [" << s_q << ", "
-                                             << s_k << "]");
+inline void check_mask_view_shape(const HeadsShape& mask, const HeadsShape& q, Index s_k,
+                                  const char* op, const char* name) {
+  APEX_CHECK(mask.batch == 1 || mask.batch == q.batch,
+             "[" << op << "] " << name << " batch (" << mask.batch
+                 << ") must be 1 or the batch size " << q.batch);
+  APEX_CHECK(mask.heads == 1 || mask.heads == q.heads,
+             "[" << op << "] " << name << " heads (" << mask.heads
+                 << ") must be 1 or the number of query heads " << q.heads);
+  APEX_CHECK(mask.seq == q.seq && mask.dim == s_k,
+             "[" << op << "] " << name << " shape [" << mask.seq << ", " << mask.dim
+                 << "] must be [S_q, S_k] = [" << q.seq << ", " << s_k << "]");
 }
 
-/// Every precondition of sdpa on [B, H, S, D] views; throws before anything is written.
+/// Throws unless `view` is empty or has the shape [B, H_q, S_q, 1] of a per-row output.
+template <class T>
+void check_row_output(const HeadsView<T>& view, const HeadsShape& q, const char* op,
+                      const char* name) {
+  APEX_CHECK(view.empty() || view.shape() == (HeadsShape{q.batch, q.heads, q.seq, 1}),
+             "[" << op << "] " << name << " shape [" << view.batch() << ", " << view.heads() << ", "
+                 << view.seq() << ", " << view.dim() << "] must be [B, H_q, S_q, 1] = [" << q.batch
+                 << ", " << q.heads << ", " << q.seq << ", 1]");
+}
+
+/// Every precondition of sdpa on the shapes of [B, H, S, D] views; throws before anything is
+/// written. The views' memory is not looked at, so shape-only views may be checked.
 template <class Scalar>
 void check_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
                 const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
                 const SdpaParams& params, const HeadsView<Scalar>& out,
-                const HeadsView<Scalar>& lse, const char* op) {
+                const HeadsView<Scalar>& lse, const char* op,
+                const SoftmaxStatsView<Scalar>& stats = {}) {
   check_extents(q, op, "q shape");
   check_extents(k, op, "k shape");
   check_extents(v, op, "v shape");
@@ -82,32 +128,26 @@ void check_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k
              "[" << op << "] softcap (" << params.softcap << ") must be >= 0 (0 = off)");
   check_position_mask(mask.positions, q.seq(), k.seq(), op);
   if (!mask.allowed.empty()) {
-    check_mask_view_shape(mask.allowed.batch(), mask.allowed.heads(), mask.allowed.seq(),
-                          mask.allowed.dim(), q.batch(), q.heads(), q.seq(), k.seq(), op,
-                          "allowed mask");
+    check_mask_view_shape(mask.allowed.shape(), q.shape(), k.seq(), op, "allowed mask");
   }
-  if (!mask.bias.empty()) {
-    check_mask_view_shape(mask.bias.batch(), mask.bias.heads(), mask.bias.seq(), mask.bias.dim(),
-                          q.batch(), q.heads(), q.seq(), k.seq(), op, "bias");
-  }
-  APEX_CHECK(out.batch() == q.batch() && out.heads() == q.heads() && out.seq() == q.seq() &&
-                 out.dim() == v.dim(),
+  if (!mask.bias.empty()) check_mask_view_shape(mask.bias.shape(), q.shape(), k.seq(), op, "bias");
+  APEX_CHECK(out.shape() == (HeadsShape{q.batch(), q.heads(), q.seq(), v.dim()}),
              "[" << op << "] output shape [" << out.batch() << ", " << out.heads() << ", "
                  << out.seq() << ", " << out.dim() << "] must be [B, H_q, S_q, d_v] = ["
                  << q.batch() << ", " << q.heads() << ", " << q.seq() << ", " << v.dim() << "]");
-  APEX_CHECK(lse.empty() || (lse.batch() == q.batch() && lse.heads() == q.heads() &&
-                             lse.seq() == q.seq() && lse.dim() == 1),
-             "[" << op << "] log-sum-exp shape [" << lse.batch() << ", " << lse.heads() << ", "
-                 << lse.seq() << ", " << lse.dim() << "] must be [B, H_q, S_q, 1] = [" << q.batch()
-                 << ", " << q.heads() << ", " << q.seq() << ", 1]");
+  check_row_output(lse, q.shape(), op, "log-sum-exp");
+  check_row_output(stats.max, q.shape(), op, "max");
+  check_row_output(stats.sum, q.shape(), op, "sum");
 }
 
+/// The softmax scale of a call: SdpaParams::scale, or 1/√d_qk (§6.2). The one place it is
+/// resolved.
 inline double softmax_scale(const SdpaParams& params, Index d_qk) {
   return params.scale ? *params.scale : 1.0 / std::sqrt(static_cast<double>(d_qk));
 }
 
-/// One (query, key) score after scaling, soft-capping, masking and bias; -inf when forbidden.
-/// `allowed_row` and `bias_row` may be null.
+/// One (query, key) score of the reference after scaling, soft-capping, masking and bias; -inf
+/// when forbidden.
 inline double masked_score(double scaled, double softcap, bool allowed, double bias) {
   // A bias of -inf is a mask too: it forbids the key whatever the score (even NaN).
   if (!allowed || bias == -std::numeric_limits<double>::infinity()) {
@@ -117,18 +157,95 @@ inline double masked_score(double scaled, double softcap, bool allowed, double b
   return scaled + bias;
 }
 
-/// Runs a [B, H, S, D] attention kernel on single-head matrices (B = H = 1).
+/// Copies a [B, H, S, D] view into another of the same shape.
+template <class T>
+void copy_heads(const HeadsView<const T>& from, const HeadsView<T>& to) {
+  if (to.empty()) return;
+  for (Index b = 0; b < to.batch(); ++b) {
+    for (Index h = 0; h < to.heads(); ++h) to.head(b, h) = from.head(b, h);
+  }
+}
+
+/// Throws unless apex may write all of sdpa's outputs: each has distinct elements, and no two
+/// of them share memory.
+template <class Scalar>
+void check_outputs(std::initializer_list<HeadsView<Scalar>> outputs, const char* op) {
+  for (const auto& o : outputs) check_output_view(o, op, "output");
+  for (auto a = outputs.begin(); a != outputs.end(); ++a) {
+    for (auto b = a + 1; b != outputs.end(); ++b) {
+      APEX_CHECK(!byte_range(*a).overlaps(byte_range(*b)),
+                 "[" << op << "] two outputs (out, lse, max, sum) share memory");
+    }
+  }
+}
+
+/// The whole of apex::sdpa: checks, the scale, and the tiled kernel, with block sizes that tests
+/// and fuzz targets may choose. Outputs whose memory overlaps an input are computed into a
+/// temporary first (allocated: [B, H_q, S_q, d_v] and the per-row outputs), then copied.
+template <class Scalar>
+void flash_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
+                const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
+                const SdpaParams& params, const HeadsView<Scalar>& out,
+                const HeadsView<Scalar>& lse, const SoftmaxStatsView<Scalar>& stats,
+                const FlashBlocking& blocking = {}) {
+  require_supported_scalar<Scalar>();
+  const char* op = "sdpa";
+  check_sdpa(q, k, v, mask, params, out, lse, op, stats);
+  check_outputs<Scalar>({out, lse, stats.max, stats.sum}, op);
+  bool overlap = false;
+  for (const ByteRange in : {byte_range(q), byte_range(k), byte_range(v), byte_range(mask.allowed),
+                             byte_range(mask.bias)}) {
+    for (const auto& o : {out, lse, stats.max, stats.sum})
+      overlap = overlap || in.overlaps(byte_range(o));
+  }
+  if (overlap) {
+    const auto temporary = [](const HeadsView<Scalar>& o) {
+      return o.empty() ? HeadsTensor<Scalar>() : HeadsTensor<Scalar>(o.shape());
+    };
+    HeadsTensor<Scalar> t_out = temporary(out), t_lse = temporary(lse),
+                        t_max = temporary(stats.max), t_sum = temporary(stats.sum);
+    const auto view_of = [](HeadsTensor<Scalar>& t, const HeadsView<Scalar>& o) {
+      return o.empty() ? HeadsView<Scalar>() : t.view();
+    };
+    flash_sdpa<Scalar>(q, k, v, mask, params, view_of(t_out, out), view_of(t_lse, lse),
+                       {view_of(t_max, stats.max), view_of(t_sum, stats.sum)}, blocking);
+    copy_heads<Scalar>(t_out.view(), out);
+    copy_heads<Scalar>(t_lse.view(), lse);
+    copy_heads<Scalar>(t_max.view(), stats.max);
+    copy_heads<Scalar>(t_sum.view(), stats.sum);
+    return;
+  }
+  const KeySegment<Scalar, Scalar> keys{k, v, mask.positions.key_offset};
+  AttentionProblem<Scalar, Scalar, Scalar, Scalar> p;
+  p.q = q;
+  p.segments = &keys;
+  p.num_segments = 1;
+  p.positions = mask.positions;
+  p.first_query = mask.positions.first_query_position(q.seq(), k.seq());
+  p.allowed = mask.allowed;
+  p.bias = mask.bias;
+  p.scale = softmax_scale(params, q.dim());
+  p.softcap = params.softcap;
+  p.group = q.heads() / k.heads();
+  p.s_q = q.seq();
+  p.s_k = k.seq();
+  p.d_qk = q.dim();
+  p.d_v = v.dim();
+  flash_attention(p, AttentionOutputs<Scalar>{out, lse, stats.max, stats.sum}, blocking);
+}
+
+/// Runs a [B, H, S, D] attention function on single-head matrices (B = H = 1).
 template <class Scalar, class Kernel>
 void sdpa_on_matrices(Kernel&& kernel, const ConstRowRef<Scalar>& q, const ConstRowRef<Scalar>& k,
                       const ConstRowRef<Scalar>& v, const AttentionMask<Scalar>& mask,
                       const SdpaParams& params, RowRef<Scalar>& out, Scalar* lse) {
   const auto view = [](const ConstRowRef<Scalar>& m) {
-    return HeadsView<const Scalar>(m.data(), 1, 1, m.rows(), m.cols(), 0, 0, m.outerStride());
+    return HeadsView<const Scalar>(m.data(), {1, 1, m.rows(), m.cols()}, {0, 0, m.outerStride()});
   };
-  const HeadsView<Scalar> out_view(out.data(), 1, 1, out.rows(), out.cols(), 0, 0,
-                                   out.outerStride());
+  const HeadsView<Scalar> out_view(out.data(), {1, 1, out.rows(), out.cols()},
+                                   {0, 0, out.outerStride()});
   const HeadsView<Scalar> lse_view =
-      lse ? HeadsView<Scalar>(lse, 1, 1, q.rows(), 1, 0, 0, 1) : HeadsView<Scalar>();
+      lse ? HeadsView<Scalar>(lse, {1, 1, q.rows(), 1}, {0, 0, 1}) : HeadsView<Scalar>();
   kernel(view(q), view(k), view(v), mask, params, out_view, lse_view);
 }
 
@@ -141,22 +258,33 @@ namespace reference {
 /// against. For each (batch, query head h) it uses key/value head h / (H_q / H_kv) (§8.2) and
 /// computes, one query row at a time and in double precision,
 ///   out[i] = Σ_j softmax_j(softcap(scale · q_i·k_j) + bias_ij, forbidden → -inf) v_j   (§6.2)
-/// A row whose every key is forbidden gets zeros and a log-sum-exp of -inf.
+/// following the non-finite policy at the top of this header (a row in which no key takes part
+/// gets zeros and a log-sum-exp of -inf).
 ///   q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v]
-///   -> out: [B, H_q, S_q, d_v], lse (optional): [B, H_q, S_q, 1] (natural log of Σ_j exp score)
-/// Allocates O(S_k · (d_qk + d_v)) doubles per head; never an S_q × S_k matrix.
+///   -> out: [B, H_q, S_q, d_v], lse (optional): [B, H_q, S_q, 1] (natural log of Σ_j exp score),
+///      stats (optional): the max and sum of SoftmaxStatsView.
+/// Outputs must not overlap the inputs. Allocates O(S_k · (d_qk + d_v)) doubles per head; never
+/// an S_q × S_k matrix.
 template <class Scalar>
 void sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
           const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
-          const SdpaParams& params, const HeadsView<Scalar>& out,
-          const HeadsView<Scalar>& lse = {}) {
+          const SdpaParams& params, const HeadsView<Scalar>& out, const HeadsView<Scalar>& lse = {},
+          const SoftmaxStatsView<Scalar>& stats = {}) {
   detail::require_supported_scalar<Scalar>();
-  detail::check_sdpa(q, k, v, mask, params, out, lse, "sdpa");
+  detail::check_sdpa(q, k, v, mask, params, out, lse, "sdpa", stats);
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
   const Index s_q = q.seq();
   const Index s_k = k.seq();
   const Index group = q.heads() / k.heads();
   const double scale = detail::softmax_scale(params, q.dim());
   const Index first_query = mask.positions.first_query_position(s_q, s_k);
+  const auto write_stats = [&](Index b, Index h, Index i, double max, double sum) {
+    const double row_lse = std::isnan(max) ? kNaN : max == kNegInf ? kNegInf : max + std::log(sum);
+    if (!lse.empty()) lse.head(b, h)(i, 0) = static_cast<Scalar>(row_lse);
+    if (!stats.max.empty()) stats.max.head(b, h)(i, 0) = static_cast<Scalar>(max);
+    if (!stats.sum.empty()) stats.sum.head(b, h)(i, 0) = static_cast<Scalar>(sum);
+  };
   for (Index b = 0; b < q.batch(); ++b) {
     for (Index h = 0; h < q.heads(); ++h) {
       const RowMatrix<double> qd = q.head(b, h).template cast<double>();
@@ -165,7 +293,7 @@ void sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
       auto out_head = out.head(b, h);
       Vector<double> scores(s_k);
       for (Index i = 0; i < s_q; ++i) {
-        double row_max = -std::numeric_limits<double>::infinity();
+        double row_max = kNegInf;
         for (Index j = 0; j < s_k; ++j) {
           const bool allowed =
               mask.positions.allows(first_query + i, mask.positions.key_offset + j) &&
@@ -176,29 +304,29 @@ void sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
           // A NaN score sticks (std::max would drop it).
           if (std::isnan(scores(j)) || scores(j) > row_max) row_max = scores(j);
         }
-        if (std::isnan(row_max)) {  // a NaN among the allowed scores: the row is NaN
+        if (std::isnan(row_max) || row_max == std::numeric_limits<double>::infinity()) {
           out_head.row(i).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
-          if (!lse.empty()) lse.head(b, h)(i, 0) = std::numeric_limits<Scalar>::quiet_NaN();
+          write_stats(b, h, i, kNaN, kNaN);
           continue;
         }
-        if (row_max == -std::numeric_limits<double>::infinity()) {
+        if (row_max == kNegInf) {  // no key takes part
           out_head.row(i).setZero();
-          if (!lse.empty()) lse.head(b, h)(i, 0) = -std::numeric_limits<Scalar>::infinity();
+          write_stats(b, h, i, kNegInf, 0.0);
           continue;
         }
-        // Forbidden keys are skipped rather than weighted by zero, so that whatever their
-        // values hold (even NaN) cannot reach the output.
+        // Keys that take no part are skipped rather than weighted by zero, so that whatever
+        // their values hold (even NaN) cannot reach the output.
         Eigen::Matrix<double, 1, Eigen::Dynamic> acc =
             Eigen::Matrix<double, 1, Eigen::Dynamic>::Zero(vd.cols());
         double total = 0.0;
         for (Index j = 0; j < s_k; ++j) {
-          if (scores(j) == -std::numeric_limits<double>::infinity()) continue;
+          if (scores(j) == kNegInf) continue;
           const double weight = std::exp(scores(j) - row_max);
           acc += weight * vd.row(j);
           total += weight;
         }
         out_head.row(i) = (acc / total).template cast<Scalar>();
-        if (!lse.empty()) lse.head(b, h)(i, 0) = static_cast<Scalar>(row_max + std::log(total));
+        write_stats(b, h, i, row_max, total);
       }
     }
   }
@@ -228,33 +356,30 @@ RowMatrix<typename DQ::Scalar> sdpa(const Eigen::MatrixBase<DQ>& q, const Eigen:
 ///   out[i] = Σ_j softmax_j(softcap(scale · q_i·k_j) + bias_ij, forbidden → -inf) v_j
 /// with scale = 1/√d_qk unless SdpaParams says otherwise. Causality and windows are measured in
 /// absolute positions (see PositionMask for the alignment of S_q queries against S_k keys).
-/// A query row whose every key is forbidden gets zeros (and lse = -inf), never NaN.
-/// Non-finite input, on this path and the reference alike: a forbidden key never reaches the
-/// output, whatever its key, value or bias hold (NaN included); a NaN score among a row's
-/// allowed keys (NaN in q_i, in an allowed k_j or in bias_ij) makes that row's out and lse NaN;
-/// a NaN or ±inf value v_j reaches exactly the rows that give key j a non-zero weight. Other
-/// rows, heads and batches are unaffected. A bias of -inf forbids the key.
+/// Non-finite input and overflow follow the policy at the top of this header.
 ///   q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v]
 ///   -> out: [B, H_q, S_q, d_v], lse (optional): [B, H_q, S_q, 1], the natural-log
-///      log-sum-exp of each row's scores, for merge_attention.
+///      log-sum-exp of each row's scores; stats (optional): each row's max and sum (for exact
+///      merges, merge_attention).
 /// Any layout HeadsView can describe works (contiguous per head, or heads side by side as a
-/// projection writes them). out must not overlap q, k or v.
+/// projection writes them). The outputs must each address distinct memory per element and must
+/// not share memory with one another; they may overlap q, k or v (even be the same memory):
+/// sdpa then computes into a temporary and copies (an allocation of the outputs' size).
 /// Runs the tiled kernel of detail/flash_attention.hpp: keys streamed in blocks with an online
-/// softmax, blocks the PositionMask forbids skipped, split-key (flash-decoding) when all queries
-/// fit in one block. Extra memory is O(block²) per thread whatever S is (about 0.7 MiB per
-/// thread for float, d = 128), kept in thread-local buffers that grow on first use and are then
-/// reused, so repeated calls allocate nothing; decoding also keeps its per-chunk partial results
-/// on the calling thread. Threads: detail::parallel_for (OpenMP when enabled); the result is
-/// bit-identical for any number of threads.
+/// softmax, blocks the PositionMask forbids skipped, split-key (flash-decoding) for a few
+/// queries against many keys. Extra memory, in per-thread buffers that grow on first use and
+/// are then reused (repeated calls allocate nothing; release_scratch() frees them), whatever
+/// S_k: per thread running a task about 0.7 MiB for float, d = 128 (the MEMORY section of that
+/// header gives the formula); split-key decoding, on the calling thread, at most 2^18 scalars of
+/// partial results. Scalars are float, or double for a float call that falls back to double
+/// (see the policy). Threads: detail::parallel_for (OpenMP when
+/// enabled); the result is bit-identical for any number of threads.
 template <class Scalar>
 void sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
           const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
-          const SdpaParams& params, const HeadsView<Scalar>& out,
-          const HeadsView<Scalar>& lse = {}) {
-  detail::require_supported_scalar<Scalar>();
-  detail::check_sdpa(q, k, v, mask, params, out, lse, "sdpa");
-  detail::flash_sdpa<Scalar>(q, k, v, mask.positions, mask.allowed, mask.bias,
-                             detail::softmax_scale(params, q.dim()), params.softcap, out, lse);
+          const SdpaParams& params, const HeadsView<Scalar>& out, const HeadsView<Scalar>& lse = {},
+          const SoftmaxStatsView<Scalar>& stats = {}) {
+  detail::flash_sdpa<Scalar>(q, k, v, mask, params, out, lse, stats);
 }
 
 /// Single-head form: q [S_q, d_qk], k [S_k, d_qk], v [S_k, d_v] -> out [S_q, d_v] (§6.2).
@@ -292,52 +417,158 @@ RowMatrix<typename DQ::Scalar> sdpa(const Eigen::MatrixBase<DQ>& q, const Eigen:
   return result;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Merging partial results (detail::merge_rows holds the rules)
+// ---------------------------------------------------------------------------------------------
+
+namespace detail {
+
+/// n partial results of `rows` rows, merged row by row in double by merge_rows.
+///   out_of(c, i) -> pointer to the d_v outputs of part c, row i; stats_of(c, i) -> its
+///   SoftmaxStats<double>; write(i, stats) receives each merged row's statistics, whose outputs
+///   go to out_row(i). Allocates n + d_v doubles.
+template <class Scalar, class OutOf, class StatsOf, class OutRow, class Write>
+void merge_parts(Index parts, Index rows, Index d_v, const OutOf& out_of, const StatsOf& stats_of,
+                 const OutRow& out_row, const Write& write) {
+  Vector<double> scratch(parts + d_v);
+  for (Index i = 0; i < rows; ++i) {
+    const auto part_at = [&](Index c) {
+      return PartRow<Scalar, double>{out_of(c, i), stats_of(c, i)};
+    };
+    write(i, merge_rows<double>(parts, d_v, part_at, out_row(i), scratch.data(),
+                                scratch.data() + parts));
+  }
+}
+
+inline void check_merge_shapes(Index parts, Index rows, Index d_v, Index stacked_rows,
+                               Index stat_rows, Index stat_cols, Index out_rows, Index out_cols,
+                               const char* what) {
+  APEX_CHECK(parts >= 1 && stacked_rows == parts * rows,
+             "[merge_attention] parts_out rows (" << stacked_rows << ") must be n*S_q = " << parts
+                                                  << "*" << rows << " (n >= 1 parts)");
+  APEX_CHECK(stat_rows == parts && stat_cols == rows,
+             "[merge_attention] " << what << " shape [" << stat_rows << ", " << stat_cols
+                                  << "] must be [n, S_q] = [" << parts << ", " << rows << "]");
+  APEX_CHECK(out_rows == rows && out_cols == d_v, "[merge_attention] output shape ["
+                                                      << out_rows << ", " << out_cols
+                                                      << "] must be [S_q, d_v] = [" << rows << ", "
+                                                      << d_v << "]");
+}
+
+}  // namespace detail
+
+/// Merges n attention results over disjoint key sets into the result over their union, exactly
+/// at any logit magnitude, from each part's softmax statistics (SoftmaxStatsView, as sdpa writes
+/// them):
+///   M = max_c m_c,  w_c = l_c·exp(m_c − M),  out = Σ_c w_c·out_c / Σ_c w_c,  (M, Σ_c w_c)
+/// with the rules of detail::merge_rows (a NaN part makes the row NaN; a part without keys is
+/// skipped; no keys at all gives zeros, max -inf and sum 0). Computed in double.
+///   parts_out: [n·S_q, d_v], part c in rows [c·S_q, (c+1)·S_q); parts_max, parts_sum: [n, S_q]
+///   -> out: [S_q, d_v], max, sum: [S_q]
+/// out may be one part's block of parts_out (in place). Allocates n + d_v doubles.
+template <class DO, class DM, class DS>
+void merge_attention(const Eigen::MatrixBase<DO>& parts_out, const Eigen::MatrixBase<DM>& parts_max,
+                     const Eigen::MatrixBase<DS>& parts_sum, RowRef<typename DO::Scalar> out,
+                     VectorRef<typename DO::Scalar> max, VectorRef<typename DO::Scalar> sum) {
+  using Scalar = typename DO::Scalar;
+  detail::require_supported_scalar<Scalar>();
+  const ConstRowRef<Scalar> po(parts_out.derived());
+  const ConstRowRef<Scalar> pm(parts_max.derived());
+  const ConstRowRef<Scalar> ps(parts_sum.derived());
+  const Index parts = pm.rows();
+  const Index rows = pm.cols();
+  detail::check_merge_shapes(parts, rows, po.cols(), po.rows(), pm.rows(), pm.cols(), out.rows(),
+                             out.cols(), "parts_max");
+  detail::check_merge_shapes(parts, rows, po.cols(), po.rows(), ps.rows(), ps.cols(), out.rows(),
+                             out.cols(), "parts_sum");
+  APEX_CHECK(max.size() == rows && sum.size() == rows, "[merge_attention] max and sum lengths ("
+                                                           << max.size() << ", " << sum.size()
+                                                           << ") must equal S_q " << rows);
+  detail::merge_parts<Scalar>(
+      parts, rows, po.cols(), [&](Index c, Index i) { return po.row(c * rows + i).data(); },
+      [&](Index c, Index i) {
+        return detail::SoftmaxStats<double>{double(pm(c, i)), double(ps(c, i))};
+      },
+      [&](Index i) { return out.row(i).data(); },
+      [&](Index i, const detail::SoftmaxStats<double>& s) {
+        max(i) = static_cast<Scalar>(s.max);
+        sum(i) = static_cast<Scalar>(s.sum);
+      });
+}
+
+/// Merges n attention results over disjoint key sets from their log-sum-exps:
+///   L = max_c lse_c,  w_c = exp(lse_c − L),  out = Σ_c w_c·out_c / Σ_c w_c,  lse = L + log Σ w_c
+/// (each part is the statistics (lse_c, 1); rules as above), computed in double. Exact up to the
+/// rounding of the lse values themselves, which in float loses ~1e-3 of absolute precision at
+/// logits near 1e4: for exactness at any magnitude merge through the statistics (above).
+///   parts_out: [n·S_q, d_v] (part c in rows [c·S_q, (c+1)·S_q)), parts_lse: [n, S_q]
+///   -> out: [S_q, d_v], lse: [S_q]
+/// out and lse may be one part's block of parts_out and that part's lse (in place). Allocates
+/// n + d_v doubles.
+template <class DO, class DL>
+void merge_attention(const Eigen::MatrixBase<DO>& parts_out, const Eigen::MatrixBase<DL>& parts_lse,
+                     RowRef<typename DO::Scalar> out, VectorRef<typename DO::Scalar> lse) {
+  using Scalar = typename DO::Scalar;
+  detail::require_supported_scalar<Scalar>();
+  const ConstRowRef<Scalar> po(parts_out.derived());
+  const ConstRowRef<Scalar> pl(parts_lse.derived());
+  const Index parts = pl.rows();
+  const Index rows = pl.cols();
+  detail::check_merge_shapes(parts, rows, po.cols(), po.rows(), pl.rows(), pl.cols(), out.rows(),
+                             out.cols(), "parts_lse");
+  APEX_CHECK(lse.size() == rows,
+             "[merge_attention] lse length (" << lse.size() << ") must equal S_q " << rows);
+  detail::merge_parts<Scalar>(
+      parts, rows, po.cols(), [&](Index c, Index i) { return po.row(c * rows + i).data(); },
+      [&](Index c, Index i) {
+        return detail::SoftmaxStats<double>{double(pl(c, i)), 1.0};
+      },
+      [&](Index i) { return out.row(i).data(); },
+      [&](Index i, const detail::SoftmaxStats<double>& s) {
+        lse(i) = static_cast<Scalar>(detail::log_sum_exp(s));
+      });
+}
+
 /// Merges two attention results over disjoint key sets A and B into the result over A ∪ B:
-///   lse = log(e^lse_a + e^lse_b),  out = (e^(lse_a - lse) out_a + e^(lse_b - lse) out_b).
-/// This is what makes split-key (flash-decoding) attention exact. A side whose lse is -inf
-/// (no allowed key) contributes nothing; if both are -inf the row is zeros with lse -inf; if
-/// either is NaN (a NaN row of sdpa) the row is NaN.
+///   lse = log(e^lse_a + e^lse_b),  out = (e^(lse_a - lse) out_a + e^(lse_b - lse) out_b),
+/// the n-way merge above with n = 2. This is what makes split-key (flash-decoding) attention
+/// exact. A side whose lse is -inf (no allowed key) contributes nothing; if both are -inf the
+/// row is zeros with lse -inf; if either is NaN (a NaN row of sdpa) the row is NaN.
 ///   out_a, out_b: [S_q, d_v], lse_a, lse_b: [S_q] -> out: [S_q, d_v], lse: [S_q]
-/// out and lse may alias out_a and lse_a (accumulate in place). Allocates nothing.
+/// out and lse may be out_a and lse_a, or out_b and lse_b (accumulate in place). Allocates
+/// 2 + d_v doubles.
 template <class DA, class LA, class DB, class LB>
 void merge_attention(const Eigen::MatrixBase<DA>& out_a, const Eigen::MatrixBase<LA>& lse_a,
                      const Eigen::MatrixBase<DB>& out_b, const Eigen::MatrixBase<LB>& lse_b,
                      RowRef<typename DA::Scalar> out, VectorRef<typename DA::Scalar> lse) {
   using Scalar = typename DA::Scalar;
   detail::require_supported_scalar<Scalar>();
-  const Index rows = out_a.rows();
-  APEX_CHECK(out_b.rows() == rows && out_b.cols() == out_a.cols(),
-             "[merge_attention] out_b shape [" << out_b.rows() << ", " << out_b.cols()
-                                               << "] must equal out_a shape [" << rows << ", "
-                                               << out_a.cols() << "]");
-  APEX_CHECK(lse_a.size() == rows && lse_b.size() == rows,
-             "[merge_attention] lse_a and lse_b lengths (" << lse_a.size() << ", " << lse_b.size()
-                                                           << ") must equal the rows " << rows);
-  APEX_CHECK(out.rows() == rows && out.cols() == out_a.cols() && lse.size() == rows,
+  const ConstRowRef<Scalar> a(out_a.derived());
+  const ConstRowRef<Scalar> b(out_b.derived());
+  const ConstVectorRef<Scalar> la(lse_a.derived());
+  const ConstVectorRef<Scalar> lb(lse_b.derived());
+  const Index rows = a.rows();
+  APEX_CHECK(b.rows() == rows && b.cols() == a.cols(), "[merge_attention] out_b shape ["
+                                                           << b.rows() << ", " << b.cols()
+                                                           << "] must equal out_a shape [" << rows
+                                                           << ", " << a.cols() << "]");
+  APEX_CHECK(la.size() == rows && lb.size() == rows, "[merge_attention] lse_a and lse_b lengths ("
+                                                         << la.size() << ", " << lb.size()
+                                                         << ") must equal the rows " << rows);
+  APEX_CHECK(out.rows() == rows && out.cols() == a.cols() && lse.size() == rows,
              "[merge_attention] output shape [" << out.rows() << ", " << out.cols() << "] / lse "
                                                 << lse.size() << " must be [" << rows << ", "
-                                                << out_a.cols() << "] / " << rows);
-  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  for (Index i = 0; i < rows; ++i) {
-    const Scalar la = lse_a(i);
-    const Scalar lb = lse_b(i);
-    if (std::isnan(la) || std::isnan(lb)) {  // a NaN row stays NaN, as sdpa leaves it
-      out.row(i).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
-      lse(i) = std::numeric_limits<Scalar>::quiet_NaN();
-      continue;
-    }
-    const Scalar m = std::max(la, lb);
-    if (m == kNegInf) {
-      out.row(i).setZero();
-      lse(i) = kNegInf;
-      continue;
-    }
-    const Scalar wa = std::exp(la - m);
-    const Scalar wb = std::exp(lb - m);
-    const Scalar total = wa + wb;
-    out.row(i) = (wa / total) * out_a.row(i) + (wb / total) * out_b.row(i);
-    lse(i) = m + std::log(total);
-  }
+                                                << a.cols() << "] / " << rows);
+  detail::merge_parts<Scalar>(
+      2, rows, a.cols(),
+      [&](Index c, Index i) { return c == 0 ? a.row(i).data() : b.row(i).data(); },
+      [&](Index c, Index i) {
+        return detail::SoftmaxStats<double>{double(c == 0 ? la(i) : lb(i)), 1.0};
+      },
+      [&](Index i) { return out.row(i).data(); },
+      [&](Index i, const detail::SoftmaxStats<double>& s) {
+        lse(i) = static_cast<Scalar>(detail::log_sum_exp(s));
+      });
 }
 
 }  // namespace apex

@@ -26,7 +26,9 @@
 // so the stack runs past the trained context L up to s·L positions.
 #pragma once
 
+#include <apex/cache_memory.hpp>
 #include <apex/config.hpp>
+#include <apex/detail/matmul.hpp>
 #include <apex/embedding.hpp>
 #include <apex/gqa.hpp>
 #include <apex/kv_cache.hpp>
@@ -621,16 +623,16 @@ class AttentionStack {
     }
     cache.next_ = first + n;
     if (first == 0) cache.prefix_ = prefix;
-    // The tied LM head (§2.5), logits = h · W_Eᵀ, as lm_head computes it; for the few rows of a
-    // decoding step the product is spread over threads (project_rows).
+    // The tied LM head (§2.5), logits = h · W_Eᵀ, as lm_head computes it (detail::matmul: spread
+    // over threads in fixed tiles, bit-identical for any thread count).
     if (options.logits == LogitRows::kLast) {
       RowMatrix<Scalar> last(batch, x.cols());
       for (Index b = 0; b < batch; ++b) last.row(b) = x.row(b * n + n - 1);
       rms_norm(last, final_gamma_, norm, RowRef<Scalar>(last));
-      return detail::project_rows<Scalar>(last, embedding_.transpose());
+      return detail::matmul_transposed<Scalar>(last, embedding_);
     }
     rms_norm(x, final_gamma_, norm, normed);
-    return detail::project_rows<Scalar>(normed, embedding_.transpose());
+    return detail::matmul_transposed<Scalar>(normed, embedding_);
   }
 
   StackConfig config_;

@@ -5,10 +5,37 @@
 
 #include <apex/config.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 namespace apex {
+
+/// The extents of a [batch, heads, seq, dim] tensor, always in that order: a shape is one value
+/// that every factory and check takes, so that no two call sites order four Index arguments
+/// differently.
+struct HeadsShape {
+  Index batch = 0;  ///< B (1 broadcasts over the batch axis)
+  Index heads = 0;  ///< H (1 broadcasts over the head axis)
+  Index seq = 0;    ///< S, rows per head
+  Index dim = 0;    ///< D, the contiguous width of one row
+
+  /// True when some extent is 0: the tensor has no elements.
+  bool has_no_elements() const { return batch == 0 || heads == 0 || seq == 0 || dim == 0; }
+  friend bool operator==(const HeadsShape& a, const HeadsShape& b) {
+    return a.batch == b.batch && a.heads == b.heads && a.seq == b.seq && a.dim == b.dim;
+  }
+  friend bool operator!=(const HeadsShape& a, const HeadsShape& b) { return !(a == b); }
+};
+
+/// The strides of a [B, H, S, D] view, in elements, outermost first; the D elements of a row
+/// are always contiguous (stride 1).
+struct HeadsStrides {
+  Index batch = 0;  ///< between (b, h, s, d) and (b + 1, h, s, d)
+  Index head = 0;   ///< between (b, h, s, d) and (b, h + 1, s, d)
+  Index row = 0;    ///< between (b, h, s, d) and (b, h, s + 1, d)
+};
 
 /// A non-owning view of a 4-D tensor [batch, heads, seq, dim] whose innermost dimension is
 /// contiguous. Element (b, h, s, d) lives at
@@ -22,6 +49,12 @@ namespace apex {
 ///   +-----------------------+          batch_stride = S*H*D
 ///   head_stride = S*D, row_stride = D,
 ///   batch_stride = H*S*D
+///
+/// Strides may be any Index values. A stride of 0 on an axis of extent > 1 broadcasts: every
+/// index along it reads the same memory (for inputs: a K/V head shared without a copy, one mask
+/// row for every query). Negative strides walk the axis backwards. An axis of extent 1 never
+/// uses its stride. Views that apex writes (outputs) must address distinct memory for distinct
+/// elements; the functions that write check it (detail::check_output_view).
 ///
 /// `T` may be const-qualified for a read-only view. Dense masks use the same type with T = bool
 /// or T = Scalar (an additive bias), and a batch or head count of 1 broadcasts over that axis.
@@ -38,56 +71,54 @@ class HeadsView {
 
   /// An empty view: null data and every extent and stride 0 (empty() is true).
   HeadsView() = default;
-  /// Views `data` with the given extents and strides (in elements); the dim elements of a row
-  /// are contiguous. Nothing is checked or copied: the caller keeps the memory alive and every
+  /// Views `data` with the given shape and strides (in elements); the dim elements of a row are
+  /// contiguous. Nothing is checked or copied: the caller keeps the memory alive and every
   /// addressed element in bounds. An axis of extent 1 broadcasts, so its stride is never used.
-  HeadsView(T* data, Index batch, Index heads, Index seq, Index dim, Index batch_stride,
-            Index head_stride, Index row_stride)
-      : data_(data),
-        batch_(batch),
-        heads_(heads),
-        seq_(seq),
-        dim_(dim),
-        batch_stride_(batch_stride),
-        head_stride_(head_stride),
-        row_stride_(row_stride) {}
+  HeadsView(T* data, const HeadsShape& shape, const HeadsStrides& strides)
+      : data_(data), shape_(shape), strides_(strides) {}
 
   /// A read-write view converts to a read-only one.
   template <class U, class = std::enable_if_t<std::is_same_v<const U, T> && !std::is_same_v<U, T>>>
   HeadsView(const HeadsView<U>& other)  // NOLINT(google-explicit-constructor)
-      : HeadsView(other.data(), other.batch(), other.heads(), other.seq(), other.dim(),
-                  other.batch_stride(), other.head_stride(), other.row_stride()) {}
+      : HeadsView(other.data(), other.shape(), other.strides()) {}
 
-  /// [B, H, S, D] stored contiguously in that order.
-  static HeadsView contiguous(T* data, Index batch, Index heads, Index seq, Index dim) {
-    if (is_empty_shape(batch, heads, seq, dim))
-      return HeadsView(data, batch, heads, seq, dim, 0, 0, 0);
-    return HeadsView(data, batch, heads, seq, dim, heads * seq * dim, seq * dim, dim);
+  /// [B, H, S, D] stored contiguously in that order. Throws std::invalid_argument on a negative
+  /// extent or when the element count does not fit in 64 bits.
+  static HeadsView contiguous(T* data, const HeadsShape& shape) {
+    if (checked_elements(shape, "contiguous") == 0) return HeadsView(data, shape, {});
+    return HeadsView(data, shape,
+                     {shape.heads * shape.seq * shape.dim, shape.seq * shape.dim, shape.dim});
   }
 
-  /// [B*S, H*D] token-major storage (what a projection x * W produces), viewed as [B, H, S, D].
-  static HeadsView token_major(T* data, Index batch, Index seq, Index heads, Index dim) {
-    if (is_empty_shape(batch, heads, seq, dim))
-      return HeadsView(data, batch, heads, seq, dim, 0, 0, 0);
-    return HeadsView(data, batch, heads, seq, dim, seq * heads * dim, dim, heads * dim);
+  /// [B*S, H*D] token-major storage (what a projection x * W produces), viewed as [B, H, S, D]:
+  /// token s of batch b is row b*S + s, and head h is columns [h*D, (h+1)*D) of it. Throws as
+  /// contiguous().
+  static HeadsView token_major(T* data, const HeadsShape& shape) {
+    if (checked_elements(shape, "token_major") == 0) return HeadsView(data, shape, {});
+    return HeadsView(data, shape,
+                     {shape.seq * shape.heads * shape.dim, shape.dim, shape.heads * shape.dim});
   }
 
   /// Pointer to element (0, 0, 0, 0); null for a default-constructed view.
   T* data() const { return data_; }
+  /// The extents [B, H, S, D].
+  const HeadsShape& shape() const { return shape_; }
+  /// The strides, in elements.
+  const HeadsStrides& strides() const { return strides_; }
   /// Number of batches B (1 broadcasts over the batch axis).
-  Index batch() const { return batch_; }
+  Index batch() const { return shape_.batch; }
   /// Number of heads H (1 broadcasts over the head axis).
-  Index heads() const { return heads_; }
+  Index heads() const { return shape_.heads; }
   /// Sequence length S: rows per head.
-  Index seq() const { return seq_; }
+  Index seq() const { return shape_.seq; }
   /// Per-head width D: columns per row, contiguous in memory.
-  Index dim() const { return dim_; }
+  Index dim() const { return shape_.dim; }
   /// Elements between (b, h, s, d) and (b + 1, h, s, d).
-  Index batch_stride() const { return batch_stride_; }
+  Index batch_stride() const { return strides_.batch; }
   /// Elements between (b, h, s, d) and (b, h + 1, s, d).
-  Index head_stride() const { return head_stride_; }
-  /// Elements between consecutive rows (b, h, s, d) and (b, h, s + 1, d); at least dim().
-  Index row_stride() const { return row_stride_; }
+  Index head_stride() const { return strides_.head; }
+  /// Elements between consecutive rows (b, h, s, d) and (b, h, s + 1, d).
+  Index row_stride() const { return strides_.row; }
   /// True when the view points at no memory (data() is null), e.g. an absent optional mask.
   /// A view of a non-null buffer with a zero extent is not empty() but has no elements.
   bool empty() const { return data_ == nullptr; }
@@ -96,29 +127,39 @@ class HeadsView {
   /// A head with no elements is a map of the view's own pointer, never offset: the data of an
   /// empty matrix is null, and offsetting null is undefined even when nothing is read.
   HeadMap head(Index b, Index h) const {
-    const Index bb = batch_ == 1 ? 0 : b;
-    const Index hh = heads_ == 1 ? 0 : h;
-    APEX_ASSERT(bb >= 0 && bb < batch_ && hh >= 0 && hh < heads_);
-    T* const first =
-        seq_ == 0 || dim_ == 0 ? data_ : data_ + bb * batch_stride_ + hh * head_stride_;
-    return HeadMap(first, seq_, dim_, Eigen::OuterStride<>(row_stride_));
+    const Index bb = shape_.batch == 1 ? 0 : b;
+    const Index hh = shape_.heads == 1 ? 0 : h;
+    APEX_ASSERT(bb >= 0 && bb < shape_.batch && hh >= 0 && hh < shape_.heads);
+    T* const first = shape_.seq == 0 || shape_.dim == 0
+                         ? data_
+                         : data_ + bb * strides_.batch + hh * strides_.head;
+    return HeadMap(first, shape_.seq, shape_.dim, Eigen::OuterStride<>(strides_.row));
+  }
+
+  /// Rows [first, first + count) of every head: the same view with seq = count, starting at
+  /// row `first` (0 <= first, first + count <= seq(); unchecked).
+  HeadsView middle_rows(Index first, Index count) const {
+    APEX_ASSERT(first >= 0 && count >= 0 && first + count <= shape_.seq);
+    HeadsShape shape = shape_;
+    shape.seq = count;
+    T* const start = count == 0 || shape_.dim == 0 ? data_ : data_ + first * strides_.row;
+    return HeadsView(start, shape, strides_);
   }
 
  private:
-  /// A view with no elements addresses no memory: its strides are 0 rather than products of
-  /// extents (which, for an empty shape, need not fit in an Index).
-  static bool is_empty_shape(Index batch, Index heads, Index seq, Index dim) {
-    return batch == 0 || heads == 0 || seq == 0 || dim == 0;
+  /// B·H·S·D for extents >= 0 whose product fits in 64 bits (so every stride the factories form
+  /// does too); throws std::invalid_argument otherwise.
+  static std::int64_t checked_elements(const HeadsShape& s, const char* factory) {
+    APEX_CHECK(s.batch >= 0 && s.heads >= 0 && s.seq >= 0 && s.dim >= 0,
+               "[heads_view] " << factory << " shape [" << s.batch << ", " << s.heads << ", "
+                               << s.seq << ", " << s.dim << "] must have no negative extent");
+    if (s.has_no_elements()) return 0;
+    return detail::checked_product({s.batch, s.heads, s.seq, s.dim}, "heads_view", "B*H*S*D");
   }
 
   T* data_ = nullptr;
-  Index batch_ = 0;
-  Index heads_ = 0;
-  Index seq_ = 0;
-  Index dim_ = 0;
-  Index batch_stride_ = 0;
-  Index head_stride_ = 0;
-  Index row_stride_ = 0;
+  HeadsShape shape_;
+  HeadsStrides strides_;
 };
 
 /// A read-only view whose scalar type is deduced from the other arguments of a call, so that a
@@ -130,55 +171,119 @@ namespace detail {
 
 /// Throws std::invalid_argument ("[op] <what> [B, H, S, D] must have no negative extent") unless
 /// every extent is >= 0: a view can be built with any numbers.
-inline void check_extents(Index batch, Index heads, Index seq, Index dim, const char* op,
-                          const char* what) {
-  APEX_CHECK(batch >= 0 && heads >= 0 && seq >= 0 && dim >= 0,
-             "[" << op << "] " << what << " [" << batch << ", " << heads << ", " << seq << ", "
-                 << dim << "] must have no negative extent");
+inline void check_extents(const HeadsShape& s, const char* op, const char* what) {
+  APEX_CHECK(s.batch >= 0 && s.heads >= 0 && s.seq >= 0 && s.dim >= 0,
+             "[" << op << "] " << what << " [" << s.batch << ", " << s.heads << ", " << s.seq
+                 << ", " << s.dim << "] must have no negative extent");
 }
 
 /// check_extents of a view's shape.
 template <class T>
 void check_extents(const HeadsView<T>& view, const char* op, const char* what) {
-  check_extents(view.batch(), view.heads(), view.seq(), view.dim(), op, what);
+  check_extents(view.shape(), op, what);
 }
 
 /// Elements of a [B, H, S, D] tensor, B·H·S·D, for extents that must be >= 0 and whose product,
 /// in bytes of `Scalar`, must fit in 64 bits. Throws std::invalid_argument prefixed with `op`.
 template <class Scalar>
-Index heads_tensor_size(Index batch, Index heads, Index seq, Index dim, const char* op) {
-  check_extents(batch, heads, seq, dim, op, "shape");
-  if (batch == 0 || heads == 0 || seq == 0 || dim == 0) return 0;  // empty, whatever the rest
-  const std::int64_t size = checked_product({batch, heads, seq, dim}, op, "B*H*S*D");
+Index heads_tensor_size(const HeadsShape& s, const char* op) {
+  check_extents(s, op, "shape");
+  if (s.has_no_elements()) return 0;  // empty, whatever the rest
+  const std::int64_t size = checked_product({s.batch, s.heads, s.seq, s.dim}, op, "B*H*S*D");
   checked_product(size, static_cast<std::int64_t>(sizeof(Scalar)), op, "B*H*S*D bytes");
   return static_cast<Index>(size);
 }
 
+/// The byte range [first, last] a view's elements occupy (first > last when it has none), for
+/// overlap tests between views. Every axis of extent > 1 spans (extent − 1)·|stride| elements,
+/// in the direction of its stride's sign.
+struct ByteRange {
+  std::uintptr_t first = 1;
+  std::uintptr_t last = 0;
+  bool overlaps(const ByteRange& o) const {
+    return first <= last && o.first <= o.last && first <= o.last && o.first <= last;
+  }
+};
+
+template <class T>
+ByteRange byte_range(const HeadsView<T>& v) {
+  if (v.empty() || v.shape().has_no_elements()) return {};
+  std::int64_t low = 0;
+  std::int64_t high = v.dim() - 1;
+  const auto extend = [&](Index extent, Index stride) {
+    if (extent <= 1) return;
+    const std::int64_t span = (extent - 1) * stride;
+    (span < 0 ? low : high) += span;
+  };
+  extend(v.batch(), v.batch_stride());
+  extend(v.heads(), v.head_stride());
+  extend(v.seq(), v.row_stride());
+  const auto base = reinterpret_cast<std::uintptr_t>(v.data());
+  const auto size = static_cast<std::int64_t>(sizeof(T));
+  return {base + static_cast<std::uintptr_t>(low * size),
+          base + static_cast<std::uintptr_t>(high * size + size - 1)};
+}
+
+/// Whether distinct elements of `v` occupy distinct memory, by the nesting test: ordered by
+/// |stride|, every axis of extent > 1 must step over the whole span of the axes inside it. This
+/// holds for every layout apex builds (contiguous, token-major, cache views); a layout it
+/// rejects may still be distinct, but apex does not write through it.
+template <class T>
+bool elements_distinct(const HeadsView<T>& v) {
+  if (v.shape().has_no_elements()) return true;
+  struct Axis {
+    Index extent, stride;
+  };
+  Axis axes[3] = {
+      {v.batch(), v.batch_stride()}, {v.heads(), v.head_stride()}, {v.seq(), v.row_stride()}};
+  for (Axis& a : axes) a.stride = a.stride < 0 ? -a.stride : a.stride;
+  std::sort(std::begin(axes), std::end(axes),
+            [](const Axis& a, const Axis& b) { return a.stride < b.stride; });
+  std::int64_t span = v.dim();  // elements covered by the axes inside the current one
+  for (const Axis& a : axes) {
+    if (a.extent <= 1) continue;
+    if (a.stride < span) return false;
+    span = a.stride * (a.extent - 1) + span;
+  }
+  return true;
+}
+
+/// Throws unless apex may write through `v`: distinct elements must be distinct memory (a zero
+/// or overlapping stride would make two results land on one place).
+template <class T>
+void check_output_view(const HeadsView<T>& v, const char* op, const char* what) {
+  APEX_CHECK(elements_distinct(v), "[" << op << "] " << what << " strides (batch "
+                                       << v.batch_stride() << ", head " << v.head_stride()
+                                       << ", row " << v.row_stride() << ") for shape [" << v.batch()
+                                       << ", " << v.heads() << ", " << v.seq() << ", " << v.dim()
+                                       << "] make distinct elements share memory; an output "
+                                          "needs a layout without overlap");
+}
+
 }  // namespace detail
 
-/// An owning, zero-initialised, contiguous [B, H, S, D] tensor.
+/// An owning, zero-initialised, contiguous [B, H, S, D] tensor. A default-constructed or
+/// moved-from tensor is empty: every extent 0, no storage.
 template <class Scalar>
 class HeadsTensor {
  public:
   HeadsTensor() = default;
   /// Allocates B·H·S·D zeros. Throws std::invalid_argument on a negative extent or a size
   /// beyond 64 bits (before allocating).
-  HeadsTensor(Index batch, Index heads, Index seq, Index dim)
-      : storage_(Vector<Scalar>::Zero(
-            detail::heads_tensor_size<Scalar>(batch, heads, seq, dim, "heads_tensor"))),
-        batch_(batch),
-        heads_(heads),
-        seq_(seq),
-        dim_(dim) {}
+  explicit HeadsTensor(const HeadsShape& shape)
+      : storage_(Vector<Scalar>::Zero(detail::heads_tensor_size<Scalar>(shape, "heads_tensor"))),
+        shape_(shape) {}
 
+  /// The extents [B, H, S, D].
+  const HeadsShape& shape() const { return shape_.get(); }
   /// Number of batches B.
-  Index batch() const { return batch_; }
+  Index batch() const { return shape().batch; }
   /// Number of heads H.
-  Index heads() const { return heads_; }
+  Index heads() const { return shape().heads; }
   /// Sequence length S: rows per head.
-  Index seq() const { return seq_; }
+  Index seq() const { return shape().seq; }
   /// Per-head width D.
-  Index dim() const { return dim_; }
+  Index dim() const { return shape().dim; }
   /// The B·H·S·D elements in [B, H, S, D] order (null when the tensor is empty).
   Scalar* data() { return storage_.data(); }
   /// Read-only access to the B·H·S·D elements in [B, H, S, D] order.
@@ -186,12 +291,10 @@ class HeadsTensor {
 
   /// A read-write contiguous view of the whole tensor; valid while the tensor lives and is not
   /// reassigned.
-  HeadsView<Scalar> view() {
-    return HeadsView<Scalar>::contiguous(data(), batch_, heads_, seq_, dim_);
-  }
+  HeadsView<Scalar> view() { return HeadsView<Scalar>::contiguous(data(), shape()); }
   /// A read-only contiguous view of the whole tensor.
   HeadsView<const Scalar> view() const {
-    return HeadsView<const Scalar>::contiguous(data(), batch_, heads_, seq_, dim_);
+    return HeadsView<const Scalar>::contiguous(data(), shape());
   }
   /// Head (b, h) as a writable [S, D] row-major map into the tensor (no copy).
   typename HeadsView<Scalar>::HeadMap head(Index b, Index h) { return view().head(b, h); }
@@ -201,18 +304,20 @@ class HeadsTensor {
   }
 
  private:
-  Vector<Scalar> storage_;
-  Index batch_ = 0;
-  Index heads_ = 0;
-  Index seq_ = 0;
-  Index dim_ = 0;
+  Vector<Scalar> storage_;  // Eigen leaves a moved-from matrix empty
+  detail::ResetOnMove<HeadsShape> shape_;
 };
 
 /// A [rows, cols] row-major matrix as a one-batch, one-head view: a dense mask or bias shared by
-/// every batch and head, or a single head. The view does not own the data.
+/// every batch and head, or a single head. The view does not own the data, so it cannot be made
+/// of a temporary (that overload is deleted).
 template <class T>
 HeadsView<const T> as_heads_view(const RowMatrix<T>& m) {
-  return HeadsView<const T>(m.data(), 1, 1, m.rows(), m.cols(), 0, 0, m.cols());
+  return HeadsView<const T>(m.data(), {1, 1, m.rows(), m.cols()}, {0, 0, m.cols()});
 }
+template <class T>
+HeadsView<const T> as_heads_view(RowMatrix<T>&& m) = delete;
+template <class T>
+HeadsView<const T> as_heads_view(const RowMatrix<T>&& m) = delete;
 
 }  // namespace apex

@@ -36,8 +36,8 @@ struct Tensor {
 
   Tensor(Index b, Index h, Index s, Index d, bool token_major)
       : storage(Vector<Scalar>::Zero(std::max<Index>(1, b * h * s * d))) {
-    view = token_major ? HeadsView<Scalar>::token_major(storage.data(), b, s, h, d)
-                       : HeadsView<Scalar>::contiguous(storage.data(), b, h, s, d);
+    view = token_major ? HeadsView<Scalar>::token_major(storage.data(), {b, h, s, d})
+                       : HeadsView<Scalar>::contiguous(storage.data(), {b, h, s, d});
   }
   HeadsView<const Scalar> cview() const { return view; }
   Scalar& at(Index b, Index h, Index s, Index d) { return view.head(b, h)(s, d); }
@@ -94,7 +94,7 @@ void sdpa_case(Input& in) {
       allowed_storage(i) = density == 3 || in.choice(4) < density + 1;
     }
     mask.allowed =
-        HeadsView<const bool>::contiguous(allowed_storage.data(), mb, mh, sh.s_q, sh.s_k);
+        HeadsView<const bool>::contiguous(allowed_storage.data(), {mb, mh, sh.s_q, sh.s_k});
   }
   Vector<Scalar> bias_storage;
   if (in.choice(3) == 0) {
@@ -105,7 +105,7 @@ void sdpa_case(Input& in) {
       bias_storage(i) = in.choice(8) == 0 ? -std::numeric_limits<Scalar>::infinity()
                                           : draw_value<Scalar>(in, mode, 2.0);
     }
-    mask.bias = HeadsView<const Scalar>::contiguous(bias_storage.data(), mb, mh, sh.s_q, sh.s_k);
+    mask.bias = HeadsView<const Scalar>::contiguous(bias_storage.data(), {mb, mh, sh.s_q, sh.s_k});
   }
   SdpaParams params;
   if (in.flag()) params.scale = mode == Values::kExtreme ? in.any_real() : in.real_in(-2.0, 2.0);
@@ -161,12 +161,10 @@ void sdpa_case(Input& in) {
     blocking.stream_rows = in.in(0, 16);
     blocking.stream_key_block = in.in(1, 16);
     blocking.decode_chunk = in.in(1, 16);
-    const double scale = params.scale
-                             ? *params.scale
-                             : 1.0 / std::sqrt(static_cast<double>(std::max<Index>(1, sh.d_qk)));
-    detail::flash_sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask.positions, mask.allowed,
-                               mask.bias, scale, params.softcap, out.view,
-                               want_lse ? lse.view : HeadsView<Scalar>(), blocking);
+    blocking.split_below = in.in(1, 32);
+    blocking.partial_budget = in.in(1, 1 << 14);
+    detail::flash_sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask, params, out.view,
+                               want_lse ? lse.view : HeadsView<Scalar>(), {}, blocking);
     if (std::getenv("APEX_FUZZ_VERBOSE") != nullptr) {
       std::fprintf(stderr,
                    "blocking: stacked_rows %ld key_block %ld stream_rows %ld stream_key_block %ld "
@@ -370,7 +368,8 @@ void gqa_case(Input& in) {
     params.position_offset = 0;
     const RowMatrix<Scalar> want = layer.forward(t.x, t.batch, whole, params);
     KvCache<Scalar> full = layer.make_cache(t.batch, t.seq);
-    SlidingWindowCache<Scalar> windowed(t.batch, c.num_kv_heads, c.head_dim, window + in.in(0, 2));
+    SlidingWindowCache<Scalar> windowed(
+        {t.batch, c.num_kv_heads, c.head_dim, window + in.in(0, 2)});
     RowMatrix<Scalar> got(t.batch * t.seq, c.d_model);
     t.in_chunks(in, [&](Index from, const RowMatrix<Scalar>& chunk) {
       params.position_offset = from;
@@ -400,11 +399,11 @@ void gqa_case(Input& in) {
   const RowMatrix<Scalar> vm = t.x * w.w_v;
   RowMatrix<Scalar> concat(t.batch * t.seq, c.num_q_heads * c.head_dim);
   reference::sdpa<Scalar>(
-      HeadsView<const Scalar>::token_major(qm.data(), t.batch, t.seq, c.num_q_heads, c.head_dim),
-      HeadsView<const Scalar>::token_major(km.data(), t.batch, t.seq, c.num_kv_heads, c.head_dim),
-      HeadsView<const Scalar>::token_major(vm.data(), t.batch, t.seq, c.num_kv_heads, c.head_dim),
+      HeadsView<const Scalar>::token_major(qm.data(), {t.batch, c.num_q_heads, t.seq, c.head_dim}),
+      HeadsView<const Scalar>::token_major(km.data(), {t.batch, c.num_kv_heads, t.seq, c.head_dim}),
+      HeadsView<const Scalar>::token_major(vm.data(), {t.batch, c.num_kv_heads, t.seq, c.head_dim}),
       mask, params.attention,
-      HeadsView<Scalar>::token_major(concat.data(), t.batch, t.seq, c.num_q_heads, c.head_dim));
+      HeadsView<Scalar>::token_major(concat.data(), {t.batch, c.num_q_heads, t.seq, c.head_dim}));
   const RowMatrix<Scalar> want = concat * w.w_o;
   expect_close(out, want, layer_tolerance<Scalar>(), "gqa forward differs from its oracle");
 }
@@ -433,7 +432,7 @@ void mla_case(Input& in) {
     RowMatrix<Scalar> concat(t.batch * t.seq, c.num_q_heads * c.head_dim);
     reference::sdpa<Scalar>(
         p.q_heads(), p.k_heads(), p.v_heads(), mask, attention,
-        HeadsView<Scalar>::token_major(concat.data(), t.batch, t.seq, c.num_q_heads, c.head_dim));
+        HeadsView<Scalar>::token_major(concat.data(), {t.batch, c.num_q_heads, t.seq, c.head_dim}));
     const RowMatrix<Scalar> want = concat * layer.weights().w_o;
     expect_close(out, want, layer_tolerance<Scalar>(), "mla forward differs from its oracle");
     return;

@@ -52,9 +52,9 @@ ViewBuffer<Scalar> make_view(Input& in, Index b, Index h, Index s, Index d, Valu
   vb.storage.resize(std::max<Index>(1, cb * ch * cs * cd));
   for (Index i = 0; i < vb.storage.size(); ++i) vb.storage(i) = draw_value<Scalar>(in, mode, 2.0);
   if (in.flag()) {  // contiguous [B, H, S, D]
-    vb.view = HeadsView<Scalar>(vb.storage.data(), b, h, s, d, ch * cs * cd, cs * cd, cd);
+    vb.view = HeadsView<Scalar>(vb.storage.data(), {b, h, s, d}, {ch * cs * cd, cs * cd, cd});
   } else {  // token-major [B*S, H*D]
-    vb.view = HeadsView<Scalar>(vb.storage.data(), b, h, s, d, cs * ch * cd, cd, ch * cd);
+    vb.view = HeadsView<Scalar>(vb.storage.data(), {b, h, s, d}, {cs * ch * cd, cd, ch * cd});
   }
   return vb;
 }
@@ -670,8 +670,8 @@ void sdpa_checks(Input& in) {
         std::max<Index>(1, cb * ch * std::max<Index>(rows, 0) * std::max<Index>(cols, 0)));
     for (Index i = 0; i < allowed.storage.size(); ++i) allowed.storage(i) = in.flag();
     const Index cr = std::max<Index>(rows, 0), cc = std::max<Index>(cols, 0);
-    allowed.view = HeadsView<const bool>(allowed.storage.data(), mb, mh, rows, cols, ch * cr * cc,
-                                         cr * cc, cc);
+    allowed.view = HeadsView<const bool>(allowed.storage.data(), {mb, mh, rows, cols},
+                                         {ch * cr * cc, cr * cc, cc});
   }
   if (in.flag()) {
     bias = make_view<const Scalar>(in, in.flag() ? 1 : extent(in), in.flag() ? 1 : extent(in),
@@ -780,11 +780,11 @@ void head_count_checks(Input& in) {
   const Index q = in.any_index(), kv = in.any_index(), i = in.any_index();
   const bool counts_ok = q >= 1 && kv >= 1 && q % kv == 0;
   Index head = -1;
-  const bool r1 = attempt("kv_head_for", [&] { head = kv_head_for(i, q, kv); });
+  const bool r1 = attempt("kv_head_for", [&] { head = kv_head_for({q, kv}, i); });
   APEX_FUZZ_REQUIRE(r1 == (counts_ok && i >= 0 && i < q), "kv_head_for validation");
   if (r1) APEX_FUZZ_REQUIRE(head >= 0 && head < kv, "kv_head_for out of range");
   double ratio = 0;
-  const bool r2 = attempt("kv_cache_ratio", [&] { ratio = kv_cache_ratio(kv, q); });
+  const bool r2 = attempt("kv_cache_ratio", [&] { ratio = kv_cache_ratio({q, kv}); });
   APEX_FUZZ_REQUIRE(r2 == counts_ok, "kv_cache_ratio validation");
   if (r2) APEX_FUZZ_REQUIRE(ratio > 0 && ratio <= 1, "kv_cache_ratio out of (0, 1]");
 }
@@ -1024,8 +1024,9 @@ void cache_checks(Input& in) {
       if (!may_call(bound)) return;
       // Any extent 0 makes an empty tensor, whatever the others.
       const bool valid = b >= 0 && h >= 0 && c >= 0 && d >= 0 && bound != Bound::kOverflow;
-      const bool returned =
-          attempt("HeadsTensor", !valid, [&] { HeadsTensor<Scalar> t(b, h, c, d); });
+      const bool returned = attempt("HeadsTensor", !valid, [&] {
+        HeadsTensor<Scalar> t({b, h, c, d});
+      });
       APEX_FUZZ_REQUIRE(returned == valid, "HeadsTensor rejected a valid shape");
       break;
     }

@@ -4,12 +4,14 @@
 //
 // WHAT IT COMPUTES (§6.2, grouped heads §8.2, masks §10–§11): for every query row i
 //   out[i] = Σ_j softmax_j(softcap(scale · q_i·k_j) + bias_ij, forbidden → -inf) v_j
-//   lse[i] = log Σ_j exp(softcap(scale · q_i·k_j) + bias_ij)          (allowed j only)
+//   lse[i] = log Σ_j exp(softcap(scale · q_i·k_j) + bias_ij)          (keys that take part)
 // without ever holding an S_q × S_k score matrix (FlashAttention: Dao et al. 2022, Algorithm 1).
+// The keys may come in several segments of consecutive positions (a sliding-window cache's ring
+// is two, plus the new chunk): one pass over them all, no merge.
 //
 // ONE TASK = batch b, key/value head, one block of Bq query positions. The G = H_q / H_kv query
-// heads that read the same key/value head are stacked into one scratch block of M = G·Bq rows,
-// so each key/value block is read once per group and every product has a few hundred rows:
+// heads that read the same key/value head are stacked into one tile of M = G·Bq rows, so each
+// key/value block is read once per group and every product has a few hundred rows:
 //
 //         Qs = scale·Q, stacked                K_j: Bk keys             V_j: Bk keys
 //        +---------------------+            +----------------+        +------------+
@@ -20,23 +22,25 @@
 //        +---------------------+
 //   row r = g·Bq + i is query position q0 + i of query head kv_head·G + g.
 //
-// Key blocks are streamed in order; each row keeps a running maximum m and sum l:
-//   S    = Qs·K_jᵀ                         Eigen's GEMM micro-kernel (gebp)
-//   S    = softcap(S), + bias, then mask   the mask only where needed (MASK-AWARE SKIPPING)
-//   m'   = max(m, max_j S)                 a row with nothing allowed yet keeps m' = -inf
-//   P    = exp(S − m'),  α = exp(m − m')   Eigen's vectorised exp over whole rows
-//   l    = α·l + Σ_j P
-//   acc  = diag(α)·acc + P·V_j             the diag(α) pass is skipped for rows with α = 1
-// and at the end out = acc / l, lse = m + log l. A row that saw no allowed key gets zeros and
-// lse = -inf, as in the reference. The scale is folded into Qs when it is copied; the natural
-// exp is kept (Eigen 3.4 has no vectorised exp2, and its exp already works in base 2 inside).
+// A tile folds in one key block at a time, in four named steps (AttentionTile::add_keys):
+//   score       S = Qs·K_jᵀ                       TileGemm (packed) or stream_scores
+//   mask        softcap, + bias, position rule, dense mask: forbidden → -inf
+//   softmax     m, l and P = exp(S − m) per row    softmax_update (online_softmax.hpp)
+//   accumulate  acc = diag(α)·acc + P·V_j          TileGemm (packed) or stream_update
+// and finish_row() ends each row with softmax_finish: out = acc / l, lse = m + log l.
 //
-// NON-FINITE INPUT (the policy of apex::sdpa). A forbidden key never reaches the output: its
-// score is selected to -inf after softcap and bias and its weight to exactly 0, and a block
-// that may hide keys and holds a NaN or ±inf value adds only the keys each row sees
-// (update_visible_keys; a check of the block's values, O(Bk·d_v), decides). A NaN score among
-// a row's allowed keys makes that row NaN (out and lse), tracked explicitly rather than left to
-// NaN arithmetic, which max and comparisons would drop; other rows are unaffected.
+// INPUTS TYPED BY WHAT THEY STORE. Q, K, V (and the bias) are views of their storage types; the
+// kernel computes in C (float, or double). Every read of K and V goes through one loader per
+// path: load_rows (the block copy of the GEMM path, which widens while it copies) and read_rows
+// (the row reader of the streaming path, in place when the storage already is C). Q is widened
+// and scaled once per task (load_queries).
+//
+// COMPUTE TYPE. A call computes in double when any input is double. Otherwise it computes in
+// float, unless the softmax scale or the soft-cap is not a float (representable_in), or unless
+// the float pass meets a score, or produces an output, that is not finite (a finite q·k can
+// overflow float: q = k = 1e20); then the whole call is computed again in double, so that a
+// finite input always gets the finite answer of the double reference. (Inputs that hold NaN or
+// infinities therefore cost two passes.)
 //
 // MASK-AWARE SKIPPING. Each (query block, key block) pair is classified on absolute positions
 // with classify_block: kNone skips the block (no product at all), kAll needs no mask work, and
@@ -45,42 +49,34 @@
 // and a sliding window about S·(W + Bq + Bk). Dense boolean masks and biases are applied to
 // every block that is not skipped.
 //
-// PRODUCTS (the GEMM kernel, M > stream_rows). Both products call Eigen's own GEMM building
-// blocks (gemm_pack_lhs, gemm_pack_rhs and gebp_kernel of
-// Eigen/src/Core/products/GeneralBlockPanelKernel.h, the code behind every large Eigen product)
-// on buffers owned by this file, instead of `noalias() = A * B`, because then:
-//   - Qs is packed once per query block and reused for every key block;
-//   - nothing is allocated (Eigen's product allocates its packing buffers at every call, from
-//     the heap once they exceed 128 KiB);
-//   - Eigen never splits a product over threads: outside an OpenMP region it would (with a
-//     blocking of its own), and the arithmetic would depend on the number of threads.
-// Both products are computed transposed, because Eigen's kernel writes column-major results:
-// S and acc stay row-major (one query row per contiguous row, which the softmax wants):
-//   Sᵀ (Bk × M)    = K_j (Bk × d_qk) · Qsᵀ (d_qk × M)
-//   accᵀ (d_v × M) += V_jᵀ (d_v × Bk) · Pᵀ (Bk × M)
-// Each K_j, V_j block is first copied to contiguous scratch: a sequential read the hardware
-// prefetcher follows, whereas the packing routines read 48 rows at a time and, reading from
-// DRAM, wait on every cache line (decoding S = 32768 with this kernel: 13 → 17 GB/s).
+// NON-FINITE INPUT (the policy of apex::sdpa; PARTICIPATION in online_softmax.hpp). A forbidden
+// key never reaches the output: its score is selected to -inf after softcap and bias, and its
+// weight is -0.0. A block where some key may take no part and whose values are not all finite
+// adds only the keys that take part (accumulate_visible). A NaN score among a row's keys makes
+// the row NaN (out and lse), tracked explicitly rather than left to NaN arithmetic.
 //
-// THE STREAMING KERNEL (M ≤ stream_rows, e.g. one new token of 4 grouped heads). With so few
-// rows the products are matrix-vector products at heart, bound by reading K and V, and packing
-// costs more than it saves. Each key row, then each value row, is read once in memory order
-// and used at once by every stacked row (Eigen's packet primitives, 4 rows at a time), so the
-// hardware prefetcher streams the cache from DRAM while the thread computes.
+// PRODUCTS. The GEMM path (M > stream_rows) runs both products on Eigen's GEMM micro-kernel over
+// buffers owned by this kernel (TileGemm, eigen_adapter.hpp): Qs is packed once per task,
+// nothing is allocated, and Eigen never splits a product over threads (its thread-dependent
+// blocking would make results depend on the number of threads). Each K_j, V_j block is first
+// copied to contiguous scratch: a sequential read the prefetcher follows, whereas packing
+// straight from DRAM waits on every cache line (decoding S = 32768: 13 → 17 GB/s). The streaming
+// path (M ≤ stream_rows, e.g. one new token of 4 grouped heads) is bound by reading K and V:
+// each key row, then each value row, is read once in memory order and used at once by every
+// stacked row.
 //
-// DECODING (flash-decoding, Dao et al. 2023). When all the queries fit in one query block
-// (S_q ≤ Bq: a few new tokens against a long cache) there would be only B·H_kv tasks. The keys
-// are then cut into chunks of a fixed length (decode_chunk, independent of the thread count),
-// every (b, kv head, chunk) task produces a partial result (out_c, lse_c) over its keys, and the
-// partials are merged in chunk order with merge_attention's formula extended to n parts:
-//   L = max_c lse_c,  w_c = exp(lse_c − L),  out = Σ_c w_c·out_c / Σ_c w_c,  lse = L + log Σ_c w_c
+// SCHEDULERS. prefill: one task per (b, kv head, query block), all keys in blocks. decode (split
+// keys, flash-decoding: Dao et al. 2023): when every query fits in one block and there are few
+// (b, kv head) pairs, the keys are cut into chunks, each (b, kv head, chunk) task writes a
+// partial result (out_c, m_c, l_c), and merge_rows combines them in chunk order. The chunks are
+// few enough that the partials are bounded whatever S_k (AttentionPlan).
 //
 // THREADS AND DETERMINISM. Tasks run through detail::parallel_for. What a task computes depends
-// only on the shapes (the block sizes and the choice of kernel are fixed, the key blocks and the
-// decode merge run in a fixed order, Eigen's kernels are called serially), so the output is
-// bit-identical for any number of threads. Within one (b, kv head) the prefill tasks take query
-// blocks in the order 0, n−1, 1, n−2, … so that OpenMP's static schedule gives every thread a
-// similar share of a causal triangle.
+// only on the shapes (the block sizes, the split and the choice of path are fixed, the key
+// blocks and the merge run in a fixed order, Eigen's kernels are called serially), so the output
+// is bit-identical for any number of threads. Within one (b, kv head) the prefill tasks take
+// query blocks in the order 0, n−1, 1, n−2, … so that OpenMP's static schedule gives every
+// thread a similar share of a causal triangle.
 //
 // BLOCK SIZES (FlashBlocking). Measured with float, d_h = 128, H_q = 32, H_kv = 8, 2 threads on
 // an AMD EPYC (Zen 4, AVX-512), where Eigen's 4096³ GEMM runs at ≈ 158 GFLOP/s and a plain read
@@ -90,142 +86,182 @@
 //     Bk = 64 was the best. Larger blocks waste more work on the diagonal and at window edges:
 //     window 512 at S = 16384 ran at 130 GFLOP/s with Bk = 64, 117 with Bk = 128.
 //   - stream_rows = 8. Decoding S = 32768: M = 4 streams 27 GB/s against 16 with the GEMM
-//     kernel, M = 8 25 against 13; at M = 16 and 32 both are compute-bound and within 6 %; at
-//     M = 64 the GEMM kernel is ahead.
+//     path, M = 8 25 against 13; at M = 16 and 32 both are compute-bound and within 6 %; at
+//     M = 64 the GEMM path is ahead.
 //   - stream_key_block = decode_chunk = 512: 28 GB/s, against 27 with blocks of 256 and 23 with
-//     blocks of 32–64 (fixed costs per block); chunks of 512 to 4096 keys were within 2 %, and
-//     short ones give more tasks to share (B·H_kv·⌈S_k / 512⌉).
+//     blocks of 32–64 (fixed costs per block); chunks of 512 to 4096 keys were within 2 %.
 //
-// MEMORY. Per thread, grown on first use and reused afterwards (thread_local, never shrunk):
-//   GEMM kernel: 2·M·d_qk (stacked and packed Q) + 2·Bk·d_qk (copied and packed K) + 2·M·Bk
+// MEMORY (ScratchSlot buffers of the thread running a task, grown on first use, then reused;
+// apex::release_scratch() frees them), in scalars of C with rows padded to 16:
+//   GEMM path: 2·M·d_qk (stacked and packed Q) + 2·Bk·d_qk (copied and packed K) + 2·M·Bk
 //   (scores and packed P) + 2·Bk·d_v (copied and packed V) + M·d_v (accumulator) + Bq·Bk
-//   (position tile) + 3·M (m, l, α) scalars, rows padded to 16 scalars. For float, M = 256,
-//   Bk = 64, d_qk = d_v = 128: about 0.7 MiB per thread, whatever S is.
-//   Streaming kernel: M·d_qk + M·Bk + M·d_v + Bq·Bk + 3·M scalars (≈ 15 KiB for M = 4).
-// Decoding also keeps, on the calling thread, the partial results of every chunk:
-// B·H_q·S_q·(d_v + 1)·⌈S_k / decode_chunk⌉ scalars (1 MiB for one token, H_q = 32, d_v = 128,
-// S_k = 32768).
+//   (position tile) + 3·M (m, l, α). For float, M = 256, Bk = 64, d_qk = d_v = 128: about
+//   0.7 MiB per thread, whatever S is.
+//   Streaming path: M·d_qk + M·Bk + M·d_v + Bq·Bk + 3·M, plus Bk·(d_qk + d_v) when K and V are
+//   widened (storage other than C).
+// Split-key decoding also keeps, on the calling thread, the partial results of every chunk,
+// at most partial_budget = 2^18 scalars (1 MiB of float) whatever S_k, and each merging thread
+// chunks + d_v scalars.
 #pragma once
 
 #include <apex/config.hpp>
+#include <apex/detail/eigen_adapter.hpp>
+#include <apex/detail/online_softmax.hpp>
 #include <apex/detail/parallel.hpp>
+#include <apex/detail/scratch.hpp>
 #include <apex/mask.hpp>
 #include <apex/tensor.hpp>
 
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 namespace apex::detail {
 
-/// Block sizes of the tiled kernel (see BLOCK SIZES above). The defaults are what apex::sdpa
-/// uses; tests pass small ones to put block boundaries where they want them.
+/// Block sizes and the decode split of the tiled kernel (see BLOCK SIZES above). The defaults are
+/// what apex::sdpa uses; tests pass small ones to put block boundaries where they want them.
 struct FlashBlocking {
   Index stacked_rows = 256;      ///< target M = G·Bq; Bq = max(1, stacked_rows / G)
-  Index key_block = 64;          ///< Bk of the GEMM kernel
-  Index stream_rows = 8;         ///< M at or below which the streaming kernel is used instead
-  Index stream_key_block = 512;  ///< Bk of the streaming kernel
-  Index decode_chunk = 512;      ///< keys per partial result when decoding
+  Index key_block = 64;          ///< Bk of the GEMM path
+  Index stream_rows = 8;         ///< M at or below which the streaming path is used instead
+  Index stream_key_block = 512;  ///< Bk of the streaming path
+  Index decode_chunk = 512;      ///< fewest keys per partial result when decoding
+  Index split_below = 16;        ///< split keys only when B·H_kv is below this
+  Index partial_budget = Index{1} << 18;  ///< most scalars of decode partials of one call
 };
 
-/// Everything a task needs, resolved once per call.
-template <class Scalar>
-struct FlashProblem {
-  HeadsView<const Scalar> q, k, v;
-  PositionMask positions;
+/// A run of keys with consecutive absolute positions [first_position, first_position + n):
+/// k [B, H_kv, n, d_qk] and v [B, H_kv, n, d_v].
+template <class TK, class TV>
+struct KeySegment {
+  HeadsView<const TK> k;
+  HeadsView<const TV> v;
+  Index first_position = 0;
+};
+
+/// Everything a task needs, resolved once per call. Keys are the segments in order; key j of
+/// the whole problem (a column of the dense masks) is row j − (keys before its segment) of its
+/// segment.
+template <class TQ, class TK, class TV, class TB>
+struct AttentionProblem {
+  using Query = TQ;
+  using Key = TK;
+  using Value = TV;
+  using Bias = TB;
+  HeadsView<const TQ> q;
+  const KeySegment<TK, TV>* segments = nullptr;
+  Index num_segments = 0;
+  PositionMask positions;         // the rule, on absolute positions
+  Index first_query = 0;          // absolute position of query row 0
   HeadsView<const bool> allowed;  // empty: no dense mask
-  HeadsView<const Scalar> bias;   // empty: no bias
-  Scalar scale = 1;
-  Scalar softcap = 0;  // 0: off
-  Index group = 1;     // G = H_q / H_kv
+  HeadsView<const TB> bias;       // empty: no bias
+  double scale = 1.0;
+  double softcap = 0.0;  // 0: off
+  Index group = 1;       // G = H_q / H_kv
   Index s_q = 0, s_k = 0, d_qk = 0, d_v = 0;
-  Index first_query = 0;  // absolute position of query row 0
+};
+
+/// What the kernel writes: out [B, H_q, S_q, d_v] and, where not empty, [B, H_q, S_q, 1] views
+/// of lse = m + log l and of the statistics m and l themselves.
+template <class TO>
+struct AttentionOutputs {
+  HeadsView<TO> out, lse, max, sum;
 };
 
 /// Leading dimension of scratch rows: a multiple of 16 scalars, so that rows start on a cache
-/// line (64 bytes for float) and vectorised loops over a row peel the same way on every thread.
+/// line and vectorised loops over a row peel the same way on every thread.
 inline Index padded(Index n) { return (n + 15) / 16 * 16; }
 
-/// Per-thread scratch. Buffers only grow, so once a thread has seen the shapes of a call it
-/// allocates nothing and touches no fresh page.
-template <class Scalar>
-class FlashScratch {
- public:
-  enum Buffer {
-    kQStacked,
-    kQPacked,
-    kKCopy,
-    kKPacked,
-    kScores,
-    kPPacked,
-    kVCopy,
-    kVPacked,
-    kAcc,
-    kPositionTile,
-    kRowStats,
-    kCount
-  };
+/// A block length in [1, max(1, limit)].
+inline Index clamp_block(Index block, Index limit) {
+  return std::max<Index>(1, std::min(block, limit));
+}
 
-  Scalar* get(Buffer which, Index size) {
-    Vector<Scalar>& buffer = buffers_[which];
-    if (buffer.size() < size) buffer.resize(size);  // Eigen aligns it (64 bytes with AVX-512)
-    return buffer.data();
-  }
+// ---------------------------------------------------------------------------------------------
+// Loaders: every read of K and V
+// ---------------------------------------------------------------------------------------------
 
-  static FlashScratch& for_this_thread() {
-    thread_local FlashScratch scratch;
-    return scratch;
-  }
-
- private:
-  Vector<Scalar> buffers_[kCount];
+/// Rows of C at `data`, row j at data + j·stride.
+template <class C>
+struct ConstRows {
+  const C* data;
+  Index stride;
 };
 
-/// Eigen 3.4's GEMM building blocks for C += A·B with a column-major C: pack_lhs copies A into
-/// the micro-kernel's panel layout, pack_rhs does the same for B, kernel runs the register-
-/// blocked micro-kernel (gebp) over the packed panels.
-template <class Scalar, int LhsOrder, int RhsOrder>
-struct EigenGemm {
-  using Traits = Eigen::internal::gebp_traits<Scalar, Scalar>;
-  using LhsMapper = Eigen::internal::const_blas_data_mapper<Scalar, Index, LhsOrder>;
-  using RhsMapper = Eigen::internal::const_blas_data_mapper<Scalar, Index, RhsOrder>;
-  using ResMapper = Eigen::internal::blas_data_mapper<Scalar, Index, Eigen::ColMajor>;
+/// The block copy: rows [row, row + n) of one head, written contiguously (n × cols) to `dst`
+/// and widened from the storage type to C once per element.
+template <class C, class HeadMap>
+void load_rows(const HeadMap& head, Index row, Index n, C* dst) {
+  const Index cols = head.cols();
+  if (head.outerStride() == cols) {  // one contiguous range: a single vectorised pass
+    Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>(dst, n * cols) =
+        Eigen::Map<const Eigen::Array<typename HeadMap::Scalar, Eigen::Dynamic, 1>>(
+            head.data() + row * cols, n * cols)
+            .template cast<C>();
+    return;
+  }
+  Eigen::Map<RowMatrix<C>>(dst, n, cols) = head.middleRows(row, n).template cast<C>();
+}
 
-  /// A: rows × depth, stored in LhsOrder with leading dimension ld.
-  static void pack_lhs(Scalar* packed, const Scalar* a, Index ld, Index rows, Index depth) {
-    Eigen::internal::gemm_pack_lhs<Scalar, Index, LhsMapper, Traits::mr, Traits::LhsProgress,
-                                   typename Traits::LhsPacket4Packing, LhsOrder>
-        pack;
-    pack(packed, LhsMapper(a, ld), depth, rows);
+/// The row reader: rows [row, row + n) of one head as C, in place when the storage is C, else
+/// widened into `buffer` (n × cols) by load_rows.
+template <class C, class HeadMap>
+ConstRows<C> read_rows(const HeadMap& head, Index row, Index n, C* buffer) {
+  if constexpr (std::is_same_v<typename HeadMap::Scalar, C>) {
+    return {head.data() + row * head.outerStride(), head.outerStride()};
+  } else {
+    load_rows(head, row, n, buffer);
+    return {buffer, head.cols()};
   }
-  /// B: depth × cols, stored in RhsOrder with leading dimension ld.
-  static void pack_rhs(Scalar* packed, const Scalar* b, Index ld, Index depth, Index cols) {
-    Eigen::internal::gemm_pack_rhs<Scalar, Index, RhsMapper, Traits::nr, RhsOrder> pack;
-    pack(packed, RhsMapper(b, ld), depth, cols);
-  }
-  /// C (rows × cols, column-major, leading dimension ldc) += A·B, from the packed panels.
-  static void kernel(Scalar* c, Index ldc, const Scalar* a_packed, const Scalar* b_packed,
-                     Index rows, Index depth, Index cols) {
-    Eigen::internal::gebp_kernel<Scalar, Scalar, Index, ResMapper, Traits::mr, Traits::nr> gebp;
-    gebp(ResMapper(c, ldc), a_packed, b_packed, rows, depth, cols, Scalar(1));
-  }
+}
+
+/// One block of keys of a problem: rows [row, row + n) of a segment, which are keys
+/// [index, index + n) of the whole problem.
+template <class TK, class TV>
+struct KeyBlock {
+  const KeySegment<TK, TV>* segment;
+  Index row, n, index;
+  Index position() const { return segment->first_position + row; }
 };
 
-/// The running state of one query block (M stacked rows) while key blocks stream past.
-template <class Scalar>
-class FlashBlock {
- public:
-  static constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  static constexpr Scalar kNaN = std::numeric_limits<Scalar>::quiet_NaN();
+/// Calls f(KeyBlock) for the keys [begin, end) of the problem, in order, in blocks of at most
+/// `block` keys that never straddle two segments.
+template <class P, class F>
+void for_each_key_block(const P& p, Index begin, Index end, Index block, F&& f) {
+  Index first = 0;  // problem index of the segment's first key
+  for (Index s = 0; s < p.num_segments; ++s) {
+    const auto& segment = p.segments[s];
+    const Index size = segment.k.seq();
+    const Index lo = std::max(begin, first);
+    const Index hi = std::min(end, first + size);
+    for (Index k0 = lo; k0 < hi; k0 += block) {
+      f(KeyBlock<typename P::Key, typename P::Value>{&segment, k0 - first, std::min(block, hi - k0),
+                                                     k0});
+    }
+    first += size;
+  }
+}
 
-  /// Query rows [q0, q0 + bq) of the G heads that share key/value head (b, kv_head), against
-  /// key blocks of at most key_block rows, with the GEMM kernel or the streaming one.
-  FlashBlock(const FlashProblem<Scalar>& p, Index b, Index kv_head, Index q0, Index bq,
-             Index key_block, bool stream)
+// ---------------------------------------------------------------------------------------------
+// The tile: one task's stacked query rows while key blocks stream past
+// ---------------------------------------------------------------------------------------------
+
+/// The running state of one task (M = G·bq stacked rows of the G heads that share key/value head
+/// (b, kv_head), query rows [q0, q0 + bq)), computing in C.
+template <class C, class P>
+class AttentionTile {
+ public:
+  using Block = KeyBlock<typename P::Key, typename P::Value>;
+
+  /// `streaming` picks the path; key_block is the most keys add_keys will be given at once.
+  AttentionTile(const P& p, Index b, Index kv_head, Index q0, Index bq, Index key_block,
+                bool streaming)
       : p_(p),
-        streaming_(stream),
+        streaming_(streaming),
         b_(b),
         kv_head_(kv_head),
         q0_(q0),
@@ -233,517 +269,375 @@ class FlashBlock {
         rows_(p.group * bq),
         ld_s_(padded(key_block)),
         ld_acc_(padded(p.d_v)) {
-    using S = FlashScratch<Scalar>;
-    S& scratch = S::for_this_thread();
-    if (!stream) {
-      q_packed_ = scratch.get(S::kQPacked, rows_ * p.d_qk);
-      k_copy_ = scratch.get(S::kKCopy, key_block * p.d_qk);
-      k_packed_ = scratch.get(S::kKPacked, key_block * p.d_qk);
-      p_packed_ = scratch.get(S::kPPacked, rows_ * key_block);
-      v_copy_ = scratch.get(S::kVCopy, key_block * p.d_v);
-      v_packed_ = scratch.get(S::kVPacked, key_block * p.d_v);
-    }
-    scores_ = scratch.get(S::kScores, rows_ * ld_s_);
-    acc_ = scratch.get(S::kAcc, rows_ * ld_acc_);
-    position_tile_ = scratch.get(S::kPositionTile, bq * ld_s_);
-    row_max_ = scratch.get(S::kRowStats, 3 * rows_);
-    row_sum_ = row_max_ + rows_;
-    row_scale_ = row_sum_ + rows_;
-
-    // Qs = scale·Q with the G heads' rows stacked, packed once as the right-hand side Qsᵀ
-    // (d_qk × M, column-major = Qs row-major) of every score product.
-    q_stacked_ = scratch.get(S::kQStacked, rows_ * p.d_qk);
-    for (Index g = 0; g < p.group; ++g) {
-      Eigen::Map<RowMatrix<Scalar>>(q_stacked_ + g * bq * p.d_qk, bq, p.d_qk) =
-          p.scale * p.q.head(b, kv_head * p.group + g).middleRows(q0, bq);
-    }
-    if (!stream) ScoreGemm::pack_rhs(q_packed_, q_stacked_, p.d_qk, p.d_qk, rows_);
-
-    std::fill(row_max_, row_max_ + rows_, kNegInf);
-    std::fill(row_sum_, row_sum_ + rows_, Scalar(0));
-    std::fill(acc_, acc_ + rows_ * ld_acc_, Scalar(0));
+    allocate(key_block);
+    load_queries();
+    std::fill(stats_, stats_ + rows_, SoftmaxStats<C>{});
+    std::fill(acc_, acc_ + rows_ * ld_acc_, C(0));
   }
 
   Index rows() const { return rows_; }
+  /// Whether a score was not finite (a float pass must then be redone in double).
+  bool saw_non_finite_score() const { return non_finite_score_; }
 
-  /// Folds keys [k0, k0 + n) (n ≤ key_block) into the running state.
-  void add_keys(Index k0, Index n) {
+  /// Folds one block of keys into the running state: score, mask, softmax, accumulate.
+  void add_keys(const Block& keys) {
     const Index query_pos = p_.first_query + q0_;
-    const Index key_pos = p_.positions.key_offset + k0;
-    const BlockCoverage coverage =
-        classify_block(p_.positions, query_pos, query_pos + bq_, key_pos, key_pos + n);
+    const BlockCoverage coverage = classify_block(p_.positions, query_pos, query_pos + bq_,
+                                                  keys.position(), keys.position() + keys.n);
     if (coverage == BlockCoverage::kNone) return;
+    score(keys);
+    mask(keys, coverage);
+    const bool hidden = softmax(keys.n);
+    accumulate(keys, hidden);
+  }
 
-    if (streaming()) {
-      stream_scores(k0, n);
-    } else {
-      // Sᵀ = K_j·Qsᵀ: Bk × M column-major, i.e. S (M × Bk) row-major with stride ld_s_.
-      std::fill(scores_, scores_ + rows_ * ld_s_, Scalar(0));
-      if (p_.d_qk > 0) {
-        copy_rows(p_.k.head(b_, kv_head_), k0, n, k_copy_);
-        ScoreGemm::pack_lhs(k_packed_, k_copy_, p_.d_qk, n, p_.d_qk);
-        ScoreGemm::kernel(scores_, ld_s_, k_packed_, q_packed_, n, p_.d_qk, rows_);
-      }
+  /// Ends stacked row r: writes its d_v outputs to `out` (rounded once to T) and returns its
+  /// statistics (softmax_finish).
+  template <class T>
+  SoftmaxStats<C> finish_row(Index r, T* out) const {
+    return softmax_finish(stats_[r], acc_ + r * ld_acc_, p_.d_v, out);
+  }
+
+  /// Query head and query row of stacked row r.
+  Index head_of(Index r) const { return kv_head_ * p_.group + r / bq_; }
+  Index query_of(Index r) const { return q0_ + r % bq_; }
+
+ private:
+  using RowArray = Eigen::Map<Eigen::Array<C, 1, Eigen::Dynamic>>;
+  using ConstRowArray = Eigen::Map<const Eigen::Array<C, 1, Eigen::Dynamic>>;
+
+  void allocate(Index key_block) {
+    ThreadScratch& scratch = ThreadScratch::local();
+    const auto get = [&](ScratchSlot slot, Index count) { return scratch.get<C>(slot, count); };
+    const bool gemm = !streaming_;
+    const bool widen_k = !std::is_same_v<typename P::Key, C>;
+    const bool widen_v = !std::is_same_v<typename P::Value, C>;
+    q_stacked_ = get(ScratchSlot::kQStacked, rows_ * p_.d_qk);
+    if (gemm || widen_k) k_copy_ = get(ScratchSlot::kKCopy, key_block * p_.d_qk);
+    if (gemm || widen_v) v_copy_ = get(ScratchSlot::kVCopy, key_block * p_.d_v);
+    if (gemm && TileGemm<C>::kPacks) {
+      q_packed_ = get(ScratchSlot::kQPacked, rows_ * p_.d_qk);
+      k_packed_ = get(ScratchSlot::kKPacked, key_block * p_.d_qk);
+      p_packed_ = get(ScratchSlot::kPPacked, rows_ * key_block);
+      v_packed_ = get(ScratchSlot::kVPacked, key_block * p_.d_v);
     }
+    scores_ = get(ScratchSlot::kScores, rows_ * ld_s_);
+    acc_ = get(ScratchSlot::kAcc, rows_ * ld_acc_);
+    position_tile_ = get(ScratchSlot::kPositionTile, bq_ * ld_s_);
+    stats_ = scratch.get<SoftmaxStats<C>>(ScratchSlot::kRowStats, rows_);
+    alpha_ = get(ScratchSlot::kRowScale, rows_);
+  }
 
-    if (coverage == BlockCoverage::kPartial) fill_position_tile(query_pos, key_pos, n);
-    const bool may_hide_keys =
-        coverage == BlockCoverage::kPartial || !p_.allowed.empty() || !p_.bias.empty();
-    bool rescale = false;
+  /// Qs = scale·Q with the G heads' rows stacked, widened to C; packed once for the GEMM path.
+  void load_queries() {
+    const C scale = static_cast<C>(p_.scale);
+    for (Index g = 0; g < p_.group; ++g) {
+      Eigen::Map<RowMatrix<C>>(q_stacked_ + g * bq_ * p_.d_qk, bq_, p_.d_qk) =
+          p_.q.head(b_, kv_head_ * p_.group + g).middleRows(q0_, bq_).template cast<C>() * scale;
+    }
+    if (!streaming_) TileGemm<C>::pack_queries(q_packed_, q_stacked_, rows_, p_.d_qk);
+  }
+
+  /// score: S (rows × n, leading dimension ld_s) = Qs·Kᵀ for the block's keys. A float pass
+  /// also notes whether every raw score is finite (see COMPUTE TYPE).
+  void score(const Block& keys) {
+    const auto k_head = keys.segment->k.head(b_, kv_head_);
+    if (streaming_) {
+      const ConstRows<C> k = read_rows<C>(k_head, keys.row, keys.n, k_copy_);
+      stream_scores(scores_, ld_s_, q_stacked_, rows_, k.data, k.stride, keys.n, p_.d_qk);
+    } else {
+      load_rows<C>(k_head, keys.row, keys.n, k_copy_);
+      TileGemm<C>::scores(scores_, ld_s_, k_copy_, k_packed_, q_packed_, q_stacked_, rows_, keys.n,
+                          p_.d_qk);
+    }
+    if constexpr (std::is_same_v<C, float>) {
+      non_finite_score_ = non_finite_score_ || !all_finite(scores_, rows_, keys.n, ld_s_);
+    }
+  }
+
+  /// mask: softcap(x) = c·tanh(x / c) on the scaled score, then the bias, then the position
+  /// rule and the dense mask, which select -inf rather than add, so that a forbidden key's score
+  /// is -inf whatever its key or bias held (NaN included).
+  void mask(const Block& keys, BlockCoverage coverage) {
+    constexpr C kNegInf = -std::numeric_limits<C>::infinity();
+    const Index n = keys.n;
+    if (coverage == BlockCoverage::kPartial) fill_position_tile(keys);
+    const C softcap = static_cast<C>(p_.softcap);
     for (Index r = 0; r < rows_; ++r) {
       RowArray s(scores_ + r * ld_s_, n);
-      const Index g = r / bq_;
-      const Index i = r - g * bq_;
-      // softcap(x) = c·tanh(x / c) on the scaled score, before the mask and the bias, so that
-      // a forbidden key stays forbidden (SdpaParams::softcap).
-      if (p_.softcap > 0) s = p_.softcap * (s * (Scalar(1) / p_.softcap)).tanh();
+      const Index h = head_of(r);
+      const Index i = query_of(r);
+      if (softcap > C(0)) s = softcap * (s * (C(1) / softcap)).tanh();
       if (!p_.bias.empty()) {
         // A bias of -inf forbids the key even where the score is NaN (NaN + -inf is NaN).
-        const ConstRowArray bias = bias_row(g, i, k0, n);
+        const auto bias =
+            p_.bias.head(b_, h).row(i).segment(keys.index, n).array().template cast<C>();
         s = (bias == kNegInf).select(kNegInf, s + bias);
       }
-      // The masks come last and select rather than add, so that a forbidden key's score is
-      // -inf whatever its key or bias held (NaN included).
-      if (coverage == BlockCoverage::kPartial)
-        forbid_where_negative(s.data(), position_tile_ + i * ld_s_, n);
-      if (!p_.allowed.empty()) apply_allowed(s, g, i, k0, n);
+      if (coverage == BlockCoverage::kPartial) {
+        forbid_unless_positive(s.data(), position_tile_ + (i - q0_) * ld_s_, n);
+      }
+      if (!p_.allowed.empty()) {
+        const bool* allowed = p_.allowed.head(b_, h).row(i).data() + keys.index;
+        for (Index j = 0; j < n; ++j) {
+          if (!allowed[j]) s[j] = kNegInf;
+        }
+      }
+    }
+  }
 
-      const Scalar old_max = row_max_[r];
-      const Scalar block_max = s.template maxCoeff<Eigen::PropagateNaN>();
-      if (std::isnan(block_max) || std::isnan(old_max)) {
-        // A NaN score among the allowed keys (NaN in q, in an allowed k, or in the bias): the
-        // row's result is NaN (finish_row), and nothing else depends on it.
-        row_max_[r] = kNaN;
-        s.setZero();
-        row_scale_[r] = Scalar(1);
-        continue;
+  /// position_tile(i, j) = +inf where the PositionMask allows query q0 + i and the block's key j,
+  /// -inf where it forbids the pair: evaluated once per block, shared by the G stacked heads.
+  void fill_position_tile(const Block& keys) {
+    constexpr C kInf = std::numeric_limits<C>::infinity();
+    const Index query_pos = p_.first_query + q0_;
+    for (Index i = 0; i < bq_; ++i) {
+      C* tile = position_tile_ + i * ld_s_;
+      for (Index j = 0; j < keys.n; ++j) {
+        tile[j] = p_.positions.allows(query_pos + i, keys.position() + j) ? kInf : -kInf;
       }
-      const Scalar new_max = std::max(old_max, block_max);
-      if (new_max == kNegInf) {  // nothing allowed so far: P = 0, the state is unchanged
-        s.setZero();
-        row_scale_[r] = Scalar(1);
-        continue;
-      }
-      if (may_hide_keys) {
-        exp_keeping_hidden_zero(s.data(), n, new_max);
-      } else {
-        s = (s - new_max).exp();
-      }
-      const Scalar alpha = old_max == new_max ? Scalar(1) : std::exp(old_max - new_max);
-      row_scale_[r] = alpha;
-      rescale = rescale || alpha != Scalar(1);
-      row_sum_[r] = alpha * row_sum_[r] + s.sum();
-      row_max_[r] = new_max;
+    }
+  }
+
+  /// softmax: the online-softmax update of every row (softmax_update), then acc *= α for the
+  /// rows whose maximum moved. Returns whether some key of the block takes no part in some row.
+  bool softmax(Index n) {
+    bool rescale = false;
+    bool hidden = false;
+    for (Index r = 0; r < rows_; ++r) {
+      alpha_[r] = softmax_update(stats_[r], scores_ + r * ld_s_, n, hidden);
+      rescale = rescale || alpha_[r] != C(1);
     }
     if (rescale) {
       for (Index r = 0; r < rows_; ++r) {
-        if (row_scale_[r] != Scalar(1)) RowArray(acc_ + r * ld_acc_, p_.d_v) *= row_scale_[r];
+        if (alpha_[r] != C(1)) RowArray(acc_ + r * ld_acc_, p_.d_v) *= alpha_[r];
       }
     }
+    return hidden;
+  }
 
-    // P(r, j) = 0 for a forbidden key, and 0·NaN = NaN: where a block may hide keys and holds a
-    // value that is not finite, only the keys each row may see are added.
-    if (may_hide_keys && p_.d_v > 0 && !values_finite(k0, n)) {
-      update_visible_keys(k0, n);
-    } else if (streaming()) {
-      stream_update(k0, n);
-    } else if (p_.d_v > 0) {
-      // accᵀ += V_jᵀ·Pᵀ: d_v × M column-major, i.e. acc (M × d_v) row-major.
-      copy_rows(p_.v.head(b_, kv_head_), k0, n, v_copy_);
-      UpdateGemm::pack_lhs(v_packed_, v_copy_, p_.d_v, p_.d_v, n);
-      UpdateGemm::pack_rhs(p_packed_, scores_, ld_s_, n, rows_);
-      UpdateGemm::kernel(acc_, ld_acc_, v_packed_, p_packed_, p_.d_v, n, rows_);
+  /// accumulate: acc += P·V for the block's values. Where some key takes no part (`hidden`)
+  /// and the block holds a value that is not finite, only the keys that take part are added (a
+  /// weight of -0.0 times NaN would be NaN).
+  void accumulate(const Block& keys, bool hidden) {
+    if (p_.d_v == 0) return;
+    const auto v_head = keys.segment->v.head(b_, kv_head_);
+    ConstRows<C> v{v_copy_, p_.d_v};
+    if (streaming_) {
+      v = read_rows<C>(v_head, keys.row, keys.n, v_copy_);
+    } else {
+      load_rows<C>(v_head, keys.row, keys.n, v_copy_);
+    }
+    if (hidden && !all_finite(v.data, keys.n, p_.d_v, v.stride)) {
+      accumulate_visible(v, keys.n);
+    } else if (streaming_) {
+      stream_update(acc_, ld_acc_, scores_, ld_s_, rows_, v.data, v.stride, keys.n, p_.d_v);
+    } else {
+      TileGemm<C>::update(acc_, ld_acc_, scores_, ld_s_, p_packed_, v_copy_, v_packed_, rows_,
+                          keys.n, p_.d_v);
     }
   }
 
-  /// Stacked row r normalised, out_row = acc_r / l_r, and returns its lse = m_r + log l_r; a row
-  /// that saw no allowed key is written as zeros and returns -inf, a row with a NaN score (or an
-  /// infinite one, whose weight is inf - inf) is written as NaN and returns NaN.
-  template <class OutRow>
-  Scalar finish_row(Index r, OutRow&& out_row) const {
-    const Scalar total = row_sum_[r];
-    if (std::isnan(row_max_[r]) || std::isnan(total)) {
-      out_row.setConstant(kNaN);
-      return kNaN;
-    }
-    if (!(total > Scalar(0))) {
-      out_row.setZero();
-      return kNegInf;
-    }
-    out_row = ConstRowVector(acc_ + r * ld_acc_, p_.d_v) * (Scalar(1) / total);
-    return row_max_[r] + std::log(total);
-  }
-
- private:
-  using RowArray = Eigen::Map<Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
-  using ConstRowArray = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
-  using ConstRowVector = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>;
-  // Sᵀ = K·Qsᵀ: K row-major (Bk × d_qk), Qsᵀ column-major (d_qk × M).
-  using ScoreGemm = EigenGemm<Scalar, Eigen::RowMajor, Eigen::ColMajor>;
-  // accᵀ += Vᵀ·Pᵀ: Vᵀ column-major (d_v × Bk, i.e. V row-major), Pᵀ column-major (Bk × M).
-  using UpdateGemm = EigenGemm<Scalar, Eigen::ColMajor, Eigen::ColMajor>;
-
-  // ---- the streaming kernel (see the top of this file) ----------------------------------
-  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
-  static constexpr Index kPacket = Eigen::internal::unpacket_traits<Packet>::size;
-
-  bool streaming() const { return streaming_; }
-
-  /// S(r, j) = Qs_r · k_j for the stacked rows r and keys k0 + j, j < n.
-  void stream_scores(Index k0, Index n) {
-    namespace ei = Eigen::internal;
-    const auto k_head = p_.k.head(b_, kv_head_);
-    const Index d = p_.d_qk;
-    const Index vectorised = d / kPacket * kPacket;
-    for (Index j = 0; j < n; ++j) {
-      const Scalar* key = k_head.data() + (k0 + j) * k_head.outerStride();
-      Index r = 0;
-      for (; r + 4 <= rows_; r += 4) {
-        const Scalar* q = q_stacked_ + r * d;
-        Packet a0 = ei::pset1<Packet>(Scalar(0)), a1 = a0, a2 = a0, a3 = a0;
-        for (Index c = 0; c < vectorised; c += kPacket) {
-          const Packet kc = ei::ploadu<Packet>(key + c);
-          a0 = ei::pmadd(ei::ploadu<Packet>(q + c), kc, a0);
-          a1 = ei::pmadd(ei::ploadu<Packet>(q + d + c), kc, a1);
-          a2 = ei::pmadd(ei::ploadu<Packet>(q + 2 * d + c), kc, a2);
-          a3 = ei::pmadd(ei::ploadu<Packet>(q + 3 * d + c), kc, a3);
-        }
-        Scalar s0 = ei::predux(a0), s1 = ei::predux(a1), s2 = ei::predux(a2), s3 = ei::predux(a3);
-        for (Index c = vectorised; c < d; ++c) {
-          s0 += q[c] * key[c];
-          s1 += q[d + c] * key[c];
-          s2 += q[2 * d + c] * key[c];
-          s3 += q[3 * d + c] * key[c];
-        }
-        scores_[r * ld_s_ + j] = s0;
-        scores_[(r + 1) * ld_s_ + j] = s1;
-        scores_[(r + 2) * ld_s_ + j] = s2;
-        scores_[(r + 3) * ld_s_ + j] = s3;
-      }
-      for (; r < rows_; ++r) {
-        const Scalar* q = q_stacked_ + r * d;
-        Packet a = ei::pset1<Packet>(Scalar(0));
-        for (Index c = 0; c < vectorised; c += kPacket) {
-          a = ei::pmadd(ei::ploadu<Packet>(q + c), ei::ploadu<Packet>(key + c), a);
-        }
-        Scalar sum = ei::predux(a);
-        for (Index c = vectorised; c < d; ++c) sum += q[c] * key[c];
-        scores_[r * ld_s_ + j] = sum;
-      }
-    }
-  }
-
-  /// acc_r += Σ_j P(r, j) v_j for values k0 + j, j < n, in groups of kStreamKeys keys so that
-  /// the 4 × 4 packets of acc being updated stay in registers.
-  void stream_update(Index k0, Index n) {
-    namespace ei = Eigen::internal;
-    constexpr Index kStreamKeys = 8;
-    const auto v_head = p_.v.head(b_, kv_head_);
-    const Index dv = p_.d_v;
-    for (Index j0 = 0; j0 < n; j0 += kStreamKeys) {
-      const Index j1 = std::min(n, j0 + kStreamKeys);
-      const Scalar* values = v_head.data() + (k0 + j0) * v_head.outerStride();
-      const Index stride = v_head.outerStride();
-      Index r = 0;
-      for (; r + 4 <= rows_; r += 4) {
-        Scalar* acc = acc_ + r * ld_acc_;
-        const Scalar* prob = scores_ + r * ld_s_;
-        Index c = 0;
-        for (; c + 4 * kPacket <= dv; c += 4 * kPacket) {
-          Packet acc_block[4][4];
-          for (int i = 0; i < 4; ++i) {
-            for (int u = 0; u < 4; ++u) {
-              acc_block[i][u] = ei::pload<Packet>(acc + i * ld_acc_ + c + u * kPacket);
-            }
-          }
-          for (Index j = j0; j < j1; ++j) {
-            const Scalar* value = values + (j - j0) * stride + c;
-            Packet v[4];
-            for (int u = 0; u < 4; ++u) v[u] = ei::ploadu<Packet>(value + u * kPacket);
-            for (int i = 0; i < 4; ++i) {
-              const Packet w = ei::pset1<Packet>(prob[i * ld_s_ + j]);
-              for (int u = 0; u < 4; ++u) acc_block[i][u] = ei::pmadd(w, v[u], acc_block[i][u]);
-            }
-          }
-          for (int i = 0; i < 4; ++i) {
-            for (int u = 0; u < 4; ++u) {
-              ei::pstore(acc + i * ld_acc_ + c + u * kPacket, acc_block[i][u]);
-            }
-          }
-        }
-        for (; c + kPacket <= dv; c += kPacket) {
-          Packet acc_column[4];
-          for (int i = 0; i < 4; ++i) acc_column[i] = ei::pload<Packet>(acc + i * ld_acc_ + c);
-          for (Index j = j0; j < j1; ++j) {
-            const Packet v = ei::ploadu<Packet>(values + (j - j0) * stride + c);
-            for (int i = 0; i < 4; ++i) {
-              acc_column[i] = ei::pmadd(ei::pset1<Packet>(prob[i * ld_s_ + j]), v, acc_column[i]);
-            }
-          }
-          for (int i = 0; i < 4; ++i) ei::pstore(acc + i * ld_acc_ + c, acc_column[i]);
-        }
-        for (; c < dv; ++c) {
-          for (Index j = j0; j < j1; ++j) {
-            const Scalar value = values[(j - j0) * stride + c];
-            for (int i = 0; i < 4; ++i) acc[i * ld_acc_ + c] += prob[i * ld_s_ + j] * value;
-          }
-        }
-      }
-      for (; r < rows_; ++r) {
-        RowArray acc(acc_ + r * ld_acc_, dv);
-        for (Index j = j0; j < j1; ++j) {
-          acc += scores_[r * ld_s_ + j] * ConstRowArray(values + (j - j0) * stride, dv);
-        }
-      }
-    }
-  }
-
-  /// Rows [k0, k0 + n) of a key or value head, copied contiguously to `dst`.
-  template <class HeadMap>
-  static void copy_rows(const HeadMap& head, Index k0, Index n, Scalar* dst) {
-    const Index cols = head.cols();
-    const Index stride = head.outerStride();
-    using Span = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
-    using ConstSpan = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
-    if (stride == cols) {  // one contiguous range
-      Span(dst, n * cols) = ConstSpan(head.data() + k0 * stride, n * cols);
-      return;
-    }
-    for (Index j = 0; j < n; ++j) {
-      Span(dst + j * cols, cols) = ConstSpan(head.data() + (k0 + j) * stride, cols);
-    }
-  }
-
-  /// position_tile(i, j) = +inf where the PositionMask allows query q0 + i and key k0 + j and
-  /// -inf where it forbids the pair.
-  void fill_position_tile(Index query_pos, Index key_pos, Index n) {
-    constexpr Scalar kPosInf = std::numeric_limits<Scalar>::infinity();
-    for (Index i = 0; i < bq_; ++i) {
-      Scalar* tile = position_tile_ + i * ld_s_;
-      for (Index j = 0; j < n; ++j) {
-        tile[j] = p_.positions.allows(query_pos + i, key_pos + j) ? kPosInf : kNegInf;
-      }
-    }
-  }
-
-  /// s_j = -inf where tile_j < 0 (the pair is forbidden), s_j unchanged elsewhere, whatever s_j
-  /// holds (NaN included): a select in packets, as Eigen 3.4's Array::select is not vectorised.
-  static void forbid_where_negative(Scalar* s, const Scalar* tile, Index n) {
-    namespace ei = Eigen::internal;
-    const Packet zero = ei::pset1<Packet>(Scalar(0));
-    const Packet neg_inf = ei::pset1<Packet>(kNegInf);
-    Index j = 0;
-    for (; j + kPacket <= n; j += kPacket) {
-      const Packet allowed = ei::pcmp_lt(zero, ei::ploadu<Packet>(tile + j));
-      ei::pstoreu(s + j, ei::pselect(allowed, ei::ploadu<Packet>(s + j), neg_inf));
-    }
-    for (; j < n; ++j) {
-      if (!(tile[j] > Scalar(0))) s[j] = kNegInf;
-    }
-  }
-
-  /// s_j = exp(s_j - max), and exactly 0 where s_j = -inf: Eigen's vectorised exp clamps its
-  /// argument (exp(-inf) is 5.6e-309 in double), and a hidden key must weigh nothing.
-  static void exp_keeping_hidden_zero(Scalar* s, Index n, Scalar max) {
-    namespace ei = Eigen::internal;
-    const Packet zero = ei::pset1<Packet>(Scalar(0));
-    const Packet neg_inf = ei::pset1<Packet>(kNegInf);
-    const Packet m = ei::pset1<Packet>(max);
-    Index j = 0;
-    for (; j + kPacket <= n; j += kPacket) {
-      const Packet x = ei::ploadu<Packet>(s + j);
-      ei::pstoreu(s + j, ei::pselect(ei::pcmp_eq(x, neg_inf), zero, ei::pexp(ei::psub(x, m))));
-    }
-    for (; j < n; ++j) s[j] = s[j] == kNegInf ? Scalar(0) : std::exp(s[j] - max);
-  }
-
-  /// Whether values k0 .. k0 + n - 1 are all finite.
-  bool values_finite(Index k0, Index n) const {
-    return p_.v.head(b_, kv_head_).middleRows(k0, n).allFinite();
-  }
-
-  /// acc_r += Σ_j P(r, j) v_j over the keys with P(r, j) ≠ 0 only, one row at a time: the slow
-  /// path of blocks whose hidden keys may hold NaN or ±inf values.
-  void update_visible_keys(Index k0, Index n) {
-    const auto v_head = p_.v.head(b_, kv_head_);
+  /// acc_r += Σ_j P(r, j) v_j over the keys that take part (weight without the sign bit), one
+  /// row at a time: the slow path of blocks whose hidden keys may hold NaN or ±inf values.
+  void accumulate_visible(const ConstRows<C>& v, Index n) {
     for (Index r = 0; r < rows_; ++r) {
-      Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>> acc(acc_ + r * ld_acc_, p_.d_v);
-      const Scalar* prob = scores_ + r * ld_s_;
+      RowArray acc(acc_ + r * ld_acc_, p_.d_v);
+      const C* weight = scores_ + r * ld_s_;
       for (Index j = 0; j < n; ++j) {
-        if (prob[j] != Scalar(0)) acc.noalias() += prob[j] * v_head.row(k0 + j);
+        if (!std::signbit(weight[j]))
+          acc += weight[j] * ConstRowArray(v.data + j * v.stride, p_.d_v);
       }
     }
   }
 
-  void apply_allowed(RowArray& s, Index g, Index i, Index k0, Index n) const {
-    const bool* allowed = p_.allowed.head(b_, kv_head_ * p_.group + g).row(q0_ + i).data() + k0;
-    for (Index j = 0; j < n; ++j) {
-      if (!allowed[j]) s[j] = kNegInf;
-    }
-  }
-
-  ConstRowArray bias_row(Index g, Index i, Index k0, Index n) const {
-    return ConstRowArray(p_.bias.head(b_, kv_head_ * p_.group + g).row(q0_ + i).data() + k0, n);
-  }
-
-  const FlashProblem<Scalar>& p_;
+  const P& p_;
   bool streaming_;
+  bool non_finite_score_ = false;
   Index b_, kv_head_, q0_, bq_, rows_, ld_s_, ld_acc_;
-  Scalar* q_stacked_ = nullptr;
-  Scalar* q_packed_ = nullptr;
-  Scalar* k_copy_ = nullptr;
-  Scalar* k_packed_ = nullptr;
-  Scalar* scores_ = nullptr;
-  Scalar* p_packed_ = nullptr;
-  Scalar* v_copy_ = nullptr;
-  Scalar* v_packed_ = nullptr;
-  Scalar* acc_ = nullptr;
-  Scalar* position_tile_ = nullptr;
-  Scalar* row_max_ = nullptr;
-  Scalar* row_sum_ = nullptr;
-  Scalar* row_scale_ = nullptr;
+  C* q_stacked_ = nullptr;
+  C* q_packed_ = nullptr;
+  C* k_copy_ = nullptr;
+  C* k_packed_ = nullptr;
+  C* scores_ = nullptr;
+  C* p_packed_ = nullptr;
+  C* v_copy_ = nullptr;
+  C* v_packed_ = nullptr;
+  C* acc_ = nullptr;
+  C* position_tile_ = nullptr;
+  SoftmaxStats<C>* stats_ = nullptr;
+  C* alpha_ = nullptr;
 };
 
-/// A block length in [1, max(1, limit)].
-inline Index clamp_block(Index block, Index limit) {
-  return std::max<Index>(1, std::min(block, limit));
+// ---------------------------------------------------------------------------------------------
+// Schedulers
+// ---------------------------------------------------------------------------------------------
+
+/// How a call is cut into tasks, from the shapes and the blocking alone (never the thread count).
+struct AttentionPlan {
+  Index query_block = 1;   ///< Bq
+  Index query_blocks = 0;  ///< ⌈S_q / Bq⌉
+  bool split = false;      ///< split-key decoding
+  Index chunk = 0;         ///< keys per chunk when split
+  Index chunks = 0;        ///< chunks per (b, kv head) when split
+};
+
+/// The key block of a tile, for the path it takes.
+inline Index key_block_for(bool streaming, const FlashBlocking& blocking, Index keys) {
+  return clamp_block(streaming ? blocking.stream_key_block : blocking.key_block, keys);
 }
 
-/// Decoding's partial results, on the calling thread; grows only.
-template <class Scalar>
-Scalar* decode_partials(Index size) {
-  thread_local Vector<Scalar> buffer;
-  if (buffer.size() < size) buffer.resize(size);
-  return buffer.data();
+/// Query blocks of Bq = stacked_rows / G rows. Keys are split when every query fits in one
+/// block (a few new tokens against a long cache), the (b, kv head) pairs are fewer than
+/// split_below (so that the threads would otherwise idle), and the partial results of at least
+/// two chunks per pair fit in partial_budget scalars: B·H_kv·chunks·M·(d_v + 2) <= budget, M =
+/// G·S_q. The chunks are as many as fit (each at least decode_chunk keys, a whole number of key
+/// blocks), so the partials are bounded whatever S_k, and a call with many query rows, whose
+/// tasks are compute-bound anyway, is not split.
+template <class P>
+AttentionPlan plan_attention(const P& p, Index kv_heads, const FlashBlocking& blocking) {
+  AttentionPlan plan;
+  plan.query_block = std::min(std::max<Index>(1, blocking.stacked_rows / p.group), p.s_q);
+  plan.query_blocks = (p.s_q + plan.query_block - 1) / plan.query_block;
+  const Index pairs = p.q.batch() * kv_heads;
+  const Index shortest = std::max<Index>(1, blocking.decode_chunk);
+  if (plan.query_blocks != 1 || pairs >= blocking.split_below || p.s_k < 2 * shortest) return plan;
+  const Index record = p.group * p.s_q * (p.d_v + 2);  // scalars of one chunk's partial result
+  const Index fit = blocking.partial_budget / std::max<Index>(1, pairs * record);
+  const Index wanted = std::min(fit, p.s_k / shortest);  // chunks per pair
+  if (wanted < 2) return plan;
+  const bool streaming = p.group * p.s_q <= blocking.stream_rows;
+  const Index block = key_block_for(streaming, blocking, p.s_k);
+  plan.chunk = (p.s_k + wanted - 1) / wanted;
+  if (plan.chunk > block) plan.chunk = (plan.chunk + block - 1) / block * block;
+  plan.chunks = (p.s_k + plan.chunk - 1) / plan.chunk;
+  plan.split = plan.chunks >= 2;
+  return plan;
 }
 
-/// The fast path of apex::sdpa (see the top of this file). The arguments have passed
-/// check_sdpa; `scale` is resolved and `softcap` is 0 when off.
-///   q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v], allowed and
-///   bias: [1 or B, 1 or H_q, S_q, S_k] or empty -> out: [B, H_q, S_q, d_v],
-///   lse (optional): [B, H_q, S_q, 1]
-template <class Scalar>
-void flash_sdpa(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                const HeadsView<const Scalar>& v, const PositionMask& positions,
-                const HeadsView<const bool>& allowed, const HeadsView<const Scalar>& bias,
-                double scale, double softcap, const HeadsView<Scalar>& out,
-                const HeadsView<Scalar>& lse, const FlashBlocking& blocking = {}) {
-  require_supported_scalar<Scalar>();
-  FlashProblem<Scalar> p;
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.positions = positions;
-  p.allowed = allowed;
-  p.bias = bias;
-  p.scale = static_cast<Scalar>(scale);
-  p.softcap = static_cast<Scalar>(softcap);
-  p.group = q.heads() / k.heads();
-  p.s_q = q.seq();
-  p.s_k = k.seq();
-  p.d_qk = q.dim();
-  p.d_v = v.dim();
-  p.first_query = positions.first_query_position(p.s_q, p.s_k);
-  const Index batch = q.batch();
-  const Index kv_heads = k.heads();
-  if (batch == 0 || q.heads() == 0 || p.s_q == 0) return;
+/// Writes a finished row's lse, max and sum where those outputs exist, and returns whether the
+/// row is finite: its written output, and a maximum that is finite or -inf (no key). Only a
+/// float pass asks (see COMPUTE TYPE): a double pass returns true without looking.
+template <class C, class TO>
+bool write_row_stats(const AttentionOutputs<TO>& o, Index b, Index h, Index i,
+                     const SoftmaxStats<C>& stats, const TO* out_row, Index d_v) {
+  if (!o.lse.empty()) o.lse.head(b, h)(i, 0) = static_cast<TO>(log_sum_exp(stats));
+  if (!o.max.empty()) o.max.head(b, h)(i, 0) = static_cast<TO>(stats.max);
+  if (!o.sum.empty()) o.sum.head(b, h)(i, 0) = static_cast<TO>(stats.sum);
+  if constexpr (!std::is_same_v<C, float>) return true;
+  const bool max_ok = std::isfinite(stats.max) || stats.max == -std::numeric_limits<C>::infinity();
+  return max_ok && all_finite(out_row, 1, d_v, d_v);
+}
 
-  const Index query_block = std::min(std::max<Index>(1, blocking.stacked_rows / p.group), p.s_q);
-  const Index query_blocks = (p.s_q + query_block - 1) / query_block;
-  const Index chunk = std::max<Index>(1, blocking.decode_chunk);
-  const bool decoding = query_blocks == 1 && p.s_k > chunk;
+/// The prefill scheduler: one task per (b, kv head, query block), every key in blocks. Returns
+/// whether everything was finite (see COMPUTE TYPE).
+template <class C, class P, class TO>
+bool run_prefill(const P& p, Index kv_heads, const AttentionOutputs<TO>& o,
+                 const AttentionPlan& plan, const FlashBlocking& blocking) {
+  std::atomic<bool> finite{true};
+  const Index blocks = plan.query_blocks;
+  parallel_for(p.q.batch() * kv_heads * blocks, [&](Index task) {
+    const Index pair = task / blocks;
+    const Index t = task - pair * blocks;
+    const Index block = t % 2 == 0 ? t / 2 : blocks - 1 - t / 2;
+    const Index b = pair / kv_heads;
+    const Index q0 = block * plan.query_block;
+    const Index bq = std::min(plan.query_block, p.s_q - q0);
+    const bool streaming = p.group * bq <= blocking.stream_rows;
+    const Index key_block = key_block_for(streaming, blocking, p.s_k);
+    AttentionTile<C, P> tile(p, b, pair - b * kv_heads, q0, bq, key_block, streaming);
+    for_each_key_block(p, 0, p.s_k, key_block, [&](const auto& keys) { tile.add_keys(keys); });
+    bool ok = !tile.saw_non_finite_score();
+    for (Index r = 0; r < tile.rows(); ++r) {
+      const Index h = tile.head_of(r);
+      const Index i = tile.query_of(r);
+      TO* out = o.out.head(b, h).row(i).data();
+      ok = write_row_stats<C>(o, b, h, i, tile.finish_row(r, out), out, p.d_v) && ok;
+    }
+    if (!ok) finite = false;
+  });
+  return finite;
+}
 
-  if (!decoding) {
-    // Prefill: one task per (b, kv head, query block), all keys in blocks of key_block.
-    parallel_for(batch * kv_heads * query_blocks, [&](Index task) {
-      const Index bh = task / query_blocks;
-      const Index t = task - bh * query_blocks;
-      const Index block = t % 2 == 0 ? t / 2 : query_blocks - 1 - t / 2;
-      const Index b = bh / kv_heads;
-      const Index kv_head = bh - b * kv_heads;
-      const Index q0 = block * query_block;
-      const Index bq = std::min(query_block, p.s_q - q0);
-      const bool streaming = p.group * bq <= blocking.stream_rows;
-      const Index key_block =
-          clamp_block(streaming ? blocking.stream_key_block : blocking.key_block, p.s_k);
-      FlashBlock<Scalar> state(p, b, kv_head, q0, bq, key_block, streaming);
-      for (Index k0 = 0; k0 < p.s_k; k0 += key_block) {
-        state.add_keys(k0, std::min(key_block, p.s_k - k0));
-      }
-      for (Index r = 0; r < state.rows(); ++r) {
-        const Index g = r / bq;
-        const Index h = kv_head * p.group + g;
-        const Index i = q0 + r - g * bq;
-        const Scalar row_lse = state.finish_row(r, out.head(b, h).row(i));
-        if (!lse.empty()) lse.head(b, h)(i, 0) = row_lse;
-      }
-    });
-    return;
-  }
-
-  // Decoding: one task per (b, kv head, chunk of keys), each writing its partial result for
-  // the M = G·S_q stacked rows as M records of d_v + 1 scalars (normalised output, then lse).
+/// The decode scheduler (split keys): every (b, kv head, chunk) task writes the partial result
+/// of its keys for the M = G·S_q stacked rows, as M records of d_v + 2 scalars (normalised
+/// output, m, l), on the calling thread's scratch; then every (b, kv head) merges its chunks in
+/// order (merge_rows). Returns whether everything was finite.
+template <class C, class P, class TO>
+bool run_decode(const P& p, Index kv_heads, const AttentionOutputs<TO>& o,
+                const AttentionPlan& plan, const FlashBlocking& blocking) {
   const Index rows = p.group * p.s_q;
   const bool streaming = rows <= blocking.stream_rows;
-  const Index key_block =
-      clamp_block(streaming ? blocking.stream_key_block : blocking.key_block, chunk);
-  const Index chunks = (p.s_k + chunk - 1) / chunk;
-  const Index record = p.d_v + 1;
-  Scalar* partials = decode_partials<Scalar>(batch * kv_heads * chunks * rows * record);
-  parallel_for(batch * kv_heads * chunks, [&](Index task) {
-    const Index bh = task / chunks;
-    const Index c = task - bh * chunks;
-    const Index b = bh / kv_heads;
-    FlashBlock<Scalar> state(p, b, bh - b * kv_heads, 0, p.s_q, key_block, streaming);
-    const Index k_end = std::min(p.s_k, (c + 1) * chunk);
-    for (Index k0 = c * chunk; k0 < k_end; k0 += key_block) {
-      state.add_keys(k0, std::min(key_block, k_end - k0));
-    }
-    Scalar* partial = partials + task * rows * record;
+  const Index key_block = key_block_for(streaming, blocking, plan.chunk);
+  const Index record = p.d_v + 2;
+  const Index pairs = p.q.batch() * kv_heads;
+  C* partials = ThreadScratch::local().get<C>(ScratchSlot::kDecodePartials,
+                                              pairs * plan.chunks * rows * record);
+  std::atomic<bool> finite{true};
+  parallel_for(pairs * plan.chunks, [&](Index task) {
+    const Index pair = task / plan.chunks;
+    const Index c = task - pair * plan.chunks;
+    const Index b = pair / kv_heads;
+    AttentionTile<C, P> tile(p, b, pair - b * kv_heads, 0, p.s_q, key_block, streaming);
+    const Index end = std::min(p.s_k, (c + 1) * plan.chunk);
+    for_each_key_block(p, c * plan.chunk, end, key_block,
+                       [&](const auto& keys) { tile.add_keys(keys); });
+    if (tile.saw_non_finite_score()) finite = false;
+    C* partial = partials + task * rows * record;
     for (Index r = 0; r < rows; ++r) {
-      Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>> out_row(partial + r * record, p.d_v);
-      partial[r * record + p.d_v] = state.finish_row(r, out_row);
+      const SoftmaxStats<C> stats = tile.finish_row(r, partial + r * record);
+      partial[r * record + p.d_v] = stats.max;
+      partial[r * record + p.d_v + 1] = stats.sum;
     }
   });
-  // Merge, for each (b, kv head) and stacked row, over the chunks in order.
-  parallel_for(batch * kv_heads, [&](Index bh) {
-    const Index b = bh / kv_heads;
-    const Index kv_head = bh - b * kv_heads;
-    const Scalar* first = partials + bh * chunks * rows * record;
+  parallel_for(pairs, [&](Index pair) {
+    const Index b = pair / kv_heads;
+    const Index kv_head = pair - b * kv_heads;
+    const C* first = partials + pair * plan.chunks * rows * record;
+    C* weights = ThreadScratch::local().get<C>(ScratchSlot::kMergeWeights, plan.chunks + p.d_v);
+    bool ok = true;
     for (Index r = 0; r < rows; ++r) {
-      const Index g = r / p.s_q;
-      const Index i = r - g * p.s_q;
-      const Index h = kv_head * p.group + g;
-      const auto part = [&](Index c) { return first + (c * rows + r) * record; };
-      Scalar max_lse = FlashBlock<Scalar>::kNegInf;
-      bool nan = false;
-      for (Index c = 0; c < chunks; ++c) {
-        max_lse = std::max(max_lse, part(c)[p.d_v]);
-        nan = nan || std::isnan(part(c)[p.d_v]);
-      }
-      auto out_row = out.head(b, h).row(i);
-      if (nan) {  // a chunk whose row is NaN (FlashBlock::finish_row) makes the row NaN
-        out_row.setConstant(FlashBlock<Scalar>::kNaN);
-        if (!lse.empty()) lse.head(b, h)(i, 0) = FlashBlock<Scalar>::kNaN;
-        continue;
-      }
-      out_row.setZero();
-      Scalar total = 0;
-      if (max_lse != FlashBlock<Scalar>::kNegInf) {
-        for (Index c = 0; c < chunks; ++c) {
-          const Scalar weight = std::exp(part(c)[p.d_v] - max_lse);
-          if (weight == Scalar(0)) continue;  // includes chunks with no allowed key
-          total += weight;
-          out_row +=
-              weight * Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(part(c), p.d_v);
-        }
-        out_row *= Scalar(1) / total;
-      }
-      if (!lse.empty()) {
-        lse.head(b, h)(i, 0) = total > Scalar(0) ? max_lse + std::log(total) : max_lse;
-      }
+      const auto part_at = [&](Index c) {
+        const C* rec = first + (c * rows + r) * record;
+        return PartRow<C, C>{rec, {rec[p.d_v], rec[p.d_v + 1]}};
+      };
+      const Index h = kv_head * p.group + r / p.s_q;
+      const Index i = r % p.s_q;
+      TO* out = o.out.head(b, h).row(i).data();
+      const SoftmaxStats<C> stats =
+          merge_rows<C>(plan.chunks, p.d_v, part_at, out, weights, weights + plan.chunks);
+      ok = write_row_stats<C>(o, b, h, i, stats, out, p.d_v) && ok;
     }
+    if (!ok) finite = false;
   });
+  return finite;
+}
+
+/// One pass of the kernel in the compute type C; returns whether everything was finite.
+template <class C, class P, class TO>
+bool attend(const P& p, const AttentionOutputs<TO>& o, const FlashBlocking& blocking) {
+  const Index kv_heads = p.segments[0].k.heads();
+  const AttentionPlan plan = plan_attention(p, kv_heads, blocking);
+  return plan.split ? run_decode<C>(p, kv_heads, o, plan, blocking)
+                    : run_prefill<C>(p, kv_heads, o, plan, blocking);
+}
+
+/// Runs the kernel on a problem whose every precondition holds (apex::sdpa checks them):
+/// at least one segment, all of one [B, H_kv] shape; outputs as AttentionOutputs says, not
+/// overlapping the inputs. Picks the compute type (see COMPUTE TYPE above).
+template <class P, class TO>
+void flash_attention(const P& p, const AttentionOutputs<TO>& o, const FlashBlocking& blocking) {
+  if (p.q.batch() == 0 || p.q.heads() == 0 || p.s_q == 0) return;
+  constexpr bool wide_input =
+      std::is_same_v<typename P::Query, double> || std::is_same_v<typename P::Key, double> ||
+      std::is_same_v<typename P::Value, double> || std::is_same_v<typename P::Bias, double>;
+  if constexpr (!wide_input) {
+    if (representable_in<float>(p.scale) && representable_in<float>(p.softcap) &&
+        attend<float>(p, o, blocking)) {
+      return;
+    }
+  }
+  attend<double>(p, o, blocking);
 }
 
 }  // namespace apex::detail

@@ -1,0 +1,179 @@
+// SPDX-License-Identifier: MIT
+// What the attention layers (GroupedQueryAttention in gqa.hpp, MultiHeadLatentAttention in
+// mla.hpp) share: their call parameters, the projections they hand to attention, and the checks
+// and steps of a layer's forward pass that do not depend on the kind of layer.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/detail/checks.hpp>
+#include <apex/detail/matmul.hpp>
+#include <apex/mask.hpp>
+#include <apex/mha.hpp>
+#include <apex/rope.hpp>
+#include <apex/sdpa.hpp>
+#include <apex/tensor.hpp>
+
+#include <cmath>
+#include <random>
+
+namespace apex {
+
+/// Parameters of an attention layer's forward pass.
+template <class Scalar>
+struct AttentionLayerParams {
+  /// Softmax scale (unset: 1/√d_qk, d_qk being the width of one query/key head) and soft-cap.
+  SdpaParams attention;
+  /// RoPE table (§4), not owned; it must outlive the call. GroupedQueryAttention rotates Q and
+  /// K with it when set (table head_dim = the layer's head_dim); MultiHeadLatentAttention needs
+  /// it for its decoupled RoPE (table head_dim = rope_dim d_r, §9.3).
+  const RopeTable<Scalar>* rope = nullptr;
+  /// Absolute position of the first row of every batch block for RoPE: row b*S + s is rotated
+  /// at position position_offset + s (0 for a prompt; p for a block continuing at position p).
+  /// Attention itself is over the block's own keys, and the mask's positions are set in
+  /// AttentionMask::positions, independently of this.
+  Index position_offset = 0;
+};
+
+/// Queries, keys and values after a layer's projections, heads side by side in each row
+/// (token-major), with the views attention reads them through.
+///   q: [B*S, H_q·d_qk], k: [B*S, H_kv·d_qk], v: [B*S, H_kv·d_v]
+template <class Scalar>
+struct ProjectedQkv {
+  RowMatrix<Scalar> q;     ///< [B*S, H_q·d_qk] queries, RoPE applied when the layer uses it
+  RowMatrix<Scalar> k;     ///< [B*S, H_kv·d_qk] keys, RoPE applied when the layer uses it
+  RowMatrix<Scalar> v;     ///< [B*S, H_kv·d_v] values
+  Index batch = 1;         ///< B: the rows are B blocks of S tokens
+  Index num_q_heads = 1;   ///< H_q, query heads in q
+  Index num_kv_heads = 1;  ///< H_kv, key/value heads in k and v
+  Index qk_dim = 0;        ///< d_qk, width of one query/key head
+  Index v_dim = 0;         ///< d_v, width of one value head
+
+  /// Tokens per sequence S = rows of q / B (0 when batch is 0).
+  Index seq() const { return batch == 0 ? 0 : q.rows() / batch; }
+  /// [B, H_q, S, d_qk] view of q (no copy).
+  HeadsView<const Scalar> q_heads() const {
+    return HeadsView<const Scalar>::token_major(q.data(), {batch, num_q_heads, seq(), qk_dim});
+  }
+  /// [B, H_kv, S, d_qk] view of k (no copy).
+  HeadsView<const Scalar> k_heads() const {
+    return HeadsView<const Scalar>::token_major(k.data(), {batch, num_kv_heads, seq(), qk_dim});
+  }
+  /// [B, H_kv, S, d_v] view of v (no copy).
+  HeadsView<const Scalar> v_heads() const {
+    return HeadsView<const Scalar>::token_major(v.data(), {batch, num_kv_heads, seq(), v_dim});
+  }
+};
+
+namespace detail {
+
+template <class Scalar>
+void check_weight_shape(const RowMatrix<Scalar>& w, Index rows, Index cols, const char* op,
+                        const char* name, const char* expected) {
+  APEX_CHECK(w.rows() == rows && w.cols() == cols,
+             "[" << op << "] " << name << " shape [" << w.rows() << ", " << w.cols() << "] must be "
+                 << expected << " = [" << rows << ", " << cols << "]");
+}
+
+/// A [rows, cols] matrix of independent N(0, 1/rows) entries: fan-in scaling, so that x·W keeps
+/// the scale of x (each output is a sum of `rows` terms).
+template <class Scalar>
+RowMatrix<Scalar> random_weight(Index rows, Index cols, std::mt19937_64& rng) {
+  std::normal_distribution<double> normal(0.0, 1.0 / std::sqrt(static_cast<double>(rows)));
+  RowMatrix<Scalar> w(rows, cols);
+  for (Index i = 0; i < w.size(); ++i) w.data()[i] = static_cast<Scalar>(normal(rng));
+  return w;
+}
+
+/// The checks every layer forward makes on x, the batch and the RoPE positions.
+template <class Scalar>
+void check_layer_input(const ConstRowRef<Scalar>& x, Index batch, Index d_model,
+                       const RopeTable<Scalar>* rope, Index position_offset, const char* op) {
+  APEX_CHECK(x.cols() == d_model,
+             "[" << op << "] x width (" << x.cols() << ") must equal d_model (" << d_model << ")");
+  APEX_CHECK(batch >= 1, "[" << op << "] batch (" << batch << ") must be >= 1");
+  APEX_CHECK(x.rows() % batch == 0, "[" << op << "] x rows (" << x.rows()
+                                        << ") must be a multiple of batch (" << batch
+                                        << "): B blocks of S rows");
+  if (rope == nullptr) return;
+  const Index seq = x.rows() / batch;
+  APEX_CHECK(position_offset >= 0,
+             "[" << op << "] position_offset (" << position_offset << ") must be >= 0");
+  // position_offset + S would overflow for an offset near the top of the range: compare the
+  // offset with max_positions - S instead (both >= 0, so the difference cannot overflow).
+  const Index table = rope->max_positions();
+  APEX_CHECK(seq == 0 || (seq <= table && position_offset <= table - seq),
+             "[" << op << "] positions [position_offset, position_offset + S) = ["
+                 << position_offset << ", " << position_offset << " + " << seq
+                 << ") must be below the RoPE table's max_positions (" << table << ")");
+}
+
+/// A layer's RoPE table, when it has one, must be as wide as the features the layer rotates
+/// (`what` names them in the message).
+template <class Scalar>
+void check_rope_head_dim(const RopeTable<Scalar>* rope, Index expected, const char* what,
+                         const char* op) {
+  APEX_CHECK(rope == nullptr || rope->head_dim() == expected,
+             "[" << op << "] RoPE table head_dim (" << (rope ? rope->head_dim() : 0)
+                 << ") must equal " << what << " (" << expected << ")");
+}
+
+/// The heads of the attention a layer runs on its projections: H_q query heads and H_kv
+/// key/value heads, queries and keys d_qk wide, values d_v wide.
+struct LayerHeads {
+  Index num_q_heads = 1;
+  Index num_kv_heads = 1;
+  Index qk_dim = 0;
+  Index v_dim = 0;
+};
+
+/// A ProjectedQkv with its batch and heads set and q, k, v still empty, for a projection to fill.
+template <class Scalar>
+ProjectedQkv<Scalar> empty_projection(Index batch, const LayerHeads& heads) {
+  ProjectedQkv<Scalar> p;
+  p.batch = batch;
+  p.num_q_heads = heads.num_q_heads;
+  p.num_kv_heads = heads.num_kv_heads;
+  p.qk_dim = heads.qk_dim;
+  p.v_dim = heads.v_dim;
+  return p;
+}
+
+/// The forward pass of an attention layer (§7.2), once the layer has checked x [B*S, d] (rows a
+/// multiple of batch >= 1) and its parameters: checks the mask and the attention parameters
+/// against the shapes the projections will have (on shape-only views, so that nothing is computed
+/// before every check has passed) and out against [B*S, d]; then attends with
+/// multi_head_attention and W_O on the ProjectedQkv that `project()` returns. `op` prefixes the
+/// messages. Allocates what `project` allocates and the concatenation.
+template <class Scalar, class Project>
+void attention_layer_forward(const ConstRowRef<Scalar>& x, Index batch, const LayerHeads& heads,
+                             const AttentionMask<Scalar>& mask, const SdpaParams& attention,
+                             const Project& project, const RowMatrix<Scalar>& w_o,
+                             RowRef<Scalar> out, const char* op) {
+  const Index seq = x.rows() / batch;
+  const Index h_q = heads.num_q_heads;
+  const Index h_kv = heads.num_kv_heads;
+  check_sdpa<Scalar>(shape_only_view<const Scalar>({batch, h_q, seq, heads.qk_dim}),
+                     shape_only_view<const Scalar>({batch, h_kv, seq, heads.qk_dim}),
+                     shape_only_view<const Scalar>({batch, h_kv, seq, heads.v_dim}), mask,
+                     attention, shape_only_view<Scalar>({batch, h_q, seq, heads.v_dim}), {}, op);
+  APEX_CHECK(out.rows() == x.rows() && out.cols() == x.cols(),
+             "[" << op << "] out shape [" << out.rows() << ", " << out.cols()
+                 << "] must be [B*S, d] = [" << x.rows() << ", " << x.cols() << "]");
+  const ProjectedQkv<Scalar> p = project();
+  multi_head_attention(p.q_heads(), p.k_heads(), p.v_heads(), mask, attention, w_o, out);
+}
+
+/// RoPE in place on every batch block of x [B*S, H·head_dim]: row b*S + s at offset + s.
+template <class Scalar>
+void apply_rope_per_batch(const RopeTable<Scalar>& table, Index position_offset, Index batch,
+                          RowMatrix<Scalar>& x) {
+  const Index seq = x.rows() / batch;
+  if (seq == 0) return;
+  for (Index b = 0; b < batch; ++b) {
+    apply_rope(table, position_offset, RowRef<Scalar>(x.middleRows(b * seq, seq)));
+  }
+}
+
+}  // namespace detail
+
+}  // namespace apex

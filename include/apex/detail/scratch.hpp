@@ -1,0 +1,101 @@
+// SPDX-License-Identifier: MIT
+// Per-thread scratch memory of the attention kernels: numbered buffers that grow on first use and
+// are reused by every later call on the same thread, so that a call whose shapes the thread has
+// seen before allocates nothing and touches no fresh page. apex::release_scratch() frees them.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/detail/parallel.hpp>
+
+#include <Eigen/Core>
+
+#include <cstddef>
+
+namespace apex::detail {
+
+/// Which buffer of a thread's scratch a caller means. The kernel's per-task buffers and the
+/// calling thread's decode partials never share a slot, as both live on the calling thread.
+enum class ScratchSlot : int {
+  kQStacked,
+  kQPacked,
+  kKCopy,
+  kKPacked,
+  kScores,
+  kPPacked,
+  kVCopy,
+  kVPacked,
+  kAcc,
+  kPositionTile,
+  kRowStats,
+  kRowScale,
+  kDecodePartials,
+  kMergeWeights,
+  kCount
+};
+
+/// The scratch of one thread: one byte buffer per ScratchSlot, allocated by Eigen (aligned as
+/// Eigen aligns its own matrices, which every packet load of the kernels needs).
+class ThreadScratch {
+ public:
+  ThreadScratch() = default;
+  ThreadScratch(const ThreadScratch&) = delete;
+  ThreadScratch& operator=(const ThreadScratch&) = delete;
+
+  /// Buffer `slot` as room for `count` elements of T (contents unspecified). Grows the buffer if
+  /// it is smaller (the old contents are lost); never shrinks it.
+  template <class T>
+  T* get(ScratchSlot slot, Index count) {
+    Bytes& buffer = buffers_[static_cast<int>(slot)];
+    const Index bytes = count * static_cast<Index>(sizeof(T));
+    if (buffer.size() < bytes) {
+      buffer.resize(0);  // free first: growing never holds the old and the new buffer at once
+      buffer.resize(bytes);
+    }
+    return reinterpret_cast<T*>(buffer.data());
+  }
+
+  /// Frees every buffer.
+  void release() {
+    for (Bytes& buffer : buffers_) buffer.resize(0);
+  }
+
+  /// Bytes held by this thread.
+  std::size_t bytes() const {
+    std::size_t total = 0;
+    for (const Bytes& buffer : buffers_) total += static_cast<std::size_t>(buffer.size());
+    return total;
+  }
+
+  /// The calling thread's scratch.
+  static ThreadScratch& local() {
+    thread_local ThreadScratch scratch;
+    return scratch;
+  }
+
+ private:
+  using Bytes = Eigen::Matrix<unsigned char, Eigen::Dynamic, 1>;
+  Bytes buffers_[static_cast<int>(ScratchSlot::kCount)];
+};
+
+}  // namespace apex::detail
+
+namespace apex {
+
+/// Frees the attention kernels' scratch (detail::ThreadScratch) of the calling thread and, with
+/// OpenMP, of the threads of the team that apex's parallel loops start from it. The next call of
+/// sdpa (or of anything built on it) allocates its buffers again. Call it from outside any
+/// parallel region (inside one it frees the calling thread's scratch only).
+inline void release_scratch() {
+  detail::ThreadScratch::local().release();
+#ifdef _OPENMP
+  if (!omp_in_parallel()) {
+#pragma omp parallel
+    detail::ThreadScratch::local().release();
+  }
+#endif
+}
+
+/// Bytes of attention scratch the calling thread holds now (0 after release_scratch()).
+inline std::size_t scratch_bytes() { return detail::ThreadScratch::local().bytes(); }
+
+}  // namespace apex
