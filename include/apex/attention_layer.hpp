@@ -86,6 +86,7 @@ RowMatrix<Scalar> random_weight(Index rows, Index cols, std::mt19937_64& rng) {
 
 /// The checks every layer forward makes on x, the batch and the RoPE positions.
 template <class Scalar>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, called by the two layers only
 void check_layer_input(const ConstRowRef<Scalar>& x, Index batch, Index d_model,
                        const RopeTable<Scalar>* rope, Index position_offset, const char* op) {
   APEX_CHECK(x.cols() == d_model,
@@ -165,6 +166,7 @@ void attention_layer_forward(const ConstRowRef<Scalar>& x, Index batch, const La
 
 /// RoPE in place on every batch block of x [B*S, H·head_dim]: row b*S + s at offset + s.
 template <class Scalar>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, one caller per layer
 void apply_rope_per_batch(const RopeTable<Scalar>& table, Index position_offset, Index batch,
                           RowMatrix<Scalar>& x) {
   const Index seq = x.rows() / batch;

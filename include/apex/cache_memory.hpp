@@ -66,9 +66,13 @@ inline std::int64_t sliding_window_cache_bytes(std::int64_t batch, std::int64_t 
 /// Bytes of a latent cache (§9.4) after `context` tokens: B·S·(d_kv + H_kr·d_r)·bytes. With
 /// rope_heads = 0 it is §9.4's count (c_kv only), which undercounts what a decoder keeps.
 /// Throws on a negative argument or overflow.
+// The arguments follow §9.4's product B·S·(d_kv + H_kr·d_r)·bytes in its order; the structured
+// forms are LatentCacheShape and cache_comparison.
+// NOLINTBEGIN(bugprone-easily-swappable-parameters)
 inline std::int64_t latent_cache_bytes(std::int64_t batch, std::int64_t context,
                                        std::int64_t latent_dim, std::int64_t rope_heads,
                                        std::int64_t rope_dim, std::int64_t bytes_per_value) {
+  // NOLINTEND(bugprone-easily-swappable-parameters)
   const char* op = "latent_cache_bytes";
   const std::int64_t width =
       detail::checked_sum(latent_dim, detail::checked_product(rope_heads, rope_dim, op, "H_kr*d_r"),

@@ -129,6 +129,14 @@ bool representable_in(double value) {
   return magnitude <= kMax && (magnitude == 0.0 || magnitude >= kMin);
 }
 
+/// Throws unless an object that owns storage has been constructed with its shape: a default-
+/// constructed or moved-from one holds nothing and accepts no data.
+inline void check_constructed(bool constructed, const char* op, const char* what) {
+  APEX_CHECK(constructed, "[" << op << "] the " << what
+                              << " is empty (default-constructed or moved-from): construct it with "
+                                 "its shape first");
+}
+
 /// a·b for non-negative a and b, or std::invalid_argument naming `what` when the product does
 /// not fit in 64 bits (sizes are products of user-given dimensions; a wrapped product would
 /// describe less memory than the object then indexes).

@@ -31,12 +31,39 @@ struct EmbeddingParams {
   std::optional<double> scale;
 };
 
+namespace detail {
+
+/// Throws unless every id lies in [0, V), naming the first one that does not, in the type and
+/// with the value the caller gave (an unsigned 2^64 − 1 is not reported as -1).
+template <class TokensDerived>
+void check_token_ids(const Eigen::MatrixBase<TokensDerived>& tokens, Index vocab) {
+  using Id = typename TokensDerived::Scalar;
+  for (Index b = 0; b < tokens.rows(); ++b) {
+    for (Index s = 0; s < tokens.cols(); ++s) {
+      const Id id = tokens(b, s);
+      bool in_range = false;
+      if constexpr (std::is_signed_v<Id>) {
+        in_range = id >= 0 && static_cast<std::int64_t>(id) < static_cast<std::int64_t>(vocab);
+      } else {
+        in_range = static_cast<std::uint64_t>(id) < static_cast<std::uint64_t>(vocab);
+      }
+      APEX_CHECK(in_range, "[embed] token id (" << +id << ") at position (b=" << b << ", s=" << s
+                                                << ") must be in [0, " << vocab << "), V = "
+                                                << vocab << " being the table's row count");
+    }
+  }
+}
+
+}  // namespace detail
+
 /// Embedding lookup with scaling (§2.2): out[b*S + s, :] = table[tokens(b, s), :] · scale.
 /// table: [V, d], tokens: [B, S] of any integer type, out: [B*S, d] (the documents' [B, S, d]
 /// as B blocks of S rows). Every id is checked to lie in [0, V) before anything is written.
-/// The scale is rounded to Scalar once and applied in Scalar. out must not overlap table.
-/// Allocates nothing unless table is not row-major or tokens is not a row-major int64 matrix
-/// (Eigen::Ref then copies it). Threads over rows for large outputs.
+/// The scale is rounded to Scalar once and applied in Scalar, unless Scalar cannot represent it
+/// (a float scale of 1e40 or 1e-50): then each product is formed in double and rounded once, so
+/// that any finite scale means what it says.
+/// out must not overlap table. Allocates nothing unless table is not row-major or tokens is not
+/// a row-major int64 matrix (Eigen::Ref then copies it). Threads over rows for large outputs.
 template <class TableDerived, class TokensDerived>
 void embed(const Eigen::MatrixBase<TableDerived>& table,
            const Eigen::MatrixBase<TokensDerived>& tokens, const EmbeddingParams& params,
@@ -48,34 +75,33 @@ void embed(const Eigen::MatrixBase<TableDerived>& table,
                 "[embed] token ids must be an integer matrix");
 
   const ConstRowRef<Scalar> w(table.derived());
-  const Eigen::Ref<const TokenMatrix> ids(tokens.derived().template cast<std::int64_t>());
   const Index vocab = w.rows();
   const Index d = w.cols();
-  const Index batch = ids.rows();
-  const Index seq = ids.cols();
+  const Index batch = tokens.rows();
+  const Index seq = tokens.cols();
 
   const double scale = params.scale.value_or(std::sqrt(static_cast<double>(d)));
   APEX_CHECK(std::isfinite(scale), "[embed] scale (" << scale << ") must be finite");
   APEX_CHECK(out.rows() == batch * seq && out.cols() == d,
              "[embed] out (" << out.rows() << " x " << out.cols() << ") must be " << batch * seq
                              << " x " << d << " (B*S tokens x d)");
-  for (Index b = 0; b < batch; ++b) {
-    for (Index s = 0; s < seq; ++s) {
-      const std::int64_t id = ids(b, s);
-      APEX_CHECK(id >= 0 && id < static_cast<std::int64_t>(vocab),
-                 "[embed] token id (" << id << ") at position (b=" << b << ", s=" << s
-                                      << ") must be in [0, " << vocab << "), V = " << vocab
-                                      << " being the table's row count");
-    }
-  }
+  detail::check_token_ids(tokens, vocab);
+  // Every id is now in [0, V), so its conversion to int64 keeps its value.
+  const Eigen::Ref<const TokenMatrix> ids(tokens.derived().template cast<std::int64_t>());
 
-  const Scalar factor = static_cast<Scalar>(scale);
+  // The scale is applied in Scalar when Scalar represents it, else in double.
+  const bool in_scalar = detail::representable_in<Scalar>(scale);
   // A lookup is a copy: threads pay off only once there are some 32K elements to move.
   const Index min_parallel_rows = std::max<Index>(2, (Index{1} << 15) / std::max<Index>(d, 1));
   detail::parallel_for(
       batch * seq,
       [&](Index row) {
-        out.row(row) = w.row(static_cast<Index>(ids(row / seq, row % seq))) * factor;
+        const auto source = w.row(static_cast<Index>(ids(row / seq, row % seq)));
+        if (in_scalar) {
+          out.row(row) = source * static_cast<Scalar>(scale);
+        } else {
+          out.row(row) = (source.template cast<double>() * scale).template cast<Scalar>();
+        }
       },
       min_parallel_rows);
 }
@@ -87,7 +113,10 @@ RowMatrix<typename TableDerived::Scalar> embed(const Eigen::MatrixBase<TableDeri
                                                const EmbeddingParams& params = {}) {
   using Scalar = typename TableDerived::Scalar;
   detail::require_supported_scalar<Scalar>();
-  RowMatrix<Scalar> out(tokens.rows() * tokens.cols(), table.cols());
+  const Index rows = detail::checked_product(tokens.rows(), tokens.cols(), "embed", "B*S");
+  detail::checked_product({rows, table.cols(), static_cast<Index>(sizeof(Scalar))}, "embed",
+                          "B*S*d bytes of the output");
+  RowMatrix<Scalar> out(rows, table.cols());
   embed(table, tokens, params, out);
   return out;
 }

@@ -60,6 +60,8 @@ inline double kv_cache_ratio(const HeadCounts& heads) {
 /// [d, H_kv·d_h], W_O [H_q·d_h, d]; d·d_h·(2·H_q + 2·H_kv) in all. With H_kv = H_q this is
 /// mha_parameter_count (§7.3). No biases. Throws std::invalid_argument on a negative argument
 /// or a count beyond 64 bits.
+// The arguments follow the formula's order; gqa_parameter_count(GqaConfig) is the swap-proof form.
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters)
 inline std::int64_t gqa_parameter_count(std::int64_t d_model, std::int64_t num_q_heads,
                                         std::int64_t num_kv_heads, std::int64_t head_dim) {
   const char* op = "gqa_parameter_count";

@@ -56,6 +56,7 @@ namespace detail {
 /// Copies rows [src_row, src_row + count) of a [B, H, n, D] view into rows [first, first +
 /// count) of a [B, H, slots, D] buffer.
 template <class Scalar>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (slots, source row, count)
 void write_rows(const HeadsView<const Scalar>& src, Scalar* dst, Index slots, Index src_row,
                 Index count, Index first) {
   const HeadsShape& s = src.shape();

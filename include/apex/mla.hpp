@@ -256,6 +256,8 @@ enum class MlaPath { kAuto, kNaive, kAbsorbed };
 /// H_kr = 1: absorbed up to n = 10).
 inline MlaPath mla_cheaper_path(const MlaConfig& c, Index new_tokens) {
   detail::check_mla_config(c);
+  APEX_CHECK(new_tokens >= 1,
+             "[mla] new_tokens (" << new_tokens << ") must be >= 1 (tokens per sequence)");
   const double n = static_cast<double>(new_tokens);
   const double h_q = static_cast<double>(c.num_q_heads);
   const double d_kv = static_cast<double>(c.d_kv);

@@ -145,6 +145,9 @@ class RopeTable {
   /// The scalar type of the table entries (float or double).
   using ScalarType = Scalar;
 
+  /// An empty table (max_positions() = 0), as a moved-from one is: apply_rope rejects it.
+  RopeTable() = default;
+
   /// The plain RoPE table (§4.3, §4.7): θ_i = base^(-2i/d_r), magnitude 1.
   RopeTable(Index max_positions, Index head_dim, const RopeParams& params = {}) {
     detail::require_supported_scalar<Scalar>();
@@ -243,8 +246,6 @@ class RopeTable {
   const RowMatrix<Scalar>& sin() const { return sin_; }
 
  private:
-  RopeTable() = default;
-
   // User-supplied cos/sin values: finite and within Scalar's range, so that the converted
   // table is finite (compared in double: converting an out-of-range value is undefined).
   template <class Derived>
@@ -262,6 +263,7 @@ class RopeTable {
   }
 
   // Checks every argument, then allocates and fills the tables.
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): private, as the public constructors
   void build(const Vector<double>& theta, Index max_positions, Index head_dim, RopePairing pairing,
              double magnitude) {
     APEX_CHECK(theta.size() >= 1,
@@ -297,6 +299,7 @@ class RopeTable {
   }
 
   // Writes the cos/sin of pair i at position m into both features of the pair.
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): private, (position, pair, cos, sin)
   void store(Index m, Index i, Scalar c, Scalar s) {
     const Index a = pairing_ == RopePairing::kInterleaved ? 2 * i : i;
     const Index b = pairing_ == RopePairing::kInterleaved ? 2 * i + 1 : i + rotary_dim_ / 2;
@@ -306,10 +309,10 @@ class RopeTable {
     sin_(m, b) = s;
   }
 
-  Index head_dim_ = 0;
-  Index rotary_dim_ = 0;
+  detail::ResetOnMove<Index> head_dim_;
+  detail::ResetOnMove<Index> rotary_dim_;
   RopePairing pairing_ = RopePairing::kInterleaved;
-  RowMatrix<Scalar> cos_;
+  RowMatrix<Scalar> cos_;  // Eigen leaves a moved-from matrix empty
   RowMatrix<Scalar> sin_;
 };
 
@@ -380,6 +383,7 @@ void apply_rope_rows(const RopeTable<Scalar>& table, RowRef<Scalar> x, PositionO
 
 template <class Scalar>
 void check_rope_width(const RopeTable<Scalar>& table, Index cols) {
+  check_constructed(table.max_positions() >= 1, "rope", "table");
   APEX_CHECK(cols % table.head_dim() == 0,
              "[rope] x.cols() (" << cols << ") must be a multiple of the table's head_dim ("
                                  << table.head_dim() << ")");

@@ -61,7 +61,7 @@ struct AttentionMask {
 ///        row);
 ///   sum  l = Σ_j exp(s_j − m), in [1, S_k] (0 when no key takes part).
 /// lse = m + log l. Unlike the lse they lose nothing when the scores are large, so partial
-/// results merged through them (merge_attention) are exact at any logit magnitude.
+/// results merged through them (merge_attention_stats) are exact at any logit magnitude.
 template <class Scalar>
 struct SoftmaxStatsView {
   HeadsView<Scalar> max;  ///< m per row, or empty
@@ -96,11 +96,14 @@ void check_row_output(const HeadsView<T>& view, const HeadsShape& q, const char*
 /// Every precondition of sdpa on the shapes of [B, H, S, D] views; throws before anything is
 /// written. The views' memory is not looked at, so shape-only views may be checked.
 template <class Scalar>
+// q, k, v and the outputs, as sdpa takes them.
+// NOLINTBEGIN(bugprone-easily-swappable-parameters)
 void check_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
                 const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
                 const SdpaParams& params, const HeadsView<Scalar>& out,
                 const HeadsView<Scalar>& lse, const char* op,
                 const SoftmaxStatsView<Scalar>& stats = {}) {
+  // NOLINTEND(bugprone-easily-swappable-parameters)
   check_extents(q, op, "q shape");
   check_extents(k, op, "k shape");
   check_extents(v, op, "v shape");
@@ -360,7 +363,7 @@ RowMatrix<typename DQ::Scalar> sdpa(const Eigen::MatrixBase<DQ>& q, const Eigen:
 ///   q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v]
 ///   -> out: [B, H_q, S_q, d_v], lse (optional): [B, H_q, S_q, 1], the natural-log
 ///      log-sum-exp of each row's scores; stats (optional): each row's max and sum (for exact
-///      merges, merge_attention).
+///      merges, merge_attention_stats).
 /// Any layout HeadsView can describe works (contiguous per head, or heads side by side as a
 /// projection writes them). The outputs must each address distinct memory per element and must
 /// not share memory with one another; they may overlap q, k or v (even be the same memory):
@@ -428,6 +431,7 @@ namespace detail {
 ///   SoftmaxStats<double>; write(i, stats) receives each merged row's statistics, whose outputs
 ///   go to out_row(i). Allocates n + d_v doubles.
 template <class Scalar, class OutOf, class StatsOf, class OutRow, class Write>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (parts, rows, width)
 void merge_parts(Index parts, Index rows, Index d_v, const OutOf& out_of, const StatsOf& stats_of,
                  const OutRow& out_row, const Write& write) {
   Vector<double> scratch(parts + d_v);
@@ -440,26 +444,28 @@ void merge_parts(Index parts, Index rows, Index d_v, const OutOf& out_of, const 
   }
 }
 
-inline void check_merge_shapes(Index parts, Index rows, Index d_v, Index stacked_rows,
-                               Index stat_rows, Index stat_cols, Index out_rows, Index out_cols,
-                               const char* what) {
-  APEX_CHECK(parts >= 1 && stacked_rows == parts * rows,
-             "[merge_attention] parts_out rows (" << stacked_rows << ") must be n*S_q = " << parts
-                                                  << "*" << rows << " (n >= 1 parts)");
-  APEX_CHECK(stat_rows == parts && stat_cols == rows,
-             "[merge_attention] " << what << " shape [" << stat_rows << ", " << stat_cols
-                                  << "] must be [n, S_q] = [" << parts << ", " << rows << "]");
-  APEX_CHECK(out_rows == rows && out_cols == d_v, "[merge_attention] output shape ["
-                                                      << out_rows << ", " << out_cols
-                                                      << "] must be [S_q, d_v] = [" << rows << ", "
-                                                      << d_v << "]");
+/// The shapes of an n-way merge: parts_out [n·S_q, d_v], a statistic [n, S_q] named `what`, and
+/// out [S_q, d_v] (n = rows of the statistic, S_q = its columns).
+struct MergeShapes {
+  Index stacked_rows, d_v, stat_rows, stat_cols, out_rows, out_cols;
+};
+
+inline void check_merge_shapes(const MergeShapes& m, const char* op, const char* what) {
+  const Index parts = m.stat_rows;
+  const Index rows = m.stat_cols;
+  APEX_CHECK(parts >= 1 && m.stacked_rows == checked_product(parts, rows, op, "n*S_q"),
+             "[" << op << "] parts_out rows (" << m.stacked_rows << ") must be n*S_q = " << parts
+                 << "*" << rows << " (n >= 1 parts, n and S_q from " << what << ")");
+  APEX_CHECK(m.out_rows == rows && m.out_cols == m.d_v,
+             "[" << op << "] output shape [" << m.out_rows << ", " << m.out_cols
+                 << "] must be [S_q, d_v] = [" << rows << ", " << m.d_v << "]");
 }
 
 }  // namespace detail
 
 /// Merges n attention results over disjoint key sets into the result over their union, exactly
 /// at any logit magnitude, from each part's softmax statistics (SoftmaxStatsView, as sdpa writes
-/// them):
+/// them; named apart from merge_attention, whose two-way form has as many arguments):
 ///   M = max_c m_c,  w_c = l_c·exp(m_c − M),  out = Σ_c w_c·out_c / Σ_c w_c,  (M, Σ_c w_c)
 /// with the rules of detail::merge_rows (a NaN part makes the row NaN; a part without keys is
 /// skipped; no keys at all gives zeros, max -inf and sum 0). Computed in double.
@@ -467,9 +473,10 @@ inline void check_merge_shapes(Index parts, Index rows, Index d_v, Index stacked
 ///   -> out: [S_q, d_v], max, sum: [S_q]
 /// out may be one part's block of parts_out (in place). Allocates n + d_v doubles.
 template <class DO, class DM, class DS>
-void merge_attention(const Eigen::MatrixBase<DO>& parts_out, const Eigen::MatrixBase<DM>& parts_max,
-                     const Eigen::MatrixBase<DS>& parts_sum, RowRef<typename DO::Scalar> out,
-                     VectorRef<typename DO::Scalar> max, VectorRef<typename DO::Scalar> sum) {
+void merge_attention_stats(const Eigen::MatrixBase<DO>& parts_out,
+                           const Eigen::MatrixBase<DM>& parts_max,
+                           const Eigen::MatrixBase<DS>& parts_sum, RowRef<typename DO::Scalar> out,
+                           VectorRef<typename DO::Scalar> max, VectorRef<typename DO::Scalar> sum) {
   using Scalar = typename DO::Scalar;
   detail::require_supported_scalar<Scalar>();
   const ConstRowRef<Scalar> po(parts_out.derived());
@@ -477,11 +484,13 @@ void merge_attention(const Eigen::MatrixBase<DO>& parts_out, const Eigen::Matrix
   const ConstRowRef<Scalar> ps(parts_sum.derived());
   const Index parts = pm.rows();
   const Index rows = pm.cols();
-  detail::check_merge_shapes(parts, rows, po.cols(), po.rows(), pm.rows(), pm.cols(), out.rows(),
-                             out.cols(), "parts_max");
-  detail::check_merge_shapes(parts, rows, po.cols(), po.rows(), ps.rows(), ps.cols(), out.rows(),
-                             out.cols(), "parts_sum");
-  APEX_CHECK(max.size() == rows && sum.size() == rows, "[merge_attention] max and sum lengths ("
+  const char* op = "merge_attention_stats";
+  detail::check_merge_shapes({po.rows(), po.cols(), parts, rows, out.rows(), out.cols()}, op,
+                             "parts_max");
+  APEX_CHECK(ps.rows() == parts && ps.cols() == rows,
+             "[" << op << "] parts_sum shape [" << ps.rows() << ", " << ps.cols()
+                 << "] must equal parts_max shape [" << parts << ", " << rows << "]");
+  APEX_CHECK(max.size() == rows && sum.size() == rows, "[" << op << "] max and sum lengths ("
                                                            << max.size() << ", " << sum.size()
                                                            << ") must equal S_q " << rows);
   detail::merge_parts<Scalar>(
@@ -500,7 +509,7 @@ void merge_attention(const Eigen::MatrixBase<DO>& parts_out, const Eigen::Matrix
 ///   L = max_c lse_c,  w_c = exp(lse_c − L),  out = Σ_c w_c·out_c / Σ_c w_c,  lse = L + log Σ w_c
 /// (each part is the statistics (lse_c, 1); rules as above), computed in double. Exact up to the
 /// rounding of the lse values themselves, which in float loses ~1e-3 of absolute precision at
-/// logits near 1e4: for exactness at any magnitude merge through the statistics (above).
+/// logits near 1e4: for exactness at any magnitude use merge_attention_stats (above).
 ///   parts_out: [n·S_q, d_v] (part c in rows [c·S_q, (c+1)·S_q)), parts_lse: [n, S_q]
 ///   -> out: [S_q, d_v], lse: [S_q]
 /// out and lse may be one part's block of parts_out and that part's lse (in place). Allocates
@@ -514,8 +523,8 @@ void merge_attention(const Eigen::MatrixBase<DO>& parts_out, const Eigen::Matrix
   const ConstRowRef<Scalar> pl(parts_lse.derived());
   const Index parts = pl.rows();
   const Index rows = pl.cols();
-  detail::check_merge_shapes(parts, rows, po.cols(), po.rows(), pl.rows(), pl.cols(), out.rows(),
-                             out.cols(), "parts_lse");
+  detail::check_merge_shapes({po.rows(), po.cols(), parts, rows, out.rows(), out.cols()},
+                             "merge_attention", "parts_lse");
   APEX_CHECK(lse.size() == rows,
              "[merge_attention] lse length (" << lse.size() << ") must equal S_q " << rows);
   detail::merge_parts<Scalar>(

@@ -126,10 +126,13 @@ inline StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, In
                                << bytes_per_value << ") must be >= 1");
   APEX_CHECK(c.num_layers >= 0, "[stack] num_layers (" << c.num_layers << ") must be >= 0");
   APEX_CHECK(c.window >= 1, "[stack] window W (" << c.window << ") must be >= 1");
+  APEX_CHECK(c.global_every >= 1,
+             "[stack] global_every F_g (" << c.global_every << ") must be >= 1");
   StackCacheMemory m;
-  for (Index l = 0; l < c.num_layers; ++l) {
-    (is_global_layer(l, c.global_every) ? m.global_layers : m.local_layers) += 1;
-  }
+  // Layers l in [0, L) with l mod F_g = F_g − 1 (§11.2): floor(L / F_g) of them, counted without
+  // a loop over a user-given L.
+  m.global_layers = c.num_layers / c.global_every;
+  m.local_layers = c.num_layers - m.global_layers;
   // Every product is checked: the dimensions are the user's, and a wrapped size is worse than
   // an error.
   const char* op = "stack";
@@ -171,6 +174,8 @@ class AttentionStack;
 template <class Scalar>
 class StackCache {
  public:
+  /// An empty cache of no layers (as a moved-from one is); the stacks reject it.
+  StackCache() = default;
   /// The cache of one layer: a SlidingWindowCache for a local layer, a LatentCache for a
   /// global one.
   using LayerCache = std::variant<SlidingWindowCache<Scalar>, LatentCache<Scalar>>;
@@ -204,6 +209,7 @@ class StackCache {
   /// Grows the global layers' capacity to at least `capacity` (one copy of each latent cache;
   /// see LatentCache::reserve). Never shrinks.
   void reserve(Index capacity) {
+    detail::check_constructed(batch() >= 1, "stack", "cache");
     if (capacity <= capacity_) return;
     for (LayerCache& cache : layers_) {
       if (auto* latent = std::get_if<LatentCache<Scalar>>(&cache)) latent->reserve(capacity);
@@ -221,6 +227,7 @@ class StackCache {
  private:
   friend class AttentionStack<Scalar>;
 
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): private, called by make_cache only
   StackCache(Index batch, Index capacity, std::vector<LayerCache> layers)
       : batch_(batch), capacity_(capacity), layers_(std::move(layers)) {}
 
@@ -233,11 +240,11 @@ class StackCache {
     return total;
   }
 
-  Index batch_ = 0;
-  Index capacity_ = 0;
-  Index next_ = 0;
-  Index prefix_ = 0;
-  std::vector<LayerCache> layers_;
+  detail::ResetOnMove<Index> batch_;
+  detail::ResetOnMove<Index> capacity_;
+  detail::ResetOnMove<Index> next_;
+  detail::ResetOnMove<Index> prefix_;
+  std::vector<LayerCache> layers_;  // a moved-from vector is empty
 };
 
 /// An APEX-1 attention stack that owns its weights: the [V, d] embedding table (also the LM
@@ -255,8 +262,12 @@ class AttentionStack {
   /// for a global one (which one is fixed by the layer rule, is_global_layer).
   using Layer = std::variant<GroupedQueryAttention<Scalar>, MultiHeadLatentAttention<Scalar>>;
 
-  /// Takes ownership of the weights; throws if the config is inconsistent, if layers[l] is not
-  /// of the kind the layer rule gives layer l, or if any γ or the table has the wrong shape.
+  /// An empty stack (as a moved-from one is): no layers, no weights; every call throws
+  /// std::invalid_argument.
+  AttentionStack() = default;
+  /// Takes ownership of the weights; throws if the config is inconsistent (every field is
+  /// checked), if layers[l] is not of the kind the layer rule gives layer l or not of the shape
+  /// the config gives that kind, or if any γ or the table has the wrong shape.
   AttentionStack(const StackConfig& config, RowMatrix<Scalar> embedding,
                  std::vector<Vector<Scalar>> norm_gammas, Vector<Scalar> final_gamma,
                  std::vector<Layer> layers)
@@ -265,38 +276,30 @@ class AttentionStack {
         norm_gammas_(std::move(norm_gammas)),
         final_gamma_(std::move(final_gamma)),
         layers_(std::move(layers)),
-        local_rope_(rope_table(config_, config_.local.head_dim)),
-        global_rope_(rope_table(config_, config_.global.rope_dim)),
-        softmax_multiplier_(config_.yarn ? yarn_softmax_scale_multiplier(*config_.yarn) : 1.0) {
-    const Index d = config_.d_model;
-    APEX_CHECK(embedding_.rows() == config_.vocab_size && embedding_.cols() == d,
+        local_rope_(rope_table(config, config.local.head_dim)),
+        global_rope_(rope_table(config, config.global.rope_dim)),
+        softmax_multiplier_(config.yarn ? yarn_softmax_scale_multiplier(*config.yarn) : 1.0) {
+    const Index d = config.d_model;
+    APEX_CHECK(embedding_.rows() == config.vocab_size && embedding_.cols() == d,
                "[stack] embedding shape [" << embedding_.rows() << ", " << embedding_.cols()
-                                           << "] must be [V, d] = [" << config_.vocab_size << ", "
+                                           << "] must be [V, d] = [" << config.vocab_size << ", "
                                            << d << "]");
-    APEX_CHECK(static_cast<Index>(layers_.size()) == config_.num_layers &&
-                   static_cast<Index>(norm_gammas_.size()) == config_.num_layers,
+    APEX_CHECK(static_cast<Index>(layers_.size()) == config.num_layers &&
+                   static_cast<Index>(norm_gammas_.size()) == config.num_layers,
                "[stack] " << layers_.size() << " layers and " << norm_gammas_.size()
-                          << " norm gammas given; num_layers is " << config_.num_layers);
-    for (Index l = 0; l < config_.num_layers; ++l) {
-      const auto at = static_cast<std::size_t>(l);
-      APEX_CHECK(norm_gammas_[at].size() == d, "[stack] gamma of layer " << l << " has length "
-                                                                         << norm_gammas_[at].size()
-                                                                         << ", expected d = " << d);
-      const bool global = is_global_layer(l, config_.global_every);
-      APEX_CHECK(std::holds_alternative<MultiHeadLatentAttention<Scalar>>(layers_[at]) == global,
-                 "[stack] layer " << l << " must be "
-                                  << (global ? "MultiHeadLatentAttention (global)"
-                                             : "GroupedQueryAttention (local)"));
-    }
+                          << " norm gammas given; num_layers is " << config.num_layers);
+    for (Index l = 0; l < config.num_layers; ++l) check_layer(config, l);
     APEX_CHECK(final_gamma_.size() == d,
                "[stack] final gamma length (" << final_gamma_.size() << ") must be d = " << d);
     absorbed_.resize(layers_.size());
+    Index globals = 0;
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layers_[l])) {
-        absorbed_[l] = absorb_mla_weights(*mla, config_.absorb);
-        ++global_layers_;
+        absorbed_[l] = absorb_mla_weights(*mla, config.absorb);
+        ++globals;
       }
     }
+    global_layers_ = globals;
   }
 
   /// A stack with random weights for examples and tests: embedding entries N(0, 0.02²) (§2.3),
@@ -335,14 +338,14 @@ class AttentionStack {
   /// bytes).
   std::vector<LayerPlan> plan() const {
     std::vector<LayerPlan> rows;
-    for (Index l = 0; l < config_.num_layers; ++l) {
+    for (Index l = 0; l < config().num_layers; ++l) {
       LayerPlan row;
       row.layer = l;
-      row.global = is_global_layer(l, config_.global_every);
+      row.global = is_global_layer(l, config().global_every);
       row.cache_values_per_token =
           row.global
-              ? mla_cache_values_per_token(config_.global)
-              : kv_cache_values_per_token(config_.local.num_kv_heads, config_.local.head_dim);
+              ? mla_cache_values_per_token(config().global)
+              : kv_cache_values_per_token(config().local.num_kv_heads, config().local.head_dim);
       rows.push_back(row);
     }
     return rows;
@@ -351,7 +354,7 @@ class AttentionStack {
   /// The mask of layer l for a prompt whose first `prefix` tokens are bidirectional (§11.1).
   AttentionMask<Scalar> mask_for_layer(Index l, Index prefix) const {
     AttentionMask<Scalar> mask;
-    mask.positions = layer_mask(l, LayerMaskParams{prefix, config_.window, config_.global_every});
+    mask.positions = layer_mask(l, LayerMaskParams{prefix, config().window, config().global_every});
     return mask;
   }
 
@@ -362,19 +365,20 @@ class AttentionStack {
   /// forward allocates, and the logits.
   template <class TokensDerived>
   RowMatrix<Scalar> forward(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix) const {
+    check_constructed();
     const Index batch = tokens.rows();
     const Index seq = tokens.cols();
     APEX_CHECK(batch >= 1 && seq >= 1,
                "[stack] tokens shape [" << batch << ", " << seq << "] must be non-empty");
     APEX_CHECK(prefix >= 0 && prefix <= seq,
                "[stack] prefix (" << prefix << ") must lie in [0, S = " << seq << "]");
-    APEX_CHECK(seq <= config_.max_positions, "[stack] sequence length ("
-                                                 << seq << ") exceeds max_positions ("
-                                                 << config_.max_positions << ")");
+    APEX_CHECK(seq <= config().max_positions, "[stack] sequence length ("
+                                                  << seq << ") exceeds max_positions ("
+                                                  << config().max_positions << ")");
     RowMatrix<Scalar> x = embed(embedding_, tokens);  // checks every id
     RowMatrix<Scalar> normed(x.rows(), x.cols());
-    const RmsNormParams norm{config_.norm_eps};
-    for (Index l = 0; l < config_.num_layers; ++l) {
+    const RmsNormParams norm{config().norm_eps};
+    for (Index l = 0; l < config().num_layers; ++l) {
       rms_norm(x, norm_gammas_[static_cast<std::size_t>(l)], norm, normed);
       const AttentionMask<Scalar> mask = mask_for_layer(l, prefix);
       std::visit(
@@ -396,10 +400,11 @@ class AttentionStack {
   /// `capacity` tokens per global layer. Allocates stack_cache_memory(config, batch, capacity,
   /// sizeof(Scalar)).total_bytes.
   StackCache<Scalar> make_cache(Index batch, Index capacity) const {
+    check_constructed();
     APEX_CHECK(batch >= 1, "[stack] batch (" << batch << ") must be >= 1");
-    APEX_CHECK(capacity >= 1 && capacity <= config_.max_positions,
+    APEX_CHECK(capacity >= 1 && capacity <= config().max_positions,
                "[stack] capacity (" << capacity << ") must lie in [1, max_positions = "
-                                    << config_.max_positions << "]");
+                                    << config().max_positions << "]");
     std::vector<typename StackCache<Scalar>::LayerCache> caches;
     caches.reserve(layers_.size());
     for (const Layer& layer : layers_) {
@@ -407,7 +412,7 @@ class AttentionStack {
         caches.emplace_back(mla->make_cache(batch, capacity));
       } else {
         caches.emplace_back(std::get<GroupedQueryAttention<Scalar>>(layer).make_window_cache(
-            batch, config_.window));
+            batch, config().window));
       }
     }
     return StackCache<Scalar>(batch, capacity, std::move(caches));
@@ -478,7 +483,7 @@ class AttentionStack {
   /// The cache memory of this stack for `batch` sequences of `context` tokens in this scalar
   /// type (stack_cache_memory with bytes_per_value = sizeof(Scalar)).
   StackCacheMemory cache_memory(Index batch, Index context) const {
-    return stack_cache_memory(config_, batch, context, static_cast<Index>(sizeof(Scalar)));
+    return stack_cache_memory(config(), batch, context, static_cast<Index>(sizeof(Scalar)));
   }
 
  private:
@@ -499,6 +504,12 @@ class AttentionStack {
     APEX_CHECK(c.rope.rotary_dim == 0, "[stack] rope.rotary_dim ("
                                            << c.rope.rotary_dim
                                            << ") must be 0: each table rotates its whole head");
+    // Every norm of every call uses it: a bad ε must fail here, not halfway through a call that
+    // has already written some layers' caches.
+    APEX_CHECK(std::isfinite(c.norm_eps) && c.norm_eps > 0.0,
+               "[stack] norm_eps (" << c.norm_eps << ") must be positive and finite");
+    detail::check_gqa_config(c.local);
+    detail::check_mla_config(c.global);
     if (c.yarn) {
       const double factor = yarn_attention_factor(*c.yarn);  // checks the YaRN parameters
       (void)factor;
@@ -514,6 +525,48 @@ class AttentionStack {
     return c;
   }
 
+  /// Layer l must be of the kind the layer rule gives it, built with the stack's config for that
+  /// kind (a layer of another shape would fail only later, against its cache), with a γ of d.
+  void check_layer(const StackConfig& c, Index l) const {
+    const auto at = static_cast<std::size_t>(l);
+    APEX_CHECK(norm_gammas_[at].size() == c.d_model,
+               "[stack] gamma of layer " << l << " has length " << norm_gammas_[at].size()
+                                         << ", expected d = " << c.d_model);
+    const bool global = is_global_layer(l, c.global_every);
+    APEX_CHECK(std::holds_alternative<MultiHeadLatentAttention<Scalar>>(layers_[at]) == global,
+               "[stack] layer " << l << " must be "
+                                << (global ? "MultiHeadLatentAttention (global)"
+                                           : "GroupedQueryAttention (local)"));
+    if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layers_[at])) {
+      const MlaConfig& m = mla->config();
+      const MlaConfig& e = c.global;
+      APEX_CHECK(m.d_model == e.d_model && m.d_q == e.d_q && m.d_kv == e.d_kv &&
+                     m.num_q_heads == e.num_q_heads && m.num_kv_heads == e.num_kv_heads &&
+                     m.head_dim == e.head_dim && m.rope_dim == e.rope_dim &&
+                     m.rope_key_heads() == e.rope_key_heads(),
+                 "[stack] layer " << l << " (MLA: d_kv " << m.d_kv << ", H_q " << m.num_q_heads
+                                  << ", H_kv " << m.num_kv_heads << ", d_h " << m.head_dim
+                                  << ", d_r " << m.rope_dim
+                                  << ") must have the shape of config.global (d_kv " << e.d_kv
+                                  << ", H_q " << e.num_q_heads << ", H_kv " << e.num_kv_heads
+                                  << ", d_h " << e.head_dim << ", d_r " << e.rope_dim << ")");
+    } else {
+      const GqaConfig& g = std::get<GroupedQueryAttention<Scalar>>(layers_[at]).config();
+      const GqaConfig& e = c.local;
+      APEX_CHECK(g.d_model == e.d_model && g.num_q_heads == e.num_q_heads &&
+                     g.num_kv_heads == e.num_kv_heads && g.head_dim == e.head_dim,
+                 "[stack] layer " << l << " (GQA: H_q " << g.num_q_heads << ", H_kv "
+                                  << g.num_kv_heads << ", d_h " << g.head_dim
+                                  << ") must have the shape of config.local (H_q " << e.num_q_heads
+                                  << ", H_kv " << e.num_kv_heads << ", d_h " << e.head_dim << ")");
+    }
+  }
+
+  /// Throws for an empty (default-constructed or moved-from) stack.
+  void check_constructed() const {
+    detail::check_constructed(config().vocab_size >= 1, "stack", "stack");
+  }
+
   static RopeTable<Scalar> rope_table(const StackConfig& c, Index head_dim) {
     if (c.yarn) return yarn_table<Scalar>(c.max_positions, head_dim, 0, c.rope.pairing, *c.yarn);
     return RopeTable<Scalar>(c.max_positions, head_dim, c.rope);
@@ -526,8 +579,8 @@ class AttentionStack {
     return &global_rope_;
   }
   /// d_qk, the width the default softmax scale 1/√d_qk of a layer refers to.
-  Index qk_dim(const GroupedQueryAttention<Scalar>&) const { return config_.local.head_dim; }
-  Index qk_dim(const MultiHeadLatentAttention<Scalar>&) const { return config_.global.qk_dim(); }
+  Index qk_dim(const GroupedQueryAttention<Scalar>&) const { return config().local.head_dim; }
+  Index qk_dim(const MultiHeadLatentAttention<Scalar>&) const { return config().global.qk_dim(); }
 
   /// RoPE table, position and (with YaRN) softmax scale of a layer.
   template <class Attention>
@@ -545,28 +598,28 @@ class AttentionStack {
 
   /// Throws unless `cache` has the layout make_cache gives for this stack.
   void check_cache(const StackCache<Scalar>& cache) const {
-    bool matches = cache.num_layers() == config_.num_layers;
-    for (Index l = 0; matches && l < config_.num_layers; ++l) {
+    bool matches = cache.num_layers() == config().num_layers;
+    for (Index l = 0; matches && l < config().num_layers; ++l) {
       const auto& layer_cache = cache.layer(l);
-      if (is_global_layer(l, config_.global_every)) {
+      if (is_global_layer(l, config().global_every)) {
         const auto* c = std::get_if<LatentCache<Scalar>>(&layer_cache);
         matches = c != nullptr && c->batch() == cache.batch() &&
-                  c->latent_dim() == config_.global.d_kv &&
-                  c->rope_heads() == config_.global.rope_key_heads() &&
-                  c->rope_dim() == config_.global.rope_dim && c->capacity() == cache.capacity() &&
+                  c->latent_dim() == config().global.d_kv &&
+                  c->rope_heads() == config().global.rope_key_heads() &&
+                  c->rope_dim() == config().global.rope_dim && c->capacity() == cache.capacity() &&
                   c->next_position() == cache.next_position();
       } else {
         const auto* c = std::get_if<SlidingWindowCache<Scalar>>(&layer_cache);
         matches = c != nullptr && c->batch() == cache.batch() &&
-                  c->num_kv_heads() == config_.local.num_kv_heads &&
-                  c->head_dim() == config_.local.head_dim && c->window() == config_.window &&
+                  c->num_kv_heads() == config().local.num_kv_heads &&
+                  c->head_dim() == config().local.head_dim && c->window() == config().window &&
                   c->next_position() == cache.next_position();
       }
     }
     APEX_CHECK(matches,
                "[stack] the cache was not made by this stack's make_cache (its layers "
                "do not match the stack's "
-                   << config_.num_layers << " layers)");
+                   << config().num_layers << " layers)");
   }
 
   /// prefill / extend / decode_step: n = tokens.cols() new tokens per sequence at positions
@@ -575,6 +628,7 @@ class AttentionStack {
   template <class TokensDerived>
   RowMatrix<Scalar> run_cached(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
                                const DecodeOptions& options, StackCache<Scalar>& cache) const {
+    check_constructed();
     check_cache(cache);
     const Index batch = tokens.rows();
     const Index n = tokens.cols();
@@ -584,9 +638,9 @@ class AttentionStack {
                                            << cache.batch() << ")");
     APEX_CHECK(n >= 1,
                "[stack] tokens must hold at least one token per sequence (got " << n << ")");
-    APEX_CHECK(n <= config_.max_positions - first,
+    APEX_CHECK(n <= config().max_positions - first,
                "[stack] positions [" << first << ", " << first + n << ") exceed max_positions ("
-                                     << config_.max_positions << ")");
+                                     << config().max_positions << ")");
     APEX_CHECK(global_layers_ == 0 || n <= cache.capacity() - first,
                "[stack] positions [" << first << ", " << first + n
                                      << ") exceed the cache's capacity (" << cache.capacity()
@@ -597,18 +651,18 @@ class AttentionStack {
     RowMatrix<Scalar> x = embed(embedding_, tokens);  // checks every id
     RowMatrix<Scalar> normed(x.rows(), x.cols());
     RowMatrix<Scalar> attended(x.rows(), x.cols());
-    const RmsNormParams norm{config_.norm_eps};
-    for (Index l = 0; l < config_.num_layers; ++l) {
+    const RmsNormParams norm{config().norm_eps};
+    for (Index l = 0; l < config().num_layers; ++l) {
       const auto at = static_cast<std::size_t>(l);
       rms_norm(x, norm_gammas_[at], norm, normed);
       const PositionMask rule =
-          layer_mask(l, LayerMaskParams{prefix, config_.window, config_.global_every});
+          layer_mask(l, LayerMaskParams{prefix, config().window, config().global_every});
       auto& layer_cache = cache.layers_[at];
       if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layers_[at])) {
         auto& latent = std::get<LatentCache<Scalar>>(layer_cache);
         const AttentionLayerParams<Scalar> params = layer_params(*mla, first);
         const MlaPath path =
-            options.mla == MlaPath::kAuto ? mla_cheaper_path(config_.global, n) : options.mla;
+            options.mla == MlaPath::kAuto ? mla_cheaper_path(config().global, n) : options.mla;
         if (path == MlaPath::kAbsorbed) {
           mla->forward_absorbed(normed, rule, params, absorbed_[at], latent, attended);
         } else {
@@ -635,7 +689,7 @@ class AttentionStack {
     return detail::matmul_transposed<Scalar>(normed, embedding_);
   }
 
-  StackConfig config_;
+  detail::ResetOnMove<StackConfig> config_;  // a moved-from stack is an empty one
   RowMatrix<Scalar> embedding_;
   std::vector<Vector<Scalar>> norm_gammas_;
   Vector<Scalar> final_gamma_;
@@ -643,7 +697,7 @@ class AttentionStack {
   RopeTable<Scalar> local_rope_;
   RopeTable<Scalar> global_rope_;
   double softmax_multiplier_ = 1.0;  ///< YaRN's softmax-scale multiplier (1 without YaRN)
-  Index global_layers_ = 0;
+  detail::ResetOnMove<Index> global_layers_;
   std::vector<MlaAbsorbedWeights<Scalar>> absorbed_;  ///< per layer; empty for local layers
 };
 

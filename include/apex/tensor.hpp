@@ -126,6 +126,8 @@ class HeadsView {
   /// Head (b, h) as a seq x dim row-major map. A size-1 batch or head axis broadcasts.
   /// A head with no elements is a map of the view's own pointer, never offset: the data of an
   /// empty matrix is null, and offsetting null is undefined even when nothing is read.
+  // The indices in the order of the tensor's axes, as Eigen's operator()(i, j) takes them.
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters)
   HeadMap head(Index b, Index h) const {
     const Index bb = shape_.batch == 1 ? 0 : b;
     const Index hh = shape_.heads == 1 ? 0 : h;

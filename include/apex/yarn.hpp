@@ -130,6 +130,7 @@ inline void check_yarn_rotary_dim(Index rotary_dim) {
 }
 
 // Step 2: the (real-valued) pair index i at which θ_i·L = 2π·n.
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, step 2 of the YaRN recipe
 inline double yarn_correction_dim(double rotations, Index rotary_dim, const YarnParams& p) {
   const double d = static_cast<double>(rotary_dim);
   const double two_pi = 2.0 * 3.14159265358979323846;

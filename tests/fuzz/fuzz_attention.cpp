@@ -22,6 +22,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace apex::fuzz {
@@ -264,6 +265,124 @@ void sdpa_case(Input& in) {
   }
 }
 
+/// Classes 1, 3 and 4 of the hardening pass: scores exactly representable in Scalar (q = e_0,
+/// k_j = [s_j, …], scale 1) at any magnitude up to where float overflows or double's merges used
+/// to lose the chunks' sizes, some keys with -inf scores or underflowing weights whose values are
+/// NaN. Every path (public, or random blocks with split keys) must match the reference: out to a
+/// tolerance of a few ε (the scores are exact, only exp and the sums round), NaN exactly where
+/// the reference has NaN.
+template <class Scalar>
+void exact_logit_case(Input& in) {
+  Shape sh;
+  sh.batch = 1;
+  sh.kv_heads = in.in(1, 2);
+  sh.group = in.in(1, 3);
+  sh.s_q = in.in(1, 6);
+  sh.s_k = in.in(1, 60);
+  sh.d_qk = in.in(1, 4);
+  sh.d_v = in.in(1, 4);
+  const double magnitude = std::is_same_v<Scalar, float> ? in.pick({1.0, 1e4, 1e30, 1e38, 3e38})
+                                                         : in.pick({1.0, 1e4, 1e30, 1e300});
+  Tensor<Scalar> q(sh.batch, sh.q_heads(), sh.s_q, sh.d_qk, in.flag());
+  Tensor<Scalar> k(sh.batch, sh.kv_heads, sh.s_k, sh.d_qk, in.flag());
+  Tensor<Scalar> v(sh.batch, sh.kv_heads, sh.s_k, sh.d_v, in.flag());
+  for (Index h = 0; h < sh.q_heads(); ++h) {
+    for (Index i = 0; i < sh.s_q; ++i) q.at(0, h, i, 0) = Scalar(1);
+  }
+  for (Index g = 0; g < sh.kv_heads; ++g) {
+    for (Index j = 0; j < sh.s_k; ++j) {
+      // A few distinct levels near the magnitude, each exact in Scalar.
+      const Scalar level = static_cast<Scalar>(magnitude * (1.0 - 0.125 * in.choice(3)));
+      k.at(0, g, j, 0) = in.choice(6) == 0 ? -std::numeric_limits<Scalar>::infinity() : level;
+      for (Index c = 0; c < sh.d_v; ++c) v.at(0, g, j, c) = static_cast<Scalar>(in.real_in(-1, 1));
+      if (in.choice(8) == 0)
+        v.at(0, g, j, in.in(0, sh.d_v - 1)) = std::numeric_limits<Scalar>::quiet_NaN();
+    }
+  }
+  AttentionMask<Scalar> mask;
+  mask.positions.causal = in.flag();
+  SdpaParams params;
+  params.scale = 1.0;
+  Tensor<Scalar> expected(1, sh.q_heads(), sh.s_q, sh.d_v, false);
+  reference::sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask, params, expected.view);
+  Tensor<Scalar> out(1, sh.q_heads(), sh.s_q, sh.d_v, in.flag());
+  detail::FlashBlocking blocking;
+  if (in.flag()) {
+    blocking.stacked_rows = in.in(1, 24);
+    blocking.key_block = in.in(1, 16);
+    blocking.stream_rows = in.in(0, 16);
+    blocking.stream_key_block = in.in(1, 16);
+    blocking.decode_chunk = in.in(1, 16);
+    blocking.split_below = in.in(1, 32);
+    blocking.partial_budget = in.in(1, 1 << 12);
+  }
+  detail::flash_sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask, params, out.view, {}, {},
+                             blocking);
+  const double tol = 64.0 * static_cast<double>(std::numeric_limits<Scalar>::epsilon()) *
+                     static_cast<double>(sh.s_k + 4);
+  for (Index h = 0; h < sh.q_heads(); ++h) {
+    for (Index i = 0; i < sh.s_q; ++i) {
+      for (Index c = 0; c < sh.d_v; ++c) {
+        const double got = static_cast<double>(out.at(0, h, i, c));
+        const double want = static_cast<double>(expected.at(0, h, i, c));
+        const std::string where = "h " + std::to_string(h) + " i " + std::to_string(i) + " c " +
+                                  std::to_string(c) + ", magnitude " + std::to_string(magnitude);
+        APEX_FUZZ_REQUIRE(std::isnan(got) == std::isnan(want),
+                          "exact logits: NaN differs from the reference at " + where);
+        if (!std::isnan(want)) {
+          APEX_FUZZ_REQUIRE(std::abs(got - want) <= tol, "exact logits: " + std::to_string(got) +
+                                                             " vs " + std::to_string(want) +
+                                                             " at " + where);
+        }
+      }
+    }
+  }
+}
+
+/// Class 2: softmax scales and soft-caps of any finite magnitude on moderate inputs. A float call
+/// computes in double when float cannot represent them; wherever the reference's scores stay far
+/// from a tie its answer is reproduced, and always: no crash, and outputs inside the range of
+/// the values (a softmax is a convex combination).
+template <class Scalar>
+void extreme_parameter_case(Input& in) {
+  const Index s_q = in.in(1, 4), s_k = in.in(1, 40), d = in.in(1, 6), d_v = in.in(1, 3);
+  Tensor<Scalar> q(1, 1, s_q, d, false), k(1, 1, s_k, d, false), v(1, 1, s_k, d_v, false);
+  for (Index i = 0; i < s_q; ++i) {
+    for (Index c = 0; c < d; ++c) q.at(0, 0, i, c) = static_cast<Scalar>(in.real_in(-1, 1));
+  }
+  for (Index j = 0; j < s_k; ++j) {
+    for (Index c = 0; c < d; ++c) k.at(0, 0, j, c) = static_cast<Scalar>(in.real_in(-1, 1));
+    for (Index c = 0; c < d_v; ++c) v.at(0, 0, j, c) = static_cast<Scalar>(in.real_in(-1, 1));
+  }
+  SdpaParams params;
+  const double exponent = in.real_in(-300, 300);
+  if (in.flag()) params.scale = (in.flag() ? 1.0 : -1.0) * std::pow(10.0, exponent);
+  if (in.flag()) params.softcap = std::pow(10.0, in.real_in(-300, 300));
+  AttentionMask<Scalar> mask;
+  Tensor<Scalar> out(1, 1, s_q, d_v, false);
+  Tensor<Scalar> expected(1, 1, s_q, d_v, false);
+  sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask, params, out.view);
+  reference::sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask, params, expected.view);
+  const bool moderate = (!params.scale || std::abs(*params.scale) <= 4.0) ||
+                        (params.softcap > 0 && params.softcap <= 4.0);
+  for (Index i = 0; i < s_q; ++i) {
+    for (Index c = 0; c < d_v; ++c) {
+      const double got = static_cast<double>(out.at(0, 0, i, c));
+      APEX_FUZZ_REQUIRE(std::isfinite(got) && std::abs(got) <= 1.0 + 1e-6,
+                        "extreme parameters: output " + std::to_string(got) +
+                            " outside the values' range (scale " +
+                            std::to_string(params.scale.value_or(0)) + ", softcap " +
+                            std::to_string(params.softcap) + ")");
+      if (moderate) {
+        const double want = static_cast<double>(expected.at(0, 0, i, c));
+        APEX_FUZZ_REQUIRE(std::abs(got - want) <= 1e-4, "extreme parameters: fast " +
+                                                            std::to_string(got) + " vs reference " +
+                                                            std::to_string(want));
+      }
+    }
+  }
+}
+
 /// Plain RoPE on a copy, for the layer oracles (the library's rope() is tested on its own).
 template <class Scalar>
 RowMatrix<Scalar> rotate(const RopeTable<Scalar>* table, Index offset, Index batch,
@@ -460,10 +579,12 @@ void mla_case(Input& in) {
   });
 }
 
-/// The checks of this target: SDPA takes half of the inputs, the two layers a quarter each.
+/// The checks of this target: SDPA (random, exact large logits, extreme parameters) takes two
+/// thirds of the inputs, the two layers the rest.
 template <class Scalar>
-constexpr Check kChecks[] = {sdpa_case<Scalar>, sdpa_case<Scalar>, gqa_case<Scalar>,
-                             mla_case<Scalar>};
+constexpr Check kChecks[] = {sdpa_case<Scalar>,        sdpa_case<Scalar>,
+                             exact_logit_case<Scalar>, extreme_parameter_case<Scalar>,
+                             gqa_case<Scalar>,         mla_case<Scalar>};
 
 }  // namespace
 }  // namespace apex::fuzz

@@ -21,6 +21,9 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <variant>
 #include <vector>
 
 namespace apex::fuzz {
@@ -934,7 +937,9 @@ void cache_checks(Input& in) {
     case 0: {
       if (!may_call(bound)) return;
       std::optional<KvCache<Scalar>> cache;
-      const bool returned = attempt("KvCache", !dims_ok, [&] { cache.emplace(b, h, d, c); });
+      const bool returned = attempt("KvCache", !dims_ok, [&] {
+        cache.emplace(KvCacheShape{b, h, d, c});
+      });
       APEX_FUZZ_REQUIRE(returned == dims_ok, "KvCache rejected valid dimensions");
       if (!returned) return;
       for (int step = 0; step < 4; ++step) {
@@ -973,8 +978,9 @@ void cache_checks(Input& in) {
     case 1: {
       if (!may_call(bound)) return;
       std::optional<SlidingWindowCache<Scalar>> cache;
-      const bool returned =
-          attempt("SlidingWindowCache", !dims_ok, [&] { cache.emplace(b, h, d, c); });
+      const bool returned = attempt("SlidingWindowCache", !dims_ok, [&] {
+        cache.emplace(WindowCacheShape{b, h, d, c});
+      });
       APEX_FUZZ_REQUIRE(returned == dims_ok, "SlidingWindowCache rejected valid dimensions");
       if (!returned) return;
       for (int step = 0; step < 4; ++step) {
@@ -1002,8 +1008,9 @@ void cache_checks(Input& in) {
       const bool valid = b >= 1 && d >= 1 && rope_heads >= 1 && rope_dim >= 2 &&
                          rope_dim % 2 == 0 && c >= 1 && rows_bound != Bound::kOverflow;
       std::optional<LatentCache<Scalar>> cache;
-      const bool returned =
-          attempt("LatentCache", !valid, [&] { cache.emplace(b, d, rope_heads, rope_dim, c); });
+      const bool returned = attempt("LatentCache", !valid, [&] {
+        cache.emplace(LatentCacheShape{b, d, rope_heads, rope_dim, c});
+      });
       APEX_FUZZ_REQUIRE(returned == valid, "LatentCache rejected valid dimensions");
       if (!returned) return;
       for (int step = 0; step < 3; ++step) {
@@ -1050,8 +1057,7 @@ void comparison_checks(Input& in) {
     return;
   }
   StackConfig c;
-  c.num_layers = in.any_index();
-  if (c.num_layers > 4096) c.num_layers = in.in(0, 4096);  // the loop over layers is O(L)
+  c.num_layers = in.any_index();  // any count: the layers are counted, not looped over
   c.window = in.any_index();
   c.global_every = in.any_index();
   c.local = any_gqa_config(in);
@@ -1059,6 +1065,200 @@ void comparison_checks(Input& in) {
   const Index batch = in.any_index(), context = in.any_index();
   const Index bytes = in.flag() ? 2 : in.any_index();
   attempt("stack_cache_memory", [&] { (void)stack_cache_memory(c, batch, context, bytes); });
+}
+
+// ---- moved-from and default objects, failed calls ------------------------------------------
+
+/// Class 5 of the hardening pass: every owning type, default-constructed or moved from after
+/// some use, answers its queries and rejects (std::invalid_argument) or performs harmlessly every
+/// operation; none reaches undefined behaviour (the sanitizers watch).
+template <class Scalar>
+void moved_from_checks(Input& in) {
+  const bool moved = in.flag();
+  const HeadsTensor<Scalar> chunk({1, 1, in.in(0, 3), 2});
+  const Index pos = in.flag() ? 0 : in.any_index();
+  switch (in.choice(6)) {
+    case 0: {
+      KvCache<Scalar> c;
+      if (moved) {
+        KvCache<Scalar> full(KvCacheShape{1, 1, 2, 4});
+        attempt("KvCache::append", [&] { full.append(chunk.view(), chunk.view(), 0); });
+        c = std::move(full);
+        attempt("moved-from KvCache::append",
+                [&] { full.append(chunk.view(), chunk.view(), pos); });
+        attempt("moved-from KvCache::reserve", [&] { full.reserve(in.in(0, 8)); });
+        APEX_FUZZ_REQUIRE(full.size() == 0 && full.bytes() == 0 && full.keys().seq() == 0,
+                          "a moved-from KvCache is not empty");
+      }
+      attempt("KvCache::append", [&] { c.append(chunk.view(), chunk.view(), pos); });
+      attempt("KvCache::truncate", [&] { c.truncate(in.in(-1, 2)); });
+      break;
+    }
+    case 1: {
+      SlidingWindowCache<Scalar> c;
+      if (moved) {
+        SlidingWindowCache<Scalar> ring(WindowCacheShape{1, 1, 2, 3});
+        attempt("SlidingWindowCache::append", [&] { ring.append(chunk.view(), chunk.view(), 0); });
+        c = std::move(ring);
+        attempt("moved-from SlidingWindowCache::append",
+                [&] { ring.append(chunk.view(), chunk.view(), pos); });
+        APEX_FUZZ_REQUIRE(ring.size() == 0 && ring.segments()[0].keys.seq() == 0,
+                          "a moved-from SlidingWindowCache is not empty");
+      }
+      attempt("SlidingWindowCache::append", [&] { c.append(chunk.view(), chunk.view(), pos); });
+      (void)c.segments();
+      break;
+    }
+    case 2: {
+      LatentCache<Scalar> c;
+      if (moved) {
+        LatentCache<Scalar> latent(LatentCacheShape{1, 2, 1, 2, 4});
+        c = std::move(latent);
+        attempt("moved-from LatentCache::append",
+                [&] { latent.append(RowMatrix<Scalar>::Zero(in.in(0, 2), 4), pos); });
+        APEX_FUZZ_REQUIRE(latent.rows().seq() == 0 && latent.bytes() == 0,
+                          "a moved-from LatentCache is not empty");
+      }
+      attempt("LatentCache::append", [&] { c.append(RowMatrix<Scalar>::Zero(1, 4), pos); });
+      attempt("LatentCache::reserve", [&] { c.reserve(in.in(0, 8)); });
+      break;
+    }
+    case 3: {
+      GroupedQueryAttention<Scalar> layer;
+      if (moved) {
+        auto full = GroupedQueryAttention<Scalar>::random(GqaConfig{4, 2, 1, 2}, 1);
+        layer = std::move(full);
+        attempt("moved-from gqa forward",
+                [&] { (void)full.forward(RowMatrix<Scalar>::Zero(2, 4), 1); });
+      }
+      const RowMatrix<Scalar> x = RowMatrix<Scalar>::Zero(in.in(0, 2), in.flag() ? 4 : 0);
+      attempt("gqa forward", [&] { (void)layer.forward(x, 1); });
+      attempt("gqa make_cache", [&] { (void)layer.make_cache(1, 2); });
+      break;
+    }
+    case 4: {
+      MultiHeadLatentAttention<Scalar> layer;
+      MlaConfig m;
+      m.d_model = 4;
+      m.d_q = 2;
+      m.d_kv = 2;
+      m.num_q_heads = 1;
+      m.num_kv_heads = 1;
+      m.head_dim = 2;
+      m.rope_dim = 2;
+      if (moved) {
+        auto full = MultiHeadLatentAttention<Scalar>::random(m, 2);
+        layer = std::move(full);
+        attempt("moved-from mla make_cache", [&] { (void)full.make_cache(1, 2); });
+      }
+      const RopeTable<Scalar> rope(4, 2);
+      AttentionLayerParams<Scalar> params;
+      params.rope = &rope;
+      attempt("mla forward",
+              [&] { (void)layer.forward(RowMatrix<Scalar>::Zero(2, 4), 1, {}, params); });
+      break;
+    }
+    default: {
+      HeadsTensor<Scalar> t;
+      RopeTable<Scalar> table;
+      if (moved) {
+        HeadsTensor<Scalar> full({1, 2, 3, 4});
+        RopeTable<Scalar> full_table(4, 2);
+        t = std::move(full);
+        table = std::move(full_table);
+        APEX_FUZZ_REQUIRE(full.data() == nullptr && full.view().shape().has_no_elements() &&
+                              full_table.max_positions() == 0,
+                          "a moved-from HeadsTensor or RopeTable is not empty");
+        RowMatrix<Scalar> x = RowMatrix<Scalar>::Zero(in.in(0, 2), 2);
+        attempt("apply_rope of a moved-from table",
+                [&] { apply_rope(full_table, 0, RowRef<Scalar>(x)); });
+      }
+      RowMatrix<Scalar> x = RowMatrix<Scalar>::Zero(in.in(0, 2), 2);
+      attempt("apply_rope", [&] { apply_rope(table, in.in(0, 3), RowRef<Scalar>(x)); });
+      break;
+    }
+  }
+}
+
+/// The positions of every layer cache of a stack cache, and a checksum of what they hold.
+template <class Scalar>
+std::pair<std::vector<Index>, double> stack_cache_state(const StackCache<Scalar>& cache) {
+  std::vector<Index> positions{cache.next_position()};
+  double sum = 0;
+  for (Index l = 0; l < cache.num_layers(); ++l) {
+    std::visit(
+        [&](const auto& c) {
+          positions.push_back(c.next_position());
+          if constexpr (std::is_same_v<std::decay_t<decltype(c)>, LatentCache<Scalar>>) {
+            for (Index b = 0; b < c.batch(); ++b)
+              sum += c.rows().head(b, 0).template cast<double>().sum();
+          } else {
+            for (const auto& segment : c.segments()) {
+              for (Index b = 0; b < segment.keys.batch(); ++b) {
+                for (Index h = 0; h < segment.keys.heads(); ++h) {
+                  sum += segment.keys.head(b, h).template cast<double>().sum() +
+                         segment.values.head(b, h).template cast<double>().sum();
+                }
+              }
+            }
+          }
+        },
+        cache.layer(l));
+  }
+  return {positions, sum};
+}
+
+/// Class 7: a stack call that throws leaves its cache as it was (positions and contents).
+template <class Scalar>
+void failed_stack_calls(Input& in) {
+  StackConfig c;
+  c.vocab_size = 16;
+  c.d_model = 4;
+  c.num_layers = in.in(1, 3);
+  c.window = in.in(1, 3);
+  c.global_every = 2;
+  c.local = GqaConfig{4, 2, 1, 2};
+  c.global.d_model = 4;
+  c.global.d_q = 2;
+  c.global.d_kv = 2;
+  c.global.num_q_heads = 2;
+  c.global.num_kv_heads = 1;
+  c.global.head_dim = 2;
+  c.global.rope_dim = 2;
+  c.max_positions = 8;
+  const auto stack = AttentionStack<Scalar>::random(c, 3);
+  auto cache = stack.make_cache(in.in(1, 2), in.in(1, 8));
+  for (int step = 0; step < 4; ++step) {
+    const auto before = stack_cache_state(cache);
+    TokenMatrix tokens(in.flag() ? cache.batch() : in.in(0, 3), in.in(0, 4));
+    for (Index i = 0; i < tokens.size(); ++i) {
+      tokens.data()[i] = in.choice(8) == 0 ? in.any_index() : in.in(0, 15);
+    }
+    const Index prefix = in.flag() ? 0 : in.in(-1, 4);
+    bool returned = false;
+    switch (in.choice(3)) {
+      case 0:
+        returned = attempt("stack prefill", [&] { (void)stack.prefill(tokens, prefix, cache); });
+        break;
+      case 1:
+        returned = attempt("stack extend", [&] { (void)stack.extend(tokens, cache); });
+        break;
+      default: {
+        std::vector<std::int64_t> next(static_cast<std::size_t>(in.in(0, 3)));
+        for (auto& id : next) id = in.choice(8) == 0 ? in.any_index() : in.in(0, 15);
+        returned = attempt("stack decode_step", [&] { (void)stack.decode_step(next, cache); });
+        break;
+      }
+    }
+    if (!returned) {
+      const auto after = stack_cache_state(cache);
+      APEX_FUZZ_REQUIRE(after.first == before.first,
+                        "a failed stack call moved a cache's position");
+      APEX_FUZZ_REQUIRE(same_bits(Eigen::Matrix<double, 1, 1>::Constant(after.second),
+                                  Eigen::Matrix<double, 1, 1>::Constant(before.second)),
+                        "a failed stack call changed a cache's contents");
+    }
+  }
 }
 
 /// Every check of this target, in the order an input's choice selects them.
@@ -1083,6 +1283,8 @@ constexpr Check kChecks[] = {
     mla_checks<Scalar>,
     cache_checks<Scalar>,
     comparison_checks,
+    moved_from_checks<Scalar>,
+    failed_stack_calls<Scalar>,
 };
 
 }  // namespace

@@ -72,12 +72,4 @@ void check_kv_chunk(const HeadsView<const Scalar>& k, const HeadsView<const Scal
                                      << ") must equal the key chunk length (" << k.seq() << ")");
 }
 
-/// Throws unless an object that owns storage has been constructed with its shape: a default-
-/// constructed or moved-from one holds nothing and accepts no data.
-inline void check_constructed(bool constructed, const char* op, const char* what) {
-  APEX_CHECK(constructed, "[" << op << "] the " << what
-                              << " is empty (default-constructed or moved-from): construct it with "
-                                 "its shape first");
-}
-
 }  // namespace apex::detail

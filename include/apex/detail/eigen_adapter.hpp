@@ -33,6 +33,9 @@
 #define APEX_EIGEN_INTERNALS 0
 #endif
 
+// Not part of the public API: BLAS-style (pointer, leading dimension, rows, columns) lists, as in
+// Eigen's and every GEMM's own signatures; each has one or two callers in flash_attention.hpp.
+// NOLINTBEGIN(bugprone-easily-swappable-parameters)
 namespace apex::detail {
 
 template <class C>
@@ -385,3 +388,4 @@ void matmul_serial(Index rows, Index cols, Index depth, const C* a, Index lda, c
 }
 
 }  // namespace apex::detail
+// NOLINTEND(bugprone-easily-swappable-parameters)

@@ -120,6 +120,9 @@
 #include <limits>
 #include <type_traits>
 
+// Not part of the public API: the tile's position (b, kv head, first query, rows) and the
+// BLAS-style lists of the schedulers; internal, each with one or two callers in this file.
+// NOLINTBEGIN(bugprone-easily-swappable-parameters)
 namespace apex::detail {
 
 /// Block sizes and the decode split of the tiled kernel (see BLOCK SIZES above). The defaults are
@@ -641,3 +644,4 @@ void flash_attention(const P& p, const AttentionOutputs<TO>& o, const FlashBlock
 }
 
 }  // namespace apex::detail
+// NOLINTEND(bugprone-easily-swappable-parameters)

@@ -27,6 +27,8 @@
 #include <type_traits>
 #include <utility>
 
+// Not part of the public API: (count, width) and (scratch, scratch) pairs of internal helpers with
+// one caller each. NOLINTBEGIN(bugprone-easily-swappable-parameters)
 namespace apex::detail {
 
 /// The softmax statistics (m, l) of one row; the default is a row in which no key took part.
@@ -160,3 +162,4 @@ SoftmaxStats<C> merge_rows(Index parts, Index d_v, const PartAt& part_at, U* out
 }
 
 }  // namespace apex::detail
+// NOLINTEND(bugprone-easily-swappable-parameters)

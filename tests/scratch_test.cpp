@@ -1,0 +1,106 @@
+// SPDX-License-Identifier: MIT
+// The kernel's scratch (include/apex/detail/scratch.hpp and the MEMORY section of
+// detail/flash_attention.hpp): bounded whatever the number of keys, and released on request.
+// Resident memory is read from /proc/self/status inside a new thread, after sdpa returns and
+// while the thread (and its OpenMP team) still holds its buffers.
+#include <apex/detail/parallel.hpp>
+#include <apex/mask.hpp>
+#include <apex/sdpa.hpp>
+#include <apex/tensor.hpp>
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "test_util.hpp"
+
+namespace {
+
+using apex::AttentionMask;
+using apex::HeadsTensor;
+using apex::Index;
+using apex::Vector;
+
+/// VmRSS of this process in KiB (-1 if /proc is not there).
+double resident_kib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6));
+  }
+  return -1.0;
+}
+
+/// The bound sdpa documents for its scratch, in bytes (detail/flash_attention.hpp, MEMORY), for
+/// d_qk = d_v = d and the default blocks (M <= 256 stacked rows, Bk = 64; the streaming path
+/// needs less), float: per thread that runs tasks
+///   2·M·d + 4·Bk·d + 2·M·Bk + M·d + Bq·Bk + 3·M  scalars,
+/// and on the calling thread at most 2^18 scalars of split-key partials.
+double documented_scratch_bytes(Index d, int threads) {
+  const double m = 256, bk = 64, bq = 256;
+  const double dd = static_cast<double>(d);
+  const double per_thread = 2 * m * dd + 4 * bk * dd + 2 * m * bk + m * dd + bq * bk + 3 * m;
+  return 4.0 * (per_thread * threads + double(Index{1} << 18));
+}
+
+TEST(Scratch, SdpaScratchIsBoundedWhateverTheCacheLength) {
+  // One layer of a long-context decode or extend: 128K cached keys, H_q = 32, H_kv = 8,
+  // d = 128. The scratch must not grow with S_k: before its split was bounded,
+  // a 64-token chunk held some 270 MB of partial results here.
+  const Index s_k = Index{1} << 17, d = 128;
+  // One head's keys and values, shared by the 8 key/value heads through a zero head stride: the
+  // kernel sees [1, 8, S_k, d] (what it allocates depends on the shapes only) in 128 MiB.
+  HeadsTensor<float> k_head({1, 1, s_k, d}), v_head({1, 1, s_k, d});
+  Eigen::Map<Vector<float>>(k_head.data(), s_k * d).setConstant(0.01f);
+  Eigen::Map<Vector<float>>(v_head.data(), s_k * d).setConstant(0.5f);
+  const apex::HeadsView<const float> k(k_head.data(), {1, 8, s_k, d}, {0, 0, d});
+  const apex::HeadsView<const float> v(v_head.data(), {1, 8, s_k, d}, {0, 0, d});
+  const int threads = apex::detail::max_threads();
+  const double bound = documented_scratch_bytes(d, threads);
+  // What a new thread and its OpenMP team cost before any scratch: stacks and the runtime's own.
+  constexpr double kThreadSlackBytes = 4.0 * 1024 * 1024;
+  for (const Index s_q : {Index{1}, Index{64}, Index{65}}) {
+    HeadsTensor<float> q({1, 32, s_q, d}), out({1, 32, s_q, d});
+    Eigen::Map<Vector<float>>(q.data(), 32 * s_q * d).setConstant(0.02f);
+    AttentionMask<float> mask;  // a window keeps the work small; the scratch does not depend on it
+    mask.positions = apex::sliding_window_mask(1024);
+    double extra_bytes = -1.0;
+    std::thread fresh([&] {  // a thread whose scratch starts empty
+      const double before = resident_kib();
+      apex::sdpa<float>(q.view(), k, v, mask, {}, out.view());
+      extra_bytes = 1024.0 * (resident_kib() - before);  // its buffers are still held here
+    });
+    fresh.join();
+    ASSERT_GE(extra_bytes, -4096.0) << "no /proc/self/status";
+    std::printf("S_q = %ld: %.2f MiB of extra resident memory (bound %.2f MiB + %.0f MiB slack)\n",
+                static_cast<long>(s_q), extra_bytes / 1048576, bound / 1048576,
+                kThreadSlackBytes / 1048576);
+    EXPECT_LE(extra_bytes, bound + kThreadSlackBytes)
+        << "S_q = " << s_q << ": " << extra_bytes / 1048576 << " MiB of scratch, bound "
+        << bound / 1048576 << " MiB";
+    EXPECT_TRUE(out.head(0, 31).allFinite());
+    EXPECT_NEAR(out.head(0, 0)(s_q - 1, 0), 0.5f, 1e-6f);  // every value is 0.5
+  }
+}
+
+TEST(Scratch, ReleaseScratchFreesTheCallingThreadsBuffers) {
+  std::thread fresh([] {
+    const auto q = apex::testing::random_heads<float>(1, 8, 1, 64, 1);
+    const auto kv = apex::testing::random_heads<float>(1, 2, 4000, 64, 2);
+    HeadsTensor<float> out({1, 8, 1, 64});
+    EXPECT_EQ(apex::scratch_bytes(), 0U);
+    apex::sdpa<float>(q.view(), kv.view(), kv.view(), {}, {}, out.view());
+    EXPECT_GT(apex::scratch_bytes(), 0U);  // split-key partials at least
+    apex::release_scratch();
+    EXPECT_EQ(apex::scratch_bytes(), 0U);
+    HeadsTensor<float> again({1, 8, 1, 64});
+    apex::sdpa<float>(q.view(), kv.view(), kv.view(), {}, {}, again.view());
+    EXPECT_EQ(Eigen::Map<const Vector<float>>(again.data(), 8 * 64),
+              Eigen::Map<const Vector<float>>(out.data(), 8 * 64));
+  });
+  fresh.join();
+}
+
+}  // namespace
