@@ -544,6 +544,103 @@ class MultiHeadLatentAttention {
     return n;
   }
 
+  /// Throws unless `absorbed` was folded from a layer of this shape (absorb_mla_weights).
+  void check_absorbed(const MlaAbsorbedWeights<Scalar>& absorbed) const {
+    const MlaConfig& c = config();
+    const MlaConfig& a = absorbed.config;
+    APEX_CHECK(a.d_model == c.d_model && a.d_q == c.d_q && a.d_kv == c.d_kv &&
+                   a.num_q_heads == c.num_q_heads && a.num_kv_heads == c.num_kv_heads &&
+                   a.head_dim == c.head_dim && a.rope_dim == c.rope_dim &&
+                   a.rope_key_heads() == c.rope_key_heads(),
+               "[mla] absorbed weights were folded from a layer of another shape: use "
+               "absorb_mla_weights(this layer)");
+    // H_q·d_kv is not among the sizes the config check bounds (it bounds H_q·d_h).
+    const Index latent = detail::checked_product(c.num_q_heads, c.d_kv, "mla", "H_q*d_kv");
+    APEX_CHECK(!absorbed.query_multiplied() ||
+                   (absorbed.w_q_latent.rows() == c.d_q && absorbed.w_q_latent.cols() == latent),
+               "[mla] absorbed w_q_latent shape ["
+                   << absorbed.w_q_latent.rows() << ", " << absorbed.w_q_latent.cols()
+                   << "] must be [d_q, H_q*d_kv] = [" << c.d_q << ", " << latent << "] (or empty)");
+    APEX_CHECK(
+        !absorbed.output_multiplied() ||
+            (absorbed.w_o_latent.rows() == latent && absorbed.w_o_latent.cols() == c.d_model),
+        "[mla] absorbed w_o_latent shape ["
+            << absorbed.w_o_latent.rows() << ", " << absorbed.w_o_latent.cols()
+            << "] must be [H_q*d_kv, d] = [" << latent << ", " << c.d_model << "] (or empty)");
+  }
+
+  /// The absorbed queries of forward_absorbed, [B*n, H_q·(d_kv + H_kr·d_r)]: per head
+  /// [q̃_h ‖ 0 … Q_rope,h … 0], q̃_h = Q_h W_UK,gᵀ, the rope part in the slot of head h's K_rope.
+  /// Throws (before allocating) when their size does not fit in 64 bits.
+  RowMatrix<Scalar> absorbed_queries(const ConstRowRef<Scalar>& x, Index batch,
+                                     const AttentionLayerParams<Scalar>& params,
+                                     const MlaAbsorbedWeights<Scalar>& absorbed) const {
+    const MlaConfig& c = config();
+    const Index h_q = c.num_q_heads;
+    const Index group = h_q / c.num_kv_heads;
+    const Index d_h = c.head_dim;
+    const Index d_r = c.rope_dim;
+    const Index d_kv = c.d_kv;
+    const Index width = d_kv + c.rope_key_heads() * d_r;  // of a cached row and a query head
+    const Index q_width =
+        detail::checked_product(h_q, width, "mla", "absorbed query width H_q*(d_kv + H_kr*d_r)");
+    detail::checked_product({x.rows(), q_width, static_cast<Index>(sizeof(Scalar))}, "mla",
+                            "absorbed query bytes B*n*H_q*(d_kv + H_kr*d_r)");
+    RowMatrix<Scalar> q = RowMatrix<Scalar>::Zero(x.rows(), q_width);
+    const RowMatrix<Scalar> c_q = detail::matmul<Scalar>(x, weights_.w_dq);
+    if (absorbed.query_multiplied()) {
+      const RowMatrix<Scalar> q_latent = detail::matmul<Scalar>(c_q, absorbed.w_q_latent);
+      for (Index h = 0; h < h_q; ++h) {
+        q.middleCols(h * width, d_kv) = q_latent.middleCols(h * d_kv, d_kv);
+      }
+    } else {
+      // q̃ for the G heads of group g of token t: [G, d_h] (contiguous in Q's row) · W_UK,gᵀ.
+      const RowMatrix<Scalar> q_content = detail::matmul<Scalar>(c_q, weights_.w_uq);
+      for (Index t = 0; t < x.rows(); ++t) {
+        for (Index g = 0; g < c.num_kv_heads; ++g) {
+          const Eigen::Map<const RowMatrix<Scalar>> q_group(
+              q_content.row(t).data() + g * group * d_h, group, d_h);
+          detail::RowMap<Scalar> target(q.row(t).data() + g * group * width, group, d_kv,
+                                        Eigen::OuterStride<>(width));
+          detail::matmul_transposed<Scalar>(q_group, weights_.w_uk.middleCols(g * d_h, d_h),
+                                            target);
+        }
+      }
+    }
+    RowMatrix<Scalar> q_rope = detail::matmul<Scalar>(x, weights_.w_qr);
+    detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, q_rope);
+    for (Index h = 0; h < h_q; ++h) {
+      const Index slot = c.rope_key_heads() == 1 ? 0 : h / group;
+      q.middleCols(h * width + d_kv + slot * d_r, d_r) = q_rope.middleCols(h * d_r, d_r);
+    }
+    return q;
+  }
+
+  /// out = Concat_h (o_h W_UV,g) · W_O, or Concat_h o_h · W_o_latent when folded, from the
+  /// latent attention outputs o_latent [B*n, H_q·d_kv].
+  void absorbed_output(const RowMatrix<Scalar>& o_latent,
+                       const MlaAbsorbedWeights<Scalar>& absorbed, RowRef<Scalar> out) const {
+    if (absorbed.output_multiplied()) {
+      detail::matmul<Scalar>(o_latent, absorbed.w_o_latent, out);
+      return;
+    }
+    const MlaConfig& c = config();
+    const Index group = c.num_q_heads / c.num_kv_heads;
+    const Index d_h = c.head_dim;
+    const Index d_kv = c.d_kv;
+    // o_h W_UV,g for the G heads of group g of token t: [G, d_kv] · W_UV,g -> [G, d_h].
+    RowMatrix<Scalar> concat(o_latent.rows(), c.num_q_heads * d_h);
+    for (Index t = 0; t < o_latent.rows(); ++t) {
+      for (Index g = 0; g < c.num_kv_heads; ++g) {
+        const Eigen::Map<const RowMatrix<Scalar>> o_group(o_latent.row(t).data() + g * group * d_kv,
+                                                          group, d_kv);
+        Eigen::Map<RowMatrix<Scalar>> target(concat.row(t).data() + g * group * d_h, group, d_h);
+        detail::matmul<Scalar>(o_group, weights_.w_uv.middleCols(g * d_h, d_h), target);
+      }
+    }
+    detail::matmul<Scalar>(concat, weights_.w_o, out);
+  }
+
   /// 1/√(d_h + d_r): the default softmax scale of the layer, whatever width its keys are read at.
   double mla_softmax_scale() const {
     return 1.0 / std::sqrt(static_cast<double>(config().qk_dim()));
@@ -707,102 +804,26 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
   static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
                 "[mla] x must have the layer's scalar type");
   check_constructed();
-  const MlaConfig& c = config();
-  const Index h_q = c.num_q_heads;
-  const Index h_kv = c.num_kv_heads;
-  const Index h_kr = c.rope_key_heads();
-  const Index group = h_q / h_kv;
-  const Index d_h = c.head_dim;
-  const Index d_r = c.rope_dim;
-  const Index d_kv = c.d_kv;
-  const Index width = d_kv + h_kr * d_r;  // of a cached row, and of every absorbed query head
-  // The absorbed queries are H_q·width wide, H_q·d_kv of them latent: sizes the config check
-  // does not bound (it bounds H_q·d_h, not H_q·d_kv).
-  const Index q_width =
-      detail::checked_product(h_q, width, "mla", "absorbed query width H_q*(d_kv + H_kr*d_r)");
-  const MlaConfig& a = absorbed.config;
-  APEX_CHECK(a.d_model == c.d_model && a.d_q == c.d_q && a.d_kv == c.d_kv &&
-                 a.num_q_heads == c.num_q_heads && a.num_kv_heads == c.num_kv_heads &&
-                 a.head_dim == c.head_dim && a.rope_dim == c.rope_dim &&
-                 a.rope_key_heads() == c.rope_key_heads(),
-             "[mla] absorbed weights were folded from a layer of another shape: use "
-             "absorb_mla_weights(this layer)");
-  APEX_CHECK(!absorbed.query_multiplied() ||
-                 (absorbed.w_q_latent.rows() == c.d_q && absorbed.w_q_latent.cols() == h_q * d_kv),
-             "[mla] absorbed w_q_latent shape ["
-                 << absorbed.w_q_latent.rows() << ", " << absorbed.w_q_latent.cols()
-                 << "] must be [d_q, H_q*d_kv] = [" << c.d_q << ", " << h_q * d_kv
-                 << "] (or empty)");
-  APEX_CHECK(
-      !absorbed.output_multiplied() ||
-          (absorbed.w_o_latent.rows() == h_q * d_kv && absorbed.w_o_latent.cols() == c.d_model),
-      "[mla] absorbed w_o_latent shape ["
-          << absorbed.w_o_latent.rows() << ", " << absorbed.w_o_latent.cols()
-          << "] must be [H_q*d_kv, d] = [" << h_q * d_kv << ", " << c.d_model << "] (or empty)");
+  check_absorbed(absorbed);
   const ConstRowRef<Scalar> xr(x.derived());
   const Index n = check_cached(xr, mask, params, cache, /*absorbed=*/true, out);
   const Index batch = cache.batch();
-  const Index rows = xr.rows();
-  detail::checked_product({rows, q_width, static_cast<Index>(sizeof(Scalar))}, "mla",
-                          "absorbed query bytes B*n*H_q*(d_kv + H_kr*d_r)");
-
-  // Queries [q̃_h ‖ 0 … Q_rope,h … 0] per head, the rope part in the slot of head h's K_rope.
-  RowMatrix<Scalar> q = RowMatrix<Scalar>::Zero(rows, q_width);
-  const RowMatrix<Scalar> c_q = detail::matmul<Scalar>(xr, weights_.w_dq);
-  if (absorbed.query_multiplied()) {
-    const RowMatrix<Scalar> q_latent = detail::matmul<Scalar>(c_q, absorbed.w_q_latent);
-    for (Index h = 0; h < h_q; ++h) {
-      q.middleCols(h * width, d_kv) = q_latent.middleCols(h * d_kv, d_kv);
-    }
-  } else {
-    // q̃ for the G heads of group g of token t: [G, d_h] (contiguous in Q's row) · W_UK,gᵀ.
-    const RowMatrix<Scalar> q_content = detail::matmul<Scalar>(c_q, weights_.w_uq);
-    using Strided = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
-    for (Index t = 0; t < rows; ++t) {
-      for (Index g = 0; g < h_kv; ++g) {
-        const Eigen::Map<const RowMatrix<Scalar>> q_group(q_content.row(t).data() + g * group * d_h,
-                                                          group, d_h);
-        Strided target(q.row(t).data() + g * group * width, group, d_kv,
-                       Eigen::OuterStride<>(width));
-        detail::matmul_transposed<Scalar>(q_group, weights_.w_uk.middleCols(g * d_h, d_h), target);
-      }
-    }
-  }
-  RowMatrix<Scalar> q_rope = detail::matmul<Scalar>(xr, weights_.w_qr);
-  detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, q_rope);
-  for (Index h = 0; h < h_q; ++h) {
-    const Index slot = h_kr == 1 ? 0 : h / group;
-    q.middleCols(h * width + d_kv + slot * d_r, d_r) = q_rope.middleCols(h * d_r, d_r);
-  }
-
+  const Index h_q = config().num_q_heads;
+  const Index d_kv = config().d_kv;
+  const RowMatrix<Scalar> q = absorbed_queries(xr, batch, params, absorbed);  // checks its size
   append_latents(xr, batch, params, cache);
 
   // One key/value head shared by all H_q query heads: keys [c_kv ‖ K_rope], values c_kv.
-  RowMatrix<Scalar> o_latent(rows, h_q * d_kv);
+  RowMatrix<Scalar> o_latent(xr.rows(), h_q * d_kv);
   AttentionMask<Scalar> positions;
   positions.positions = mask;
   positions.positions.query_offset = params.position_offset;
   SdpaParams attention = params.attention;
   if (!attention.scale) attention.scale = mla_softmax_scale();
-  sdpa<Scalar>(HeadsView<const Scalar>::token_major(q.data(), {batch, h_q, n, width}), cache.rows(),
-               cache.latent(), positions, attention,
+  sdpa<Scalar>(HeadsView<const Scalar>::token_major(q.data(), {batch, h_q, n, cache.row_width()}),
+               cache.rows(), cache.latent(), positions, attention,
                HeadsView<Scalar>::token_major(o_latent.data(), {batch, h_q, n, d_kv}));
-
-  if (absorbed.output_multiplied()) {
-    detail::matmul<Scalar>(o_latent, absorbed.w_o_latent, out);
-    return;
-  }
-  // o_h W_UV,g for the G heads of group g of token t: [G, d_kv] · W_UV,g -> [G, d_h].
-  RowMatrix<Scalar> concat(rows, h_q * d_h);
-  for (Index t = 0; t < rows; ++t) {
-    for (Index g = 0; g < h_kv; ++g) {
-      const Eigen::Map<const RowMatrix<Scalar>> o_group(o_latent.row(t).data() + g * group * d_kv,
-                                                        group, d_kv);
-      Eigen::Map<RowMatrix<Scalar>> target(concat.row(t).data() + g * group * d_h, group, d_h);
-      detail::matmul<Scalar>(o_group, weights_.w_uv.middleCols(g * d_h, d_h), target);
-    }
-  }
-  detail::matmul<Scalar>(concat, weights_.w_o, out);
+  absorbed_output(o_latent, absorbed, out);
 }
 
 }  // namespace apex

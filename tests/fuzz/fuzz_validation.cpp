@@ -737,6 +737,29 @@ void heads_checks(Input& in) {
   fill(x, in, Values::kModerate);
   const Index batch = in.flag() ? in.in(0, 3) : in.any_index();
   const Index heads = in.flag() ? in.in(0, 3) : in.any_index();
+  if (in.choice(5) == 0) {
+    // Class 6: the factories multiply extents into strides; a product beyond 64 bits must be
+    // rejected, not wrapped.
+    const HeadsShape shape{in.any_index(), in.any_index(), in.any_index(), in.any_index()};
+    Scalar x0 = 0;
+    const bool token_major = in.flag();
+    HeadsView<Scalar> view;
+    const bool returned = attempt("HeadsView factory", [&] {
+      view = token_major ? HeadsView<Scalar>::token_major(&x0, shape)
+                         : HeadsView<Scalar>::contiguous(&x0, shape);
+    });
+    const bool negative = shape.batch < 0 || shape.heads < 0 || shape.seq < 0 || shape.dim < 0;
+    APEX_FUZZ_REQUIRE(!(returned && negative), "a HeadsView factory accepted a negative extent");
+    if (returned && !shape.has_no_elements()) {
+      APEX_FUZZ_REQUIRE(bound_of({shape.batch, shape.heads, shape.seq, shape.dim}) !=
+                            Bound::kOverflow,
+                        "a HeadsView factory accepted a shape whose size overflows");
+      APEX_FUZZ_REQUIRE(view.batch_stride() / shape.dim ==
+                            (token_major ? shape.seq * shape.heads : shape.heads * shape.seq),
+                        "a HeadsView factory formed a wrong stride");
+    }
+    return;
+  }
   switch (in.choice(4)) {
     case 0: {
       const bool valid = batch >= 1 && heads >= 1 && x.rows() % batch == 0 && x.cols() % heads == 0;
