@@ -80,6 +80,64 @@ HeadsView<const Scalar> buffer_rows(const Scalar* data, const HeadsShape& buffer
                                  {buffer.heads * buffer.seq * dim, buffer.seq * dim, dim});
 }
 
+/// K and V of a cache: two [B, H, slots, D] buffers, zeroed at construction, with their shape.
+/// Default-constructed or moved from, it is empty (every extent 0, no memory).
+template <class Scalar>
+class KvBuffers {
+ public:
+  KvBuffers() = default;
+  /// Allocates both buffers; throws unless every extent is >= 1 (`slots_name` names the slots in
+  /// messages: capacity or window) and their bytes fit in 64 bits.
+  KvBuffers(const HeadsShape& shape, const char* op, const char* slots_name) {
+    require_supported_scalar<Scalar>();
+    check_cache_dims(shape, op, slots_name);
+    const Index size = cache_buffer_size<Scalar>(shape, op);
+    k_ = Vector<Scalar>::Zero(size);
+    v_ = Vector<Scalar>::Zero(size);
+    shape_ = shape;
+  }
+
+  /// [B, H, slots, D].
+  const HeadsShape& shape() const { return shape_; }
+  /// Bytes of both buffers.
+  std::int64_t bytes() const {
+    return static_cast<std::int64_t>(k_.size() + v_.size()) *
+           static_cast<std::int64_t>(sizeof(Scalar));
+  }
+  /// Rows [first, first + rows) of every head of K (of V).
+  HeadsView<const Scalar> keys(Index first, Index rows) const {
+    return buffer_rows(k_.data(), shape(), first, rows);
+  }
+  HeadsView<const Scalar> values(Index first, Index rows) const {
+    return buffer_rows(v_.data(), shape(), first, rows);
+  }
+  /// Rows [src_row, src_row + count) of a chunk's k and v into rows [first, first + count).
+  void write(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v, Index src_row,
+             Index count, Index first) {
+    write_rows(k, k_.data(), shape().seq, src_row, count, first);
+    write_rows(v, v_.data(), shape().seq, src_row, count, first);
+  }
+  /// Grows to `slots` (> the current slots), keeping the first `kept` rows (one copy); throws,
+  /// unchanged, if the new size does not fit in 64 bits.
+  void grow(Index slots, Index kept, const char* op) {
+    HeadsShape grown = shape();
+    grown.seq = slots;
+    const Index size = cache_buffer_size<Scalar>(grown, op);
+    Vector<Scalar> k = Vector<Scalar>::Zero(size);
+    Vector<Scalar> v = Vector<Scalar>::Zero(size);
+    write_rows(keys(0, kept), k.data(), slots, 0, kept, 0);
+    write_rows(values(0, kept), v.data(), slots, 0, kept, 0);
+    k_ = std::move(k);
+    v_ = std::move(v);
+    shape_ = grown;
+  }
+
+ private:
+  ResetOnMove<HeadsShape> shape_;
+  Vector<Scalar> k_;  // Eigen leaves a moved-from vector empty
+  Vector<Scalar> v_;
+};
+
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------
@@ -105,15 +163,8 @@ class KvCache {
   /// An empty cache (see "Empty caches" above).
   KvCache() = default;
   /// Allocates K and V. Throws unless batch, num_kv_heads, head_dim and capacity are >= 1.
-  explicit KvCache(const KvCacheShape& s) {
-    detail::require_supported_scalar<Scalar>();
-    const HeadsShape shape{s.batch, s.num_kv_heads, s.capacity, s.head_dim};
-    detail::check_cache_dims(shape, "kv_cache", "capacity");
-    const Index size = detail::cache_buffer_size<Scalar>(shape, "kv_cache");
-    k_ = Vector<Scalar>::Zero(size);
-    v_ = Vector<Scalar>::Zero(size);
-    shape_ = shape;
-  }
+  explicit KvCache(const KvCacheShape& s)
+      : buffers_({s.batch, s.num_kv_heads, s.capacity, s.head_dim}, "kv_cache", "capacity") {}
 
   /// Number of sequences B cached side by side.
   Index batch() const { return shape().batch; }
@@ -128,10 +179,7 @@ class KvCache {
   /// Absolute position of the next token to append (= size()).
   Index next_position() const { return size_; }
   /// Exact bytes of the stored values: 2·B·H_kv·C·d_h·sizeof(Scalar) (K and V).
-  std::int64_t bytes() const {
-    return static_cast<std::int64_t>(k_.size() + v_.size()) *
-           static_cast<std::int64_t>(sizeof(Scalar));
-  }
+  std::int64_t bytes() const { return buffers_.bytes(); }
 
   /// Appends a chunk of n tokens at absolute positions [position, position + n):
   ///   k, v: [B, H_kv, n, d_h] views of any layout (for a projection's token-major output
@@ -141,8 +189,7 @@ class KvCache {
   /// overlap the cache. Allocates nothing.
   void append(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v, Index position) {
     check_append(k, v, position);
-    detail::write_rows(k, k_.data(), capacity(), 0, k.seq(), size_);
-    detail::write_rows(v, v_.data(), capacity(), 0, v.seq(), size_);
+    buffers_.write(k, v, 0, k.seq(), size_);
     size_.get() += k.seq();
   }
 
@@ -168,11 +215,9 @@ class KvCache {
 
   /// [B, H_kv, size(), d_h] view of the cached keys (head stride C·d_h), no copy. It holds
   /// size() as of the call, and reserve() frees the memory it points to.
-  HeadsView<const Scalar> keys() const { return detail::buffer_rows(k_.data(), shape(), 0, size_); }
+  HeadsView<const Scalar> keys() const { return buffers_.keys(0, size_); }
   /// [B, H_kv, size(), d_h] view of the cached values; same layout and lifetime as keys().
-  HeadsView<const Scalar> values() const {
-    return detail::buffer_rows(v_.data(), shape(), 0, size_);
-  }
+  HeadsView<const Scalar> values() const { return buffers_.values(0, size_); }
 
   /// Drops the tokens at positions >= new_size (0 <= new_size <= size()). O(1).
   void truncate(Index new_size) {
@@ -187,28 +232,17 @@ class KvCache {
   void reserve(Index capacity) {
     detail::check_constructed(batch() >= 1, "kv_cache", "cache");
     if (capacity <= this->capacity()) return;
-    HeadsShape grown = shape();
-    grown.seq = capacity;
-    const Index size = detail::cache_buffer_size<Scalar>(grown, "kv_cache");
-    Vector<Scalar> k = Vector<Scalar>::Zero(size);
-    Vector<Scalar> v = Vector<Scalar>::Zero(size);
-    detail::write_rows(keys(), k.data(), capacity, 0, size_, 0);
-    detail::write_rows(values(), v.data(), capacity, 0, size_, 0);
-    k_ = std::move(k);
-    v_ = std::move(v);
-    shape_ = grown;
+    buffers_.grow(capacity, size_, "kv_cache");
   }
 
   /// Forgets every token (the memory is kept).
   void clear() { size_ = 0; }
 
  private:
-  const HeadsShape& shape() const { return shape_; }
+  const HeadsShape& shape() const { return buffers_.shape(); }
 
-  detail::ResetOnMove<HeadsShape> shape_;  // [B, H_kv, C, d_h]
+  detail::KvBuffers<Scalar> buffers_;  // [B, H_kv, C, d_h] each
   detail::ResetOnMove<Index> size_;
-  Vector<Scalar> k_;  // Eigen leaves a moved-from vector empty
-  Vector<Scalar> v_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -244,15 +278,9 @@ class SlidingWindowCache {
   /// An empty cache (see "Empty caches" above).
   SlidingWindowCache() = default;
   /// Allocates the ring. Throws unless batch, num_kv_heads, head_dim and window are >= 1.
-  explicit SlidingWindowCache(const WindowCacheShape& s) {
-    detail::require_supported_scalar<Scalar>();
-    const HeadsShape shape{s.batch, s.num_kv_heads, s.window, s.head_dim};
-    detail::check_cache_dims(shape, "sliding_window_cache", "window");
-    const Index size = detail::cache_buffer_size<Scalar>(shape, "sliding_window_cache");
-    k_ = Vector<Scalar>::Zero(size);
-    v_ = Vector<Scalar>::Zero(size);
-    shape_ = shape;
-  }
+  explicit SlidingWindowCache(const WindowCacheShape& s)
+      : buffers_({s.batch, s.num_kv_heads, s.window, s.head_dim}, "sliding_window_cache",
+                 "window") {}
 
   /// Number of sequences B cached side by side.
   Index batch() const { return shape().batch; }
@@ -270,10 +298,7 @@ class SlidingWindowCache {
   /// wraps).
   Index first_position() const { return next_ - size(); }
   /// Exact bytes of the stored values: 2·B·H_kv·W·d_h·sizeof(Scalar), whatever next_position().
-  std::int64_t bytes() const {
-    return static_cast<std::int64_t>(k_.size() + v_.size()) *
-           static_cast<std::int64_t>(sizeof(Scalar));
-  }
+  std::int64_t bytes() const { return buffers_.bytes(); }
 
   /// Appends a chunk of n tokens at positions [position, position + n); only the last min(n, W)
   /// are kept (the rest would be evicted at once). k, v: [B, H_kv, n, d_h] views of any layout.
@@ -289,12 +314,8 @@ class SlidingWindowCache {
     const Index slot = first % w;
     const Index run = std::min(kept, w - slot);
     const Index src = n - kept;
-    detail::write_rows(k, k_.data(), w, src, run, slot);
-    detail::write_rows(v, v_.data(), w, src, run, slot);
-    if (kept > run) {
-      detail::write_rows(k, k_.data(), w, src + run, kept - run, 0);
-      detail::write_rows(v, v_.data(), w, src + run, kept - run, 0);
-    }
+    buffers_.write(k, v, src, run, slot);
+    if (kept > run) buffers_.write(k, v, src + run, kept - run, 0);
     next_.get() += n;
   }
 
@@ -327,17 +348,14 @@ class SlidingWindowCache {
   void clear() { next_ = 0; }
 
  private:
-  const HeadsShape& shape() const { return shape_; }
+  const HeadsShape& shape() const { return buffers_.shape(); }
 
   Segment segment(Index first_position, Index slot, Index count) const {
-    return Segment{first_position, detail::buffer_rows(k_.data(), shape(), slot, count),
-                   detail::buffer_rows(v_.data(), shape(), slot, count)};
+    return Segment{first_position, buffers_.keys(slot, count), buffers_.values(slot, count)};
   }
 
-  detail::ResetOnMove<HeadsShape> shape_;  // [B, H_kv, W, d_h]
+  detail::KvBuffers<Scalar> buffers_;  // [B, H_kv, W, d_h] each
   detail::ResetOnMove<Index> next_;
-  Vector<Scalar> k_;
-  Vector<Scalar> v_;
 };
 
 // ---------------------------------------------------------------------------------------------
