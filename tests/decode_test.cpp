@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "test_util.hpp"
+#include "tolerances.hpp"
 
 namespace {
 
@@ -58,11 +59,12 @@ constexpr Index kBatch = 2;
 
 // Decoding against one forward pass: |Δ| ≤ tol · max|row| for every row of the outputs. Both
 // sides run the same formulas in the same scalar type but sum in different orders (different
-// key blocks, partial softmaxes merged by log-sum-exp, and for absorbed MLA (q W_UKᵀ)·c instead
-// of q·(c W_UK)); with O(1) inputs and softmaxes over up to 1000 keys that is a few hundred
-// float ulps, well inside 1e-4. A wrong position, key or scale moves rows by O(0.1).
+// key blocks, partial softmaxes merged through their statistics, and for absorbed MLA
+// (q W_UKᵀ)·c instead of q·(c W_UK)); with O(1) inputs and softmaxes over up to 1000 keys that is
+// a few hundred float ulps, well inside 1e-4 (tolerances.hpp, kDecode). A wrong position, key or
+// scale moves rows by O(0.1).
 template <class Scalar>
-constexpr double kTol = std::is_same_v<Scalar, float> ? 1e-4 : 1e-11;
+constexpr double kTol = apex::testing::Tolerances<Scalar>::kDecode;
 
 template <class Scalar>
 void expect_rows_close(const RowMatrix<Scalar>& actual, const RowMatrix<Scalar>& expected,
@@ -280,9 +282,9 @@ using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(DecodeTyped, Scalars, apex::testing::ScalarName);
 
 // Absorbed against naive: the same attention with the products associated differently, on O(1)
-// values through at most three chained products of length ≤ 16: tens of ulps.
+// values through at most three chained products of length ≤ 16: tens of ulps (kAbsorbedMla).
 template <class Scalar>
-constexpr double kAbsorbTol = std::is_same_v<Scalar, float> ? 2e-5 : 1e-12;
+constexpr double kAbsorbTol = apex::testing::Tolerances<Scalar>::kAbsorbedMla;
 
 TYPED_TEST(DecodeTyped, AbsorbedMlaEqualsNaiveMlaForEveryFolding) {
   const apex::testing::OneThread one_thread;

@@ -5,16 +5,16 @@
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <type_traits>
 #include <vector>
 
+#include "reference/attention.hpp"
 #include "reference/rope.hpp"
 #include "test_util.hpp"
+#include "tolerances.hpp"
 
 namespace {
 
@@ -31,43 +31,19 @@ using apex::RowMatrix;
 using apex::testing::expect_close;
 using apex::testing::expect_invalid;
 using apex::testing::random_matrix;
+using apex::testing::Tolerances;
 using MatrixXd = Eigen::MatrixXd;
 
-// Tolerance, per element: |actual − expected| ≤ kTol · max(1, |expected|). x is O(1) and the
-// weights are N(0, 1/fan_in), so every intermediate is O(1). An output passes through the
-// projection (dot products of length d ≤ 16), RoPE (one rotation), the scores (length d_h = 6),
-// a softmax over ≤ 7 keys, the weighted sum and W_O (length ≤ 36): the classical n·u·Σ|terms|
-// bound is ≲ 36 · u · 3 per product, about 6e-6 in float and 1.2e-14 in double, u being the unit
-// roundoff. A wrong head, position or scale moves results by O(0.1).
-template <class Scalar>
-constexpr double kTol = std::is_same_v<Scalar, float> ? 6e-6 : 2e-14;
+// Tolerance, per element: |actual − expected| ≤ tol · max(1, |expected|) with tol =
+// Tolerances<Scalar>::kGqaLayer of tolerances.hpp. x is O(1) and the weights are N(0, 1/fan_in),
+// so every intermediate is O(1). An output passes through the projection (dot products of length
+// d ≤ 16), RoPE (one rotation), the scores (length d_h = 6), a softmax over ≤ 7 keys, the
+// weighted sum and W_O (length ≤ 36). A wrong head, position or scale moves results by O(0.1).
 
 // ---------------------------------------------------------------------------------------------
-// Plain double-precision reference of the layer, written from §6.2, §7.2 and §8.2.
+// Plain double-precision reference of the layer, written from §6.2, §7.2 and §8.2, with the
+// attention itself the plain loop of reference/attention.hpp.
 // ---------------------------------------------------------------------------------------------
-
-// One head, S queries against the same S keys: softmax(q_i·k_j / √d) over j (j ≤ i if causal).
-MatrixXd plain_head(const MatrixXd& q, const MatrixXd& k, const MatrixXd& v, bool causal) {
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.cols()));
-  MatrixXd out = MatrixXd::Zero(q.rows(), v.cols());
-  for (Index i = 0; i < q.rows(); ++i) {
-    const Index last = causal ? i : k.rows() - 1;
-    std::vector<double> scores;
-    double best = -std::numeric_limits<double>::infinity();
-    for (Index j = 0; j <= last; ++j) {
-      double dot = 0.0;
-      for (Index c = 0; c < q.cols(); ++c) dot += q(i, c) * k(j, c);
-      scores.push_back(scale * dot);
-      best = std::max(best, scale * dot);
-    }
-    double total = 0.0;
-    for (double& s : scores) total += (s = std::exp(s - best));
-    for (Index j = 0; j <= last; ++j) {
-      out.row(i) += scores[static_cast<std::size_t>(j)] / total * v.row(j);
-    }
-  }
-  return out;
-}
 
 struct PlainRope {
   bool enabled = false;
@@ -107,18 +83,10 @@ template <class Scalar>
 MatrixXd plain_layer(const RowMatrix<Scalar>& x, Index batch, const GqaConfig& c,
                      const GqaWeights<Scalar>& w, bool causal, const PlainRope& rope) {
   const PlainQkv p = plain_project(x, batch, c, w, rope);
-  const Index seq = x.rows() / batch;
-  const Index d_h = c.head_dim;
-  const Index group = c.num_q_heads / c.num_kv_heads;
-  MatrixXd concat(x.rows(), c.num_q_heads * d_h);
-  for (Index b = 0; b < batch; ++b) {
-    for (Index h = 0; h < c.num_q_heads; ++h) {
-      const Index g = h / group;
-      concat.block(b * seq, h * d_h, seq, d_h) =
-          plain_head(p.q.block(b * seq, h * d_h, seq, d_h), p.k.block(b * seq, g * d_h, seq, d_h),
-                     p.v.block(b * seq, g * d_h, seq, d_h), causal);
-    }
-  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  const apex_test::MatrixD concat = apex_test::multi_head_attention(
+      p.q, p.k, p.v, {batch, c.num_q_heads, c.num_kv_heads},
+      [&](Index, Index, Index i, Index j) { return !causal || j <= i; }, scale);
   return concat * w.w_o.template cast<double>();
 }
 
@@ -163,22 +131,28 @@ TEST(Gqa, S8_4_HeadAssignment) {
   const Index seq = 6;
   const RowMatrix<double> x = random_matrix<double>(seq, config.d_model, 8);
   const apex::ProjectedQkv<double> p = layer.project(x, 1);
-  expect_close(p.q, MatrixXd(x * layer.weights().w_q), 1e-14);
-  expect_close(p.k, MatrixXd(x * layer.weights().w_k), 1e-14);
+  // Per element, short chains (tolerances.hpp): a projection of 12 terms; heads of 4 dims over
+  // 6 keys.
+  const double tol = Tolerances<double>::kShortChain;
+  expect_close(p.q, MatrixXd(x * layer.weights().w_q), tol);
+  expect_close(p.k, MatrixXd(x * layer.weights().w_k), tol);
   const Index d_h = config.head_dim;
   ASSERT_GT((p.k.leftCols(d_h) - p.k.rightCols(d_h)).norm(), 0.1);  // distinct KV heads
   apex::HeadsTensor<double> out({1, 4, seq, d_h});
   apex::sdpa<double>(p.q_heads(), p.k_heads(), p.v_heads(), {}, {}, out.view());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d_h));
   for (Index i = 0; i < 4; ++i) {
     SCOPED_TRACE("query head " + std::to_string(i));
     const MatrixXd q_i = p.q.middleCols(i * d_h, d_h);
     MatrixXd with_kv[2];
     for (Index g = 0; g < 2; ++g) {
-      with_kv[g] = plain_head(q_i, p.k.middleCols(g * d_h, d_h), p.v.middleCols(g * d_h, d_h),
-                              /*causal=*/false);
+      with_kv[g] = apex_test::attention(
+                       q_i, p.k.middleCols(g * d_h, d_h), p.v.middleCols(g * d_h, d_h),
+                       [](Index, Index) { return true; }, nullptr, scale, 0.0)
+                       .out;
     }
     const Index mine = assignment[static_cast<std::size_t>(i)];
-    expect_close(out.head(0, i), with_kv[mine], 1e-14);
+    expect_close(out.head(0, i), with_kv[mine], tol);
     EXPECT_GT((MatrixXd(out.head(0, i)) - with_kv[1 - mine]).norm(), 1e-3);
   }
 }
@@ -306,13 +280,13 @@ TYPED_TEST(GqaTyped, LayerMatchesPlainLoop) {
     layer.forward(x, t.batch, causal_if<Scalar>(t.causal), params, out);
     const PlainRope plain_rope{t.rope, t.pairing == RopePairing::kHalfSplit, t.offset};
     expect_close(out, plain_layer(x, t.batch, config, layer.weights(), t.causal, plain_rope),
-                 kTol<Scalar>);
+                 Tolerances<Scalar>::kGqaLayer);
     // The projections themselves (attention cannot see a position shift common to a block).
     const apex::ProjectedQkv<Scalar> p = layer.project(x, t.batch, params);
     const PlainQkv expected = plain_project(x, t.batch, config, layer.weights(), plain_rope);
-    expect_close(p.q, expected.q, kTol<Scalar>);
-    expect_close(p.k, expected.k, kTol<Scalar>);
-    expect_close(p.v, expected.v, kTol<Scalar>);
+    expect_close(p.q, expected.q, Tolerances<Scalar>::kGqaLayer);
+    expect_close(p.k, expected.k, Tolerances<Scalar>::kGqaLayer);
+    expect_close(p.v, expected.v, Tolerances<Scalar>::kGqaLayer);
   }
 }
 
@@ -340,7 +314,8 @@ TYPED_TEST(GqaTyped, GqaEqualsMhaOnRepeatedKvHeads) {
     }
     const GroupedQueryAttention<Scalar> mha(GqaConfig::multi_head(d_model, h_q, d_h), repeated);
     expect_close(gqa.forward(x, batch, mask, params),
-                 mha.forward(x, batch, mask, params).template cast<double>(), kTol<Scalar>);
+                 mha.forward(x, batch, mask, params).template cast<double>(),
+                 Tolerances<Scalar>::kGqaLayer);
   }
 }
 
@@ -372,7 +347,7 @@ TYPED_TEST(GqaTyped, DecodeStepWithACacheMatchesForward) {
   };
   const RowMatrix<Scalar> row = apex::multi_head_attention(
       step.q_heads(), heads(k_cache), heads(v_cache), mask, {}, layer.weights().w_o);
-  expect_close(row, full.bottomRows(1).template cast<double>(), kTol<Scalar>);
+  expect_close(row, full.bottomRows(1).template cast<double>(), Tolerances<Scalar>::kGqaLayer);
 }
 
 TYPED_TEST(GqaTyped, ValueOverloadAndInPlaceAgree) {

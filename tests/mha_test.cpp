@@ -1,19 +1,18 @@
 // SPDX-License-Identifier: MIT
 // Tests for §7: multi-head attention after the projections (per-head sdpa, concat, W_O), the
-// layout conversions, the §7.3 parameter count and the §7.4 KV-cache size.
+// layout conversions and the §7.3 parameter count. (The §7.4 KV-cache size is a formula of
+// apex/cache_memory.hpp: cache_memory_test.cpp.)
 #include <apex/mha.hpp>
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <string>
-#include <type_traits>
-#include <vector>
 
+#include "reference/attention.hpp"
 #include "test_util.hpp"
+#include "tolerances.hpp"
 
 namespace {
 
@@ -25,18 +24,16 @@ using apex::RowMatrix;
 using apex::testing::expect_close;
 using apex::testing::expect_invalid;
 using apex::testing::random_matrix;
+using apex::testing::Tolerances;
 using MatrixXd = Eigen::MatrixXd;
 
-// Tolerance, per element: |actual − expected| ≤ kTol · max(1, |expected|). Inputs are O(1);
-// every output is a chain of short dot products (length ≤ 16), one softmax over ≤ 9 keys and the
-// W_O product (length ≤ 12). The classical bound for a dot product of length n is n·u·Σ|terms|,
-// here ≲ 16 · u · 4 with u the unit roundoff (6e-8 in float, 1.1e-16 in double): 4e-6 and 7e-15.
-// Observed errors are ~20× below these; a wrong head, scale or mask moves results by O(0.1).
-template <class Scalar>
-constexpr double kTol = std::is_same_v<Scalar, float> ? 4e-6 : 1e-14;
+// Tolerance, per element: |actual − expected| ≤ tol · max(1, |expected|) with tol =
+// Tolerances<Scalar>::kShortChain of tolerances.hpp. Inputs are O(1), and every output is a chain
+// of short dot products (length ≤ 16), one softmax over ≤ 9 keys and the W_O product (length
+// ≤ 12). Observed errors are ~20× below it; a wrong head, scale or mask moves results by O(0.1).
 
 // ---------------------------------------------------------------------------------------------
-// Plain double-precision reference, written from §6.2 and §7.2 for clarity.
+// The expected output: the plain loop of reference/attention.hpp (§6.2, §7.2, §8.2), then W_O.
 // ---------------------------------------------------------------------------------------------
 
 // Which (b, h, i, j) pairs may attend; i, j are row indices of the head's q and k.
@@ -48,34 +45,17 @@ bool allow_causal(Index, Index, Index i, Index j, Index s_q, Index s_k) {
   return j <= s_k - s_q + i;
 }
 
-// One head: out[i] = Σ_j softmax_j(scale · q_i·k_j) v_j over the allowed j; zeros if none.
-MatrixXd plain_head(const MatrixXd& q, const MatrixXd& k, const MatrixXd& v, double scale,
-                    const std::vector<std::vector<bool>>& allowed) {
-  MatrixXd out = MatrixXd::Zero(q.rows(), v.cols());
-  for (Index i = 0; i < q.rows(); ++i) {
-    std::vector<double> scores;
-    std::vector<Index> keys;
-    double best = -std::numeric_limits<double>::infinity();
-    for (Index j = 0; j < k.rows(); ++j) {
-      if (!allowed[static_cast<std::size_t>(i)][static_cast<std::size_t>(j)]) continue;
-      double dot = 0.0;
-      for (Index c = 0; c < q.cols(); ++c) dot += q(i, c) * k(j, c);
-      scores.push_back(scale * dot);
-      keys.push_back(j);
-      best = std::max(best, scale * dot);
-    }
-    double total = 0.0;
-    for (double& s : scores) total += (s = std::exp(s - best));
-    for (std::size_t n = 0; n < keys.size(); ++n) {
-      for (Index c = 0; c < v.cols(); ++c) out(i, c) += scores[n] / total * v(keys[n], c);
+// A [B, H, S, D] view as the token-major [B·S, H·D] matrix the plain loop reads, in double.
+template <class T>
+apex_test::MatrixD token_major(const HeadsView<T>& view) {
+  apex_test::MatrixD m(view.batch() * view.seq(), view.heads() * view.dim());
+  for (Index b = 0; b < view.batch(); ++b) {
+    for (Index h = 0; h < view.heads(); ++h) {
+      m.block(b * view.seq(), h * view.dim(), view.seq(), view.dim()) =
+          view.head(b, h).template cast<double>();
     }
   }
-  return out;
-}
-
-template <class T>
-MatrixXd head_as_double(const HeadsView<T>& view, Index b, Index h) {
-  return view.head(b, h).template cast<double>();
+  return m;
 }
 
 // §7.2: out = Concat_h Attention(Q_h, K_g, V_g) · W_O, g = h / (H_q / H_kv).
@@ -84,24 +64,10 @@ MatrixXd plain_mha(const HeadsView<T>& q, const HeadsView<T>& k, const HeadsView
                    const MatrixXd& w_o, Allow allow) {
   const Index s_q = q.seq();
   const Index s_k = k.seq();
-  const Index group = q.heads() / k.heads();
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.dim()));
-  MatrixXd concat(q.batch() * s_q, q.heads() * v.dim());
-  for (Index b = 0; b < q.batch(); ++b) {
-    for (Index h = 0; h < q.heads(); ++h) {
-      std::vector<std::vector<bool>> allowed(static_cast<std::size_t>(s_q),
-                                             std::vector<bool>(static_cast<std::size_t>(s_k)));
-      for (Index i = 0; i < s_q; ++i) {
-        for (Index j = 0; j < s_k; ++j) {
-          allowed[static_cast<std::size_t>(i)][static_cast<std::size_t>(j)] =
-              allow(b, h, i, j, s_q, s_k);
-        }
-      }
-      concat.block(b * s_q, h * v.dim(), s_q, v.dim()) =
-          plain_head(head_as_double(q, b, h), head_as_double(k, b, h / group),
-                     head_as_double(v, b, h / group), scale, allowed);
-    }
-  }
+  const apex_test::MatrixD concat = apex_test::multi_head_attention(
+      token_major(q), token_major(k), token_major(v), {q.batch(), q.heads(), k.heads()},
+      [&](Index b, Index h, Index i, Index j) { return allow(b, h, i, j, s_q, s_k); }, scale);
   return concat * w_o;
 }
 
@@ -122,34 +88,15 @@ TEST(Mha, S7_3_ParameterCount) {
   EXPECT_EQ(apex::mha_parameter_count(1024, 16, 128), 4 * 1024 * 2048);
 }
 
-TEST(Mha, S7_4_KvCacheSize) {
-  const std::int64_t context = std::int64_t{128} * 1024;
-  const std::int64_t gib = std::int64_t{1} << 30;
-  // §7.4 prints "4 GB per layer"; K and V together take 8 GiB, 4 GiB is K alone (SEED-NOTES.md).
-  EXPECT_EQ(apex::kv_cache_bytes(1, context, 128, 128, 2), 8 * gib);
-  EXPECT_EQ(apex::kv_cache_bytes(1, context, 128, 128, 2) / 2, 4 * gib);
-  EXPECT_EQ(apex::kv_cache_values_per_token(128, 128), 32768);
-  // Linear in every factor: batch 3, FP32.
-  EXPECT_EQ(apex::kv_cache_bytes(3, context, 128, 128, 4), 48 * gib);
-}
-
 TEST(Mha, SizeHelpersRejectNegativeOrOverflowingArguments) {
-  // 4 · 2^62 wraps to 0 in 64 bits: rejected, never returned wrapped.
+  // 4 · 2^62 wraps to 0 in 64 bits: rejected, never returned wrapped. (The cache sizes of §7.4
+  // are tested in cache_memory_test.cpp.)
   const std::int64_t huge = std::int64_t{1} << 62;
   expect_invalid([&] { (void)apex::mha_parameter_count(huge, 4, 1); },
                  {"[mha_parameter_count] 4*d*H_q*d_h", "overflows 64 bits"});
   expect_invalid([] { (void)apex::mha_parameter_count(7168, -56, 128); },
                  {"[mha_parameter_count] 4*d*H_q*d_h", "must not be negative"});
-  expect_invalid([&] { (void)apex::kv_cache_values_per_token(huge, 2); },
-                 {"[kv_cache_values_per_token] 2*H_kv*d_h", "overflows 64 bits"});
-  expect_invalid([] { (void)apex::kv_cache_values_per_token(8, -1); },
-                 {"[kv_cache_values_per_token] 2*H_kv*d_h", "must not be negative"});
-  expect_invalid([&] { (void)apex::kv_cache_bytes(huge, 4, 1, 1, 2); },
-                 {"[kv_cache_bytes] 2*B*S*H_kv*d_h*bytes", "overflows 64 bits"});
-  expect_invalid([] { (void)apex::kv_cache_bytes(1, -131072, 128, 128, 2); },
-                 {"[kv_cache_bytes] 2*B*S*H_kv*d_h*bytes", "must not be negative"});
   // The largest representable results are still returned.
-  EXPECT_EQ(apex::kv_cache_values_per_token(huge / 2, 1), huge);
   EXPECT_EQ(apex::mha_parameter_count(0, huge, huge), 0);
 }
 
@@ -268,7 +215,7 @@ TYPED_TEST(MhaTyped, MatchesPlainPerHeadLoop) {
     const RowMatrix<Scalar> out =
         apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), {}, {}, p.w_o);
     expect_close(out, plain_mha(p.q_view(), p.k_view(), p.v_view(), p.w_o_double(), allow_all),
-                 kTol<Scalar>);
+                 Tolerances<Scalar>::kShortChain);
   }
 }
 
@@ -282,7 +229,7 @@ TYPED_TEST(MhaTyped, CausalWithFewerQueriesThanKeys) {
     RowMatrix<Scalar> out(p.batch * queries, p.d);
     apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), mask, {}, p.w_o, out);
     expect_close(out, plain_mha(p.q_view(), p.k_view(), p.v_view(), p.w_o_double(), allow_causal),
-                 kTol<Scalar>);
+                 Tolerances<Scalar>::kShortChain);
   }
 }
 
@@ -311,7 +258,7 @@ TYPED_TEST(MhaTyped, DenseMaskPerBatchAndHead) {
   const RowMatrix<Scalar> out =
       apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), mask, {}, p.w_o);
   expect_close(out, plain_mha(p.q_view(), p.k_view(), p.v_view(), p.w_o_double(), allow_pattern),
-               kTol<Scalar>);
+               Tolerances<Scalar>::kShortChain);
 }
 
 bool allow_shared(Index, Index, Index i, Index j, Index, Index) { return (i + j) % 3 != 1; }
@@ -328,7 +275,7 @@ TYPED_TEST(MhaTyped, SharedDenseMask) {
   const RowMatrix<Scalar> out =
       apex::multi_head_attention(p.q_view(), p.k_view(), p.v_view(), mask, {}, p.w_o);
   expect_close(out, plain_mha(p.q_view(), p.k_view(), p.v_view(), p.w_o_double(), allow_shared),
-               kTol<Scalar>);
+               Tolerances<Scalar>::kShortChain);
 }
 
 // The documented aliasing: out may be the storage Q was read from.

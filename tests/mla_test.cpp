@@ -5,17 +5,17 @@
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <string>
-#include <type_traits>
 #include <vector>
 
+#include "reference/attention.hpp"
 #include "reference/rope.hpp"
 #include "test_util.hpp"
+#include "tolerances.hpp"
 
 namespace {
 
@@ -30,17 +30,15 @@ using apex::RowMatrix;
 using apex::testing::expect_close;
 using apex::testing::expect_invalid;
 using apex::testing::random_matrix;
+using apex::testing::Tolerances;
 using MatrixXd = Eigen::MatrixXd;
 
-// Tolerance, per element: |actual − expected| ≤ kTol · max(1, |expected|). x is O(1) and the
-// weights are N(0, 1/fan_in), so every intermediate is O(1). An output passes through two chained
-// projections (x·W_DKV then ·W_UK, lengths ≤ 14), RoPE, the scores (length d_h + d_r = 9), a
-// softmax over ≤ 7 keys, the weighted sum and W_O (length ≤ 20): the classical n·u·Σ|terms|
-// bound is ≲ 20 · u · 4 per product, about 5e-6 in float and 1e-14 in double (u the unit
-// roundoff), with a little room for the chain. A wrong head, position or scale moves results by
-// O(0.01) or more.
-template <class Scalar>
-constexpr double kTol = std::is_same_v<Scalar, float> ? 8e-6 : 2e-14;
+// Tolerance, per element: |actual − expected| ≤ tol · max(1, |expected|) with tol =
+// Tolerances<Scalar>::kMlaLayer of tolerances.hpp. x is O(1) and the weights are N(0, 1/fan_in),
+// so every intermediate is O(1). An output passes through two chained projections (x·W_DKV then
+// ·W_UK, lengths ≤ 14), RoPE, the scores (length d_h + d_r = 9), a softmax over ≤ 7 keys, the
+// weighted sum and W_O (length ≤ 20). A wrong head, position or scale moves results by O(0.01) or
+// more.
 
 // ---------------------------------------------------------------------------------------------
 // Plain double-precision reference, written straight from §9.2 - §9.3 and §6.2.
@@ -91,42 +89,16 @@ PlainQkv plain_decompress(const RowMatrix<Scalar>& x_in, Index batch, const MlaC
   return r;
 }
 
-// Attention of every head on the decompressed tensors with scale 1/√(d_h + d_r), then W_O.
+// Attention of every head on the decompressed tensors with scale 1/√(d_h + d_r) (the plain loop
+// of reference/attention.hpp), then W_O.
 template <class Scalar>
 MatrixXd plain_mla(const RowMatrix<Scalar>& x, Index batch, const MlaConfig& c,
                    const MlaWeights<Scalar>& w, bool causal, Index offset) {
   const PlainQkv p = plain_decompress(x, batch, c, w, offset);
-  const Index seq = x.rows() / batch;
-  const Index d_h = c.head_dim, w_qk = c.head_dim + c.rope_dim;
-  const Index group = c.num_q_heads / c.num_kv_heads;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(w_qk));
-  MatrixXd concat = MatrixXd::Zero(x.rows(), c.num_q_heads * d_h);
-  for (Index b = 0; b < batch; ++b) {
-    for (Index h = 0; h < c.num_q_heads; ++h) {
-      const Index g = h / group;
-      for (Index i = 0; i < seq; ++i) {
-        const Index last = causal ? i : seq - 1;
-        std::vector<double> weights;
-        double best = -std::numeric_limits<double>::infinity();
-        for (Index j = 0; j <= last; ++j) {
-          double dot = 0.0;
-          for (Index f = 0; f < w_qk; ++f) {
-            dot += p.q_final(b * seq + i, h * w_qk + f) * p.k_final(b * seq + j, g * w_qk + f);
-          }
-          weights.push_back(scale * dot);
-          best = std::max(best, scale * dot);
-        }
-        double total = 0.0;
-        for (double& s : weights) total += (s = std::exp(s - best));
-        for (Index j = 0; j <= last; ++j) {
-          for (Index f = 0; f < d_h; ++f) {
-            concat(b * seq + i, h * d_h + f) +=
-                weights[static_cast<std::size_t>(j)] / total * p.v(b * seq + j, g * d_h + f);
-          }
-        }
-      }
-    }
-  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim + c.rope_dim));
+  const apex_test::MatrixD concat = apex_test::multi_head_attention(
+      p.q_final, p.k_final, p.v, {batch, c.num_q_heads, c.num_kv_heads},
+      [&](Index, Index, Index i, Index j) { return !causal || j <= i; }, scale);
   return concat * w.w_o.template cast<double>();
 }
 
@@ -307,9 +279,9 @@ TYPED_TEST(MlaTyped, DecompressMatchesPlainLoop) {
     const auto [c, layer, x, params] = setup_case<Scalar>(t, table, 20);
     const apex::ProjectedQkv<Scalar> p = layer.decompress(x, t.batch, params);
     const PlainQkv expected = plain_decompress(x, t.batch, c, layer.weights(), t.offset);
-    expect_close(p.q, expected.q_final, kTol<Scalar>);
-    expect_close(p.k, expected.k_final, kTol<Scalar>);
-    expect_close(p.v, expected.v, kTol<Scalar>);
+    expect_close(p.q, expected.q_final, Tolerances<Scalar>::kMlaLayer);
+    expect_close(p.k, expected.k_final, Tolerances<Scalar>::kMlaLayer);
+    expect_close(p.v, expected.v, Tolerances<Scalar>::kMlaLayer);
     EXPECT_EQ(p.qk_dim, c.head_dim + c.rope_dim);
     EXPECT_EQ(p.v_dim, c.head_dim);
   }
@@ -323,7 +295,8 @@ TYPED_TEST(MlaTyped, ForwardMatchesPlainLoop) {
     const auto [c, layer, x, params] = setup_case<Scalar>(t, table, 30);
     RowMatrix<Scalar> out(x.rows(), c.d_model);
     layer.forward(x, t.batch, causal_if<Scalar>(t.causal), params, out);
-    expect_close(out, plain_mla(x, t.batch, c, layer.weights(), t.causal, t.offset), kTol<Scalar>);
+    expect_close(out, plain_mla(x, t.batch, c, layer.weights(), t.causal, t.offset),
+                 Tolerances<Scalar>::kMlaLayer);
   }
 }
 
@@ -342,7 +315,7 @@ TYPED_TEST(MlaTyped, ForwardEqualsSdpaOnDecompressedHeads) {
                                   apex::HeadsView<Scalar>::token_major(
                                       concat.data(), {t.batch, c.num_q_heads, t.seq, c.head_dim}));
     const MatrixXd expected = (concat * layer.weights().w_o).template cast<double>();
-    expect_close(layer.forward(x, t.batch, mask, params), expected, kTol<Scalar>);
+    expect_close(layer.forward(x, t.batch, mask, params), expected, Tolerances<Scalar>::kMlaLayer);
   }
 }
 
@@ -365,7 +338,8 @@ TYPED_TEST(MlaTyped, SharedRopeKeyEqualsRepeatedRopeKeys) {
   const RowMatrix<Scalar> x = random_matrix<Scalar>(2 * 6, shared_config.d_model, 51);
   const AttentionMask<Scalar> mask = causal_if<Scalar>(true);
   expect_close(shared.forward(x, 2, mask, params),
-               per_head.forward(x, 2, mask, params).template cast<double>(), kTol<Scalar>);
+               per_head.forward(x, 2, mask, params).template cast<double>(),
+               Tolerances<Scalar>::kMlaLayer);
 }
 
 TYPED_TEST(MlaTyped, DefaultScaleIsOverTheFullQueryKeyWidth) {

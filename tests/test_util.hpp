@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
 // Helpers shared by the test programs: deterministic random inputs, the check that a call is
-// rejected with std::invalid_argument and a given message, element-wise closeness checks and a
-// guard that runs a scope on one thread.
-// Tolerances are not set here: each test file states its own, with the reason.
+// rejected with std::invalid_argument and a given message, element-wise closeness checks, a
+// guard that runs a scope on one thread, and token-major chunks of a history for the cache tests.
+// Tolerances are not set here: the attention tests take theirs from tolerances.hpp, with the
+// reasons.
 #pragma once
 
 #include <apex/config.hpp>
@@ -153,6 +154,26 @@ HeadsTensor<Scalar> random_heads(Index batch, Index heads, Index seq, Index dim,
                                  double lo = -1.0, double hi = 1.0) {
   std::mt19937 rng(seed);
   return random_heads<Scalar>(batch, heads, seq, dim, rng, lo, hi);
+}
+
+// ---- Token-major chunks of a history, for the decoding caches --------------------------------
+
+/// The [B, H, n, d] view of a token-major chunk [B·n, H·d] (what a projection writes).
+template <class Scalar>
+HeadsView<const Scalar> heads_of(const RowMatrix<Scalar>& m, Index batch, Index heads) {
+  return HeadsView<const Scalar>::token_major(m.data(),
+                                              {batch, heads, m.rows() / batch, m.cols() / heads});
+}
+
+/// The tokens [first, first + n) of every batch of a token-major history [B·T, H·d].
+template <class Scalar>
+RowMatrix<Scalar> chunk_of(const RowMatrix<Scalar>& history, Index batch, Index first, Index n) {
+  const Index total = history.rows() / batch;
+  RowMatrix<Scalar> chunk(batch * n, history.cols());
+  for (Index b = 0; b < batch; ++b) {
+    chunk.middleRows(b * n, n) = history.middleRows(b * total + first, n);
+  }
+  return chunk;
 }
 
 }  // namespace apex::testing

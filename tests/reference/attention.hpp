@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
-// Plain reference loops for attention (§6, §8) and its masks (§10, §11), in double precision.
-// They are written from the documents' formulas for clarity, not speed, and independently of the
-// library: nothing here uses apex::PositionMask or apex::reference, so a test that compares the
-// library with these loops checks the library's rule, not a copy of it.
+// Plain reference loops for attention (§6, §7, §8) and its masks (§10, §11), in double precision:
+// the one softmax-attention loop every attention test compares with. They are written from the
+// documents' formulas for clarity, not speed, and independently of the library: nothing here uses
+// apex::PositionMask or apex::reference, so a test that compares the library with these loops
+// checks the library's rule, not a copy of it.
 #pragma once
 
 #include <Eigen/Core>
@@ -111,6 +112,47 @@ inline AttentionResult attention(const MatrixD& q, const MatrixD& k, const Matri
     result.lse(i) = row_max + std::log(total);
   }
   return result;
+}
+
+/// §8.2: query head h reads key/value head ⌊h / G⌋, G = H_q / H_kv query heads per group
+/// (H_kv = H_q is multi-head attention, H_kv = 1 multi-query attention).
+inline Index kv_head_of(Index query_head, Index q_heads, Index kv_heads) {
+  return query_head / (q_heads / kv_heads);
+}
+
+/// The sequences and heads that token-major matrices hold (see multi_head_attention).
+struct HeadCounts {
+  Index batch = 1;
+  Index q_heads = 1;
+  Index kv_heads = 1;
+};
+
+/// §7.2 and §8.2 before W_O: head h of sequence b is attention() of its queries against key/value
+/// head kv_head_of(h), with no bias and no soft-capping; the heads' outputs sit side by side.
+/// Every matrix is token-major, as a projection writes it: row b·S + s, head h in the columns
+/// [h·d, (h + 1)·d).
+///   q: [B·S_q, H_q·d_qk], k: [B·S_k, H_kv·d_qk], v: [B·S_k, H_kv·d_v] -> [B·S_q, H_q·d_v]
+/// allowed(b, h, i, j): whether query row i of head h in sequence b may see key row j.
+inline MatrixD multi_head_attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
+                                    const HeadCounts& heads,
+                                    const std::function<bool(Index, Index, Index, Index)>& allowed,
+                                    double scale) {
+  const Index s_q = q.rows() / heads.batch;
+  const Index s_k = k.rows() / heads.batch;
+  const Index d_qk = q.cols() / heads.q_heads;
+  const Index d_v = v.cols() / heads.kv_heads;
+  MatrixD out(q.rows(), heads.q_heads * d_v);
+  for (Index b = 0; b < heads.batch; ++b) {
+    for (Index h = 0; h < heads.q_heads; ++h) {
+      const Index g = kv_head_of(h, heads.q_heads, heads.kv_heads);
+      const auto head_allowed = [&](Index i, Index j) { return allowed(b, h, i, j); };
+      out.block(b * s_q, h * d_v, s_q, d_v) =
+          attention(q.block(b * s_q, h * d_qk, s_q, d_qk), k.block(b * s_k, g * d_qk, s_k, d_qk),
+                    v.block(b * s_k, g * d_v, s_k, d_v), head_allowed, nullptr, scale, 0.0)
+              .out;
+    }
+  }
+  return out;
 }
 
 }  // namespace apex_test
