@@ -279,7 +279,8 @@ class AttentionTile {
   }
 
   Index rows() const { return rows_; }
-  /// Whether a score was not finite (a float pass must then be redone in double).
+  /// Whether a raw score was not finite where it matters (a float pass must then be redone in
+  /// double); a NaN or +inf one shows in its row's result instead.
   bool saw_non_finite_score() const { return non_finite_score_; }
 
   /// Folds one block of keys into the running state: score, mask, softmax, accumulate.
@@ -288,9 +289,13 @@ class AttentionTile {
     const BlockCoverage coverage = classify_block(p_.positions, query_pos, query_pos + bq_,
                                                   keys.position(), keys.position() + keys.n);
     if (coverage == BlockCoverage::kNone) return;
-    score(keys);
-    mask(keys, coverage);
+    const bool masked =
+        coverage == BlockCoverage::kPartial || !p_.allowed.empty() || !p_.bias.empty();
+    score(keys, masked);
+    if (masked || p_.softcap > 0.0) mask(keys, coverage);
     const bool hidden = softmax(keys.n);
+    // Unmasked, a key takes no part only when its raw score is -inf (see score()).
+    if (!masked && hidden) non_finite_score_ = true;
     accumulate(keys, hidden);
   }
 
@@ -299,6 +304,15 @@ class AttentionTile {
   template <class T>
   SoftmaxStats<C> finish_row(Index r, T* out) const {
     return softmax_finish(stats_[r], acc_ + r * ld_acc_, p_.d_v, out);
+  }
+
+  /// Whether the running state holds only finite numbers: every row's statistics (or those of
+  /// a row in which no key took part) and its accumulator. Its outputs are then finite too.
+  bool finite() const {
+    for (Index r = 0; r < rows_; ++r) {
+      if (!finite_stats(stats_[r])) return false;
+    }
+    return all_finite(acc_, rows_, p_.d_v, ld_acc_);
   }
 
   /// Query head and query row of stacked row r.
@@ -342,8 +356,10 @@ class AttentionTile {
   }
 
   /// score: S (rows × n, leading dimension ld_s) = Qs·Kᵀ for the block's keys. A float pass
-  /// also notes whether every raw score is finite (see COMPUTE TYPE).
-  void score(const Block& keys) {
+  /// also notes whether a raw score is not finite (see COMPUTE TYPE): NaN and +inf show in the
+  /// row's result, and -inf, in a block nothing masks, as a key that takes no part (add_keys);
+  /// a block that is masked checks its raw scores here, before the masks hide them.
+  void score(const Block& keys, bool masked) {
     const auto k_head = keys.segment->k.head(b_, kv_head_);
     if (streaming_) {
       const ConstRows<C> k = read_rows<C>(k_head, keys.row, keys.n, k_copy_);
@@ -354,7 +370,9 @@ class AttentionTile {
                           p_.d_qk);
     }
     if constexpr (std::is_same_v<C, float>) {
-      non_finite_score_ = non_finite_score_ || !all_finite(scores_, rows_, keys.n, ld_s_);
+      if (masked && !non_finite_score_) {
+        non_finite_score_ = !all_finite(scores_, rows_, keys.n, ld_s_);
+      }
     }
   }
 
@@ -518,18 +536,13 @@ AttentionPlan plan_attention(const P& p, Index kv_heads, const FlashBlocking& bl
   return plan;
 }
 
-/// Writes a finished row's lse, max and sum where those outputs exist, and returns whether the
-/// row is finite: its written output, and a maximum that is finite or -inf (no key). Only a
-/// float pass asks (see COMPUTE TYPE): a double pass returns true without looking.
+/// Writes a finished row's lse, max and sum where those outputs exist.
 template <class C, class TO>
-bool write_row_stats(const AttentionOutputs<TO>& o, Index b, Index h, Index i,
-                     const SoftmaxStats<C>& stats, const TO* out_row, Index d_v) {
+void write_row_stats(const AttentionOutputs<TO>& o, Index b, Index h, Index i,
+                     const SoftmaxStats<C>& stats) {
   if (!o.lse.empty()) o.lse.head(b, h)(i, 0) = static_cast<TO>(log_sum_exp(stats));
   if (!o.max.empty()) o.max.head(b, h)(i, 0) = static_cast<TO>(stats.max);
   if (!o.sum.empty()) o.sum.head(b, h)(i, 0) = static_cast<TO>(stats.sum);
-  if constexpr (!std::is_same_v<C, float>) return true;
-  const bool max_ok = std::isfinite(stats.max) || stats.max == -std::numeric_limits<C>::infinity();
-  return max_ok && all_finite(out_row, 1, d_v, d_v);
 }
 
 /// The prefill scheduler: one task per (b, kv head, query block), every key in blocks. Returns
@@ -550,14 +563,14 @@ bool run_prefill(const P& p, Index kv_heads, const AttentionOutputs<TO>& o,
     const Index key_block = key_block_for(streaming, blocking, p.s_k);
     AttentionTile<C, P> tile(p, b, pair - b * kv_heads, q0, bq, key_block, streaming);
     for_each_key_block(p, 0, p.s_k, key_block, [&](const auto& keys) { tile.add_keys(keys); });
-    bool ok = !tile.saw_non_finite_score();
+    if (std::is_same_v<C, float> && (tile.saw_non_finite_score() || !tile.finite())) {
+      finite = false;
+    }
     for (Index r = 0; r < tile.rows(); ++r) {
       const Index h = tile.head_of(r);
       const Index i = tile.query_of(r);
-      TO* out = o.out.head(b, h).row(i).data();
-      ok = write_row_stats<C>(o, b, h, i, tile.finish_row(r, out), out, p.d_v) && ok;
+      write_row_stats<C>(o, b, h, i, tile.finish_row(r, o.out.head(b, h).row(i).data()));
     }
-    if (!ok) finite = false;
   });
   return finite;
 }
@@ -585,7 +598,9 @@ bool run_decode(const P& p, Index kv_heads, const AttentionOutputs<TO>& o,
     const Index end = std::min(p.s_k, (c + 1) * plan.chunk);
     for_each_key_block(p, c * plan.chunk, end, key_block,
                        [&](const auto& keys) { tile.add_keys(keys); });
-    if (tile.saw_non_finite_score()) finite = false;
+    if (std::is_same_v<C, float> && (tile.saw_non_finite_score() || !tile.finite())) {
+      finite = false;
+    }
     C* partial = partials + task * rows * record;
     for (Index r = 0; r < rows; ++r) {
       const SoftmaxStats<C> stats = tile.finish_row(r, partial + r * record);
@@ -609,7 +624,10 @@ bool run_decode(const P& p, Index kv_heads, const AttentionOutputs<TO>& o,
       TO* out = o.out.head(b, h).row(i).data();
       const SoftmaxStats<C> stats =
           merge_rows<C>(plan.chunks, p.d_v, part_at, out, weights, weights + plan.chunks);
-      ok = write_row_stats<C>(o, b, h, i, stats, out, p.d_v) && ok;
+      write_row_stats<C>(o, b, h, i, stats);
+      // A merge can overflow (Σ_c w_c·o_c with w_c up to a chunk's length) where no part did.
+      if (std::is_same_v<C, float>)
+        ok = ok && finite_stats(stats) && all_finite(out, 1, p.d_v, p.d_v);
     }
     if (!ok) finite = false;
   });

@@ -38,6 +38,13 @@ struct SoftmaxStats {
   C sum = C(0);
 };
 
+/// Whether a row's statistics are finite, or those of a row in which no key took part.
+template <class C>
+bool finite_stats(const SoftmaxStats<C>& stats) {
+  return std::isfinite(stats.sum) &&
+         (std::isfinite(stats.max) || stats.max == -std::numeric_limits<C>::infinity());
+}
+
 /// Folds one block of a row's scores into its running statistics (the online softmax):
 ///   m' = max(m, max_j s_j),  s_j <- exp(s_j − m') (−0.0 where s_j = -inf),
 ///   α = exp(m − m'),         l <- α·l + Σ_j s_j,   m <- m'
@@ -61,9 +68,9 @@ APEX_ALWAYS_INLINE C softmax_update(SoftmaxStats<C>& row, C* s, Index n, bool& h
     hidden = hidden || n > 0;
     return C(1);
   }
-  hidden = exp_weights(s, n, new_max) || hidden;
+  const C block_sum = exp_weights(s, n, new_max, hidden);
   const C alpha = row.max == new_max ? C(1) : std::exp(row.max - new_max);
-  row.sum = alpha * row.sum + scores.sum();
+  row.sum = alpha * row.sum + block_sum;
   row.max = new_max;
   return alpha;
 }
