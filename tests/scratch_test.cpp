@@ -37,12 +37,12 @@ double resident_kib() {
 /// d_qk = d_v = d and the default blocks (M <= 256 stacked rows, Bk = 64; the streaming path
 /// needs less), float: per thread that runs tasks
 ///   2·M·d + 4·Bk·d + 2·M·Bk + M·d + Bq·Bk + 3·M  scalars,
-/// and on the calling thread at most 2^18 scalars of split-key partials.
+/// and on the calling thread at most 2^19 scalars of split-key partials.
 double documented_scratch_bytes(Index d, int threads) {
   const double m = 256, bk = 64, bq = 256;
   const double dd = static_cast<double>(d);
   const double per_thread = 2 * m * dd + 4 * bk * dd + 2 * m * bk + m * dd + bq * bk + 3 * m;
-  return 4.0 * (per_thread * threads + double(Index{1} << 18));
+  return 4.0 * (per_thread * threads + double(Index{1} << 19));
 }
 
 TEST(Scratch, SdpaScratchIsBoundedWhateverTheCacheLength) {

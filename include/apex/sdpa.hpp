@@ -373,7 +373,7 @@ RowMatrix<typename DQ::Scalar> sdpa(const Eigen::MatrixBase<DQ>& q, const Eigen:
 /// queries against many keys. Extra memory, in per-thread buffers that grow on first use and
 /// are then reused (repeated calls allocate nothing; release_scratch() frees them), whatever
 /// S_k: per thread running a task about 0.7 MiB for float, d = 128 (the MEMORY section of that
-/// header gives the formula); split-key decoding, on the calling thread, at most 2^18 scalars of
+/// header gives the formula); split-key decoding, on the calling thread, at most 2^19 scalars of
 /// partial results. Scalars are float, or double for a float call that falls back to double
 /// (see the policy). Threads: detail::parallel_for (OpenMP when
 /// enabled); the result is bit-identical for any number of threads.

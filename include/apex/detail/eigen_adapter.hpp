@@ -310,13 +310,12 @@ void forbid_unless_positive(C* s, const C* keep, Index n) {
 /// zero marks a key that takes no part in the row: exp never returns -0.0, so a weight that
 /// merely underflows is +0.0 and the value update can tell the two apart (online_softmax.hpp).
 /// (Eigen's vectorised exp also clamps its argument, exp(-inf) = 5.6e-309 in double, so -inf
-/// must be selected, not exponentiated.) Returns Σ_j s_j (after the update), and sets `hidden`
-/// when some s_j was -inf (some key takes no part): one pass for all three.
+/// must be selected, not exponentiated.) Sets `hidden` when some s_j was -inf (some key takes
+/// no part).
 template <class C>
-APEX_ALWAYS_INLINE C exp_weights(C* s, Index n, C max, bool& hidden) {
+APEX_ALWAYS_INLINE void exp_weights(C* s, Index n, C max, bool& hidden) {
   constexpr C kNegInf = -std::numeric_limits<C>::infinity();
   Index j = 0;
-  C sum = 0;
 #if APEX_EIGEN_INTERNALS
   namespace ei = Eigen::internal;
   using P = packet::Type<C>;
@@ -325,24 +324,18 @@ APEX_ALWAYS_INLINE C exp_weights(C* s, Index n, C max, bool& hidden) {
   const P neg_inf = ei::pset1<P>(kNegInf);
   const P m = ei::pset1<P>(max);
   P any = ei::pzero(m);
-  P total = ei::pzero(m);
   for (; j + kP <= n; j += kP) {
     const P x = ei::ploadu<P>(s + j);
     const P is_hidden = ei::pcmp_eq(x, neg_inf);
-    const P weight = ei::pselect(is_hidden, minus_zero, ei::pexp(ei::psub(x, m)));
     any = ei::por(any, is_hidden);
-    total = ei::padd(total, weight);
-    ei::pstoreu(s + j, weight);
+    ei::pstoreu(s + j, ei::pselect(is_hidden, minus_zero, ei::pexp(ei::psub(x, m))));
   }
   hidden = hidden || ei::predux_any(any);
-  sum = ei::predux(total);
 #endif
   for (; j < n; ++j) {
     hidden = hidden || s[j] == kNegInf;
     s[j] = s[j] == kNegInf ? C(-0.0) : std::exp(s[j] - max);
-    sum += s[j];
   }
-  return sum;
 }
 
 /// Whether every element of a rows × n block (row-major, leading dimension ld) is finite: the

@@ -100,7 +100,7 @@
 //   Streaming path: M·d_qk + M·Bk + M·d_v + Bq·Bk + 3·M, plus Bk·(d_qk + d_v) when K and V are
 //   widened (storage other than C).
 // Split-key decoding also keeps, on the calling thread, the partial results of every chunk,
-// at most partial_budget = 2^18 scalars (1 MiB of float) whatever S_k, and each merging thread
+// at most partial_budget = 2^19 scalars (2 MiB of float) whatever S_k, and each merging thread
 // chunks + d_v scalars.
 #pragma once
 
@@ -134,7 +134,7 @@ struct FlashBlocking {
   Index stream_key_block = 512;  ///< Bk of the streaming path
   Index decode_chunk = 512;      ///< fewest keys per partial result when decoding
   Index split_below = 16;        ///< split keys only when B·H_kv is below this
-  Index partial_budget = Index{1} << 18;  ///< most scalars of decode partials of one call
+  Index partial_budget = Index{1} << 19;  ///< most scalars of decode partials of one call
 };
 
 /// A run of keys with consecutive absolute positions [first_position, first_position + n):
