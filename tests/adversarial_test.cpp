@@ -448,6 +448,26 @@ TEST(C4ZeroWeightKeys, WindowCacheFollowsTheRule) {
   }
 }
 
+/// A stack of three small layers (1 global), for the tests that need one.
+apex::StackConfig tiny_stack() {
+  apex::StackConfig c;
+  c.vocab_size = 20;
+  c.d_model = 8;
+  c.num_layers = 3;
+  c.window = 3;
+  c.global_every = 2;
+  c.local = apex::GqaConfig{8, 2, 1, 4};
+  c.global.d_model = 8;
+  c.global.d_q = 4;
+  c.global.d_kv = 4;
+  c.global.num_q_heads = 2;
+  c.global.num_kv_heads = 1;
+  c.global.head_dim = 4;
+  c.global.rope_dim = 2;
+  c.max_positions = 8;
+  return c;
+}
+
 // ---- C5: moved-from and default-constructed objects
 // ----------------------------------------------
 
@@ -544,21 +564,7 @@ TEST(C5MovedFrom, LayersRejectEveryUse) {
 }
 
 TEST(C5MovedFrom, StackCacheAndTablesAreEmpty) {
-  apex::StackConfig c;
-  c.vocab_size = 20;
-  c.d_model = 8;
-  c.num_layers = 2;
-  c.window = 3;
-  c.global_every = 2;
-  c.local = apex::GqaConfig{8, 2, 1, 4};
-  c.global.d_model = 8;
-  c.global.d_q = 4;
-  c.global.d_kv = 4;
-  c.global.num_q_heads = 2;
-  c.global.num_kv_heads = 1;
-  c.global.head_dim = 4;
-  c.global.rope_dim = 2;
-  c.max_positions = 8;
+  const apex::StackConfig c = tiny_stack();
   auto stack = apex::AttentionStack<float>::random(c, 3);
   auto cache = stack.make_cache(1, 8);
   const apex::TokenMatrix tokens = apex::TokenMatrix::Constant(1, 2, 1);
@@ -629,17 +635,9 @@ TEST(C6IntegerOverflow, EmptyInputsStillCheckTheWidthsTheyForm) {
 }
 
 TEST(C6IntegerOverflow, StackCacheMemoryDoesNotLoopOverLayers) {
-  apex::StackConfig c;
+  apex::StackConfig c = tiny_stack();
   c.num_layers = Index{1} << 62;
-  c.window = 4;
-  c.local = apex::GqaConfig{8, 2, 1, 4};
-  c.global.d_model = 8;
-  c.global.d_q = 4;
-  c.global.d_kv = 4;
-  c.global.num_q_heads = 2;
-  c.global.num_kv_heads = 1;
-  c.global.head_dim = 4;
-  c.global.rope_dim = 2;
+  c.global_every = 6;
   // 2^62 layers of bytes overflow 64 bits: an error, at once (not after 2^62 iterations).
   expect_invalid([&] { (void)apex::stack_cache_memory(c, 1, 16, 2); }, "overflows 64 bits");
   c.num_layers = 12;
@@ -650,25 +648,6 @@ TEST(C6IntegerOverflow, StackCacheMemoryDoesNotLoopOverLayers) {
 
 // ---- C7: a failed call changes nothing
 // -------------------------------------------------------------
-
-apex::StackConfig tiny_stack() {
-  apex::StackConfig c;
-  c.vocab_size = 20;
-  c.d_model = 8;
-  c.num_layers = 3;
-  c.window = 3;
-  c.global_every = 2;
-  c.local = apex::GqaConfig{8, 2, 1, 4};
-  c.global.d_model = 8;
-  c.global.d_q = 4;
-  c.global.d_kv = 4;
-  c.global.num_q_heads = 2;
-  c.global.num_kv_heads = 1;
-  c.global.head_dim = 4;
-  c.global.rope_dim = 2;
-  c.max_positions = 8;
-  return c;
-}
 
 TEST(C7FailedCalls, StackRejectsBadNormEpsAtConstruction) {
   for (const double eps : {0.0, -1e-6, std::numeric_limits<double>::quiet_NaN(), kInf}) {

@@ -59,6 +59,20 @@ bool pair_allowed(const AttentionMask<Scalar>& mask, const Shape& sh, Index b, I
   return mask.allowed.empty() || mask.allowed.head(b, h)(i, j);
 }
 
+/// Small random blocks, so that every path of the kernel runs on small shapes: the GEMM and
+/// streaming paths, split-key decoding with a few chunks, partial and skipped blocks.
+detail::FlashBlocking random_blocking(Input& in) {
+  detail::FlashBlocking blocking;
+  blocking.stacked_rows = in.in(1, 24);
+  blocking.key_block = in.in(1, 16);
+  blocking.stream_rows = in.in(0, 16);
+  blocking.stream_key_block = in.in(1, 16);
+  blocking.decode_chunk = in.in(1, 16);
+  blocking.split_below = in.in(1, 32);
+  blocking.partial_budget = in.in(1, 1 << 14);
+  return blocking;
+}
+
 template <class Scalar>
 void sdpa_case(Input& in) {
   Shape sh;
@@ -156,14 +170,7 @@ void sdpa_case(Input& in) {
     sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask, params, out.view,
                  want_lse ? lse.view : HeadsView<Scalar>());
   } else {
-    detail::FlashBlocking blocking;
-    blocking.stacked_rows = in.in(1, 24);
-    blocking.key_block = in.in(1, 16);
-    blocking.stream_rows = in.in(0, 16);
-    blocking.stream_key_block = in.in(1, 16);
-    blocking.decode_chunk = in.in(1, 16);
-    blocking.split_below = in.in(1, 32);
-    blocking.partial_budget = in.in(1, 1 << 14);
+    const detail::FlashBlocking blocking = random_blocking(in);
     detail::flash_sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask, params, out.view,
                                want_lse ? lse.view : HeadsView<Scalar>(), {}, blocking);
     if (std::getenv("APEX_FUZZ_VERBOSE") != nullptr) {
@@ -306,16 +313,7 @@ void exact_logit_case(Input& in) {
   Tensor<Scalar> expected(1, sh.q_heads(), sh.s_q, sh.d_v, false);
   reference::sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask, params, expected.view);
   Tensor<Scalar> out(1, sh.q_heads(), sh.s_q, sh.d_v, in.flag());
-  detail::FlashBlocking blocking;
-  if (in.flag()) {
-    blocking.stacked_rows = in.in(1, 24);
-    blocking.key_block = in.in(1, 16);
-    blocking.stream_rows = in.in(0, 16);
-    blocking.stream_key_block = in.in(1, 16);
-    blocking.decode_chunk = in.in(1, 16);
-    blocking.split_below = in.in(1, 32);
-    blocking.partial_budget = in.in(1, 1 << 12);
-  }
+  const detail::FlashBlocking blocking = in.flag() ? random_blocking(in) : detail::FlashBlocking{};
   detail::flash_sdpa<Scalar>(q.cview(), k.cview(), v.cview(), mask, params, out.view, {}, {},
                              blocking);
   const double tol = 64.0 * static_cast<double>(std::numeric_limits<Scalar>::epsilon()) *
