@@ -704,6 +704,15 @@ TEST(C8Messages, TokenIdsAreReportedAsGiven) {
   expect_invalid([&] { (void)apex::embed(table, small_ids); }, "[embed] token id (-3)");
 }
 
+TEST(C8Messages, RopePositionIdsAreReportedAsNumbers) {
+  const apex::RopeTable<float> table(8, 4);
+  RowMatrix<float> x = RowMatrix<float>::Zero(1, 4);
+  Eigen::Matrix<std::int8_t, 1, 1> ids;
+  ids << std::int8_t{65};  // printed as a character it would read "A"
+  expect_invalid([&] { apex::apply_rope(table, ids, RowRef<float>(x)); },
+                 "[rope] position id (65)");
+}
+
 TEST(C8Messages, MlaCheaperPathRejectsNegativeTokenCounts) {
   apex::MlaConfig m;
   m.d_model = 16;

@@ -423,7 +423,7 @@ void check_rope_ids(const RopeTable<Scalar>& table, const Eigen::MatrixBase<Deri
   for (Index t = 0; t < rows; ++t) {
     const auto id = ids(t);
     APEX_CHECK(position_in_table(id, table.max_positions()),
-               "[rope] position id (" << id << ") at row " << t
+               "[rope] position id (" << +id << ") at row " << t
                                       << " must be in [0, max_positions) = [0, "
                                       << table.max_positions() << ")");
   }
