@@ -751,9 +751,9 @@ void heads_checks(Input& in) {
     const bool negative = shape.batch < 0 || shape.heads < 0 || shape.seq < 0 || shape.dim < 0;
     APEX_FUZZ_REQUIRE(!(returned && negative), "a HeadsView factory accepted a negative extent");
     if (returned && !shape.has_no_elements()) {
-      APEX_FUZZ_REQUIRE(bound_of({shape.batch, shape.heads, shape.seq, shape.dim}) !=
-                            Bound::kOverflow,
-                        "a HeadsView factory accepted a shape whose size overflows");
+      APEX_FUZZ_REQUIRE(
+          bound_of({shape.batch, shape.heads, shape.seq, shape.dim}) != Bound::kOverflow,
+          "a HeadsView factory accepted a shape whose size overflows");
       APEX_FUZZ_REQUIRE(view.batch_stride() / shape.dim ==
                             (token_major ? shape.seq * shape.heads : shape.heads * shape.seq),
                         "a HeadsView factory formed a wrong stride");
