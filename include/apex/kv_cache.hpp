@@ -112,6 +112,7 @@ class KvBuffers {
     return buffer_rows(v_.data(), shape(), first, rows);
   }
   /// Rows [src_row, src_row + count) of a chunk's k and v into rows [first, first + count).
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (k, v) and (row, count, first)
   void write(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v, Index src_row,
              Index count, Index first) {
     write_rows(k, k_.data(), shape().seq, src_row, count, first);
