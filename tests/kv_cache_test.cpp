@@ -5,6 +5,7 @@
 #include <apex/cache_memory.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/mha.hpp>
+#include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
 #include <gtest/gtest.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "test_util.hpp"
@@ -312,6 +314,108 @@ TEST(KvCache, SizesBeyond64BitsAreRejectedNotWrapped) {
   expect_invalid([&] { latent.reserve(huge); }, {"[latent_cache]", "overflows 64 bits"});
   EXPECT_EQ(latent.capacity(), 2);
   // (The size formulas of apex/cache_memory.hpp: cache_memory_test.cpp.)
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// 16-bit storage: KvCache<float, T>, SlidingWindowCache<float, T>, LatentCache<float, T>
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+template <class T>
+class Cache16Bit : public ::testing::Test {};
+using SixteenBit = ::testing::Types<Eigen::half, Eigen::bfloat16>;
+TYPED_TEST_SUITE(Cache16Bit, SixteenBit);
+
+/// Whether every element of a [B, H, S, D] view of T is the element of `from` rounded once.
+template <class T, class Scalar>
+bool holds_rounded(const HeadsView<const T>& stored, const HeadsView<const Scalar>& from) {
+  if (stored.shape() != from.shape()) return false;
+  for (Index b = 0; b < from.batch(); ++b) {
+    for (Index h = 0; h < from.heads(); ++h) {
+      for (Index s = 0; s < from.seq(); ++s) {
+        for (Index d = 0; d < from.dim(); ++d) {
+          const T want = apex::round_to<T>(from.head(b, h)(s, d));
+          if (Eigen::numext::bit_cast<std::uint16_t>(stored.head(b, h)(s, d)) !=
+              Eigen::numext::bit_cast<std::uint16_t>(want)) {
+            return false;
+          }
+        }
+      }
+    }
+  }
+  return true;
+}
+
+TYPED_TEST(Cache16Bit, KvCacheRoundsOnceAndOwnsHalfTheBytes) {
+  using T = TypeParam;
+  constexpr Index kB = 2, kH = 3, kD = 5, kC = 9;
+  const RowMatrix<double> history = random_matrix<double>(kB * 10, kH * kD, 31);  // 10 > C tokens
+  KvCache<double, T> cache({kB, kH, kD, kC});
+  static_assert(std::is_same_v<typename KvCache<double, T>::StorageType, T>);
+  EXPECT_EQ(cache.bytes(), 2 * kB * kH * kC * kD * static_cast<std::int64_t>(sizeof(T)));
+  EXPECT_EQ(cache.bytes() * 4, KvCache<double>({kB, kH, kD, kC}).bytes());
+  const RowMatrix<double> first = chunk_of(history, kB, 0, 4);
+  const RowMatrix<double> values = -first;
+  cache.append(heads_of(first, kB, kH), heads_of(values, kB, kH), 0);
+  EXPECT_TRUE(holds_rounded(cache.keys(), heads_of(first, kB, kH)));
+  EXPECT_TRUE(holds_rounded(cache.values(), heads_of(values, kB, kH)));
+  // Full: throws and keeps what it holds.
+  const RowMatrix<double> rest = chunk_of(history, kB, 4, 6);
+  expect_invalid([&] { cache.append(heads_of(rest, kB, kH), heads_of(rest, kB, kH), 4); },
+                 "capacity");
+  EXPECT_EQ(cache.size(), 4);
+  EXPECT_TRUE(holds_rounded(cache.keys(), heads_of(first, kB, kH)));
+  // reserve() keeps the rounded values exactly.
+  cache.reserve(20);
+  EXPECT_EQ(cache.bytes(), 2 * kB * kH * 20 * kD * static_cast<std::int64_t>(sizeof(T)));
+  EXPECT_TRUE(holds_rounded(cache.keys(), heads_of(first, kB, kH)));
+  cache.append(heads_of(rest, kB, kH), heads_of(rest, kB, kH), 4);
+  EXPECT_TRUE(holds_rounded(cache.keys(), heads_of(chunk_of(history, kB, 0, 10), kB, kH)));
+}
+
+TYPED_TEST(Cache16Bit, SlidingWindowCacheRingHoldsRoundedTokens) {
+  using T = TypeParam;
+  constexpr Index kB = 1, kH = 2, kD = 4, kW = 5;
+  const RowMatrix<float> history = random_matrix<float>(kB * 13, kH * kD, 32);
+  SlidingWindowCache<float, T> ring({kB, kH, kD, kW});
+  EXPECT_EQ(ring.bytes(), 2 * kB * kH * kW * kD * static_cast<std::int64_t>(sizeof(T)));
+  const RowMatrix<float> chunk = chunk_of(history, kB, 0, 13);
+  ring.append(heads_of(chunk, kB, kH), heads_of(chunk, kB, kH), 0);
+  // Positions 8..12 are held, as runs [10, 12] in slots 0..2... oldest first.
+  const auto runs = ring.segments();
+  Index position = 8;
+  for (const auto& run : runs) {
+    if (run.keys.seq() == 0) continue;
+    EXPECT_EQ(run.first_position, position);
+    const RowMatrix<float> held = chunk_of(history, kB, position, run.keys.seq());
+    EXPECT_TRUE(holds_rounded(run.keys, heads_of(held, kB, kH)));
+    EXPECT_TRUE(holds_rounded(run.values, heads_of(held, kB, kH)));
+    position += run.keys.seq();
+  }
+  EXPECT_EQ(position, 13);
+}
+
+TYPED_TEST(Cache16Bit, LatentCacheRowsAreRoundedOnce) {
+  using T = TypeParam;
+  const apex::LatentCacheShape shape{2, 6, 1, 4, 8};
+  LatentCache<float, T> cache(shape);
+  EXPECT_EQ(cache.bytes(), 2 * 8 * 10 * static_cast<std::int64_t>(sizeof(T)));
+  const RowMatrix<float> c_kv = random_matrix<float>(2 * 3, 6, 33);
+  const RowMatrix<float> k_rope = random_matrix<float>(2 * 3, 4, 34);
+  cache.append(c_kv, k_rope, 0);
+  RowMatrix<float> whole(2 * 3, 10);
+  whole << c_kv, k_rope;
+  EXPECT_TRUE(holds_rounded(cache.rows(),
+                            HeadsView<const float>::token_major(whole.data(), {2, 1, 3, 10})));
+  const RowMatrix<float> more = random_matrix<float>(2 * 6, 10, 35);
+  expect_invalid([&] { cache.append(more, 3); }, {"capacity"});
+  EXPECT_EQ(cache.size(), 3);
+  cache.reserve(12);
+  cache.append(more, 3);
+  EXPECT_EQ(cache.size(), 9);
 }
 
 }  // namespace

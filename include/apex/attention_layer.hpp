@@ -153,10 +153,10 @@ void attention_layer_forward(const ConstRowRef<Scalar>& x, Index batch, const La
   const Index seq = x.rows() / batch;
   const Index h_q = heads.num_q_heads;
   const Index h_kv = heads.num_kv_heads;
-  check_sdpa<Scalar>(shape_only_view<const Scalar>({batch, h_q, seq, heads.qk_dim}),
-                     shape_only_view<const Scalar>({batch, h_kv, seq, heads.qk_dim}),
-                     shape_only_view<const Scalar>({batch, h_kv, seq, heads.v_dim}), mask,
-                     attention, shape_only_view<Scalar>({batch, h_q, seq, heads.v_dim}), {}, op);
+  check_sdpa(shape_only_view<const Scalar>({batch, h_q, seq, heads.qk_dim}),
+             shape_only_view<const Scalar>({batch, h_kv, seq, heads.qk_dim}),
+             shape_only_view<const Scalar>({batch, h_kv, seq, heads.v_dim}), mask, attention,
+             shape_only_view<Scalar>({batch, h_q, seq, heads.v_dim}), {}, op);
   APEX_CHECK(out.rows() == x.rows() && out.cols() == x.cols(),
              "[" << op << "] out shape [" << out.rows() << ", " << out.cols()
                  << "] must be [B*S, d] = [" << x.rows() << ", " << x.cols() << "]");

@@ -11,10 +11,13 @@
 #include <apex/kv_cache.hpp>
 #include <apex/mask.hpp>
 #include <apex/sdpa.hpp>
+#include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
 #include <array>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 namespace apex {
 
@@ -57,10 +60,11 @@ inline void check_window_rule(const PositionMask& rule, Index cache_window, cons
 }
 
 /// Every check of sdpa_with_window_cache, on shapes only.
-template <class Scalar>
+template <class Scalar, class Storage>
 void check_window_attention(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k_new,
                             const ConstHeadsView<Scalar>& v_new, const PositionMask& rule,
-                            const SdpaParams& params, const SlidingWindowCache<Scalar>& cache,
+                            const SdpaParams& params,
+                            const SlidingWindowCache<Scalar, Storage>& cache,
                             const HeadsView<Scalar>& out, const char* op) {
   check_constructed(cache.batch() >= 1, op, "cache");
   const Index next = cache.next_position();
@@ -75,10 +79,9 @@ void check_window_attention(const ConstHeadsView<Scalar>& q, const ConstHeadsVie
   whole.positions.query_offset = next;
   whole.positions.key_offset = cache.first_position();
   const Index keys = cache.size() + n;
-  check_sdpa<Scalar>(
-      q, shape_only_view<const Scalar>({k_new.batch(), k_new.heads(), keys, k_new.dim()}),
-      shape_only_view<const Scalar>({v_new.batch(), v_new.heads(), keys, v_new.dim()}), whole,
-      params, out, {}, op);
+  check_sdpa(q, shape_only_view<const Scalar>({k_new.batch(), k_new.heads(), keys, k_new.dim()}),
+             shape_only_view<const Scalar>({v_new.batch(), v_new.heads(), keys, v_new.dim()}),
+             whole, params, out, {}, op);
   check_output_view(out, op, "output");
   const ByteRange written = byte_range(out);
   bool overlap = written.overlaps(byte_range(q)) || written.overlaps(byte_range(k_new)) ||
@@ -88,6 +91,18 @@ void check_window_attention(const ConstHeadsView<Scalar>& q, const ConstHeadsVie
               written.overlaps(byte_range(run.values));
   }
   APEX_CHECK(!overlap, "[" << op << "] out must not share memory with q, the chunk or the cache");
+}
+
+/// A contiguous copy of a [B, H, S, D] view with every element rounded once to Storage.
+template <class Storage, class Scalar>
+HeadsTensor<Storage> stored_copy(const HeadsView<const Scalar>& from) {
+  HeadsTensor<Storage> to(from.shape());
+  for (Index b = 0; b < from.batch(); ++b) {
+    for (Index h = 0; h < from.heads(); ++h) {
+      to.head(b, h) = rounded<Storage>(from.head(b, h).array()).matrix();
+    }
+  }
+  return to;
 }
 
 }  // namespace detail
@@ -103,23 +118,39 @@ void check_window_attention(const ConstHeadsView<Scalar>& q, const ConstHeadsVie
 ///   rule: causal with window <= W (and an optional prefix); offsets unset
 ///   -> out: [B, H_q, n, d_h] (any layout with distinct elements; must not overlap the inputs or
 ///      the cache).
-/// Every check runs before out is written. Allocates nothing beyond sdpa's scratch.
-template <class Scalar>
+/// Every check runs before out is written. Allocates nothing beyond sdpa's scratch when the
+/// cache stores Scalar. A cache of another Storage (16 bits) holds its tokens rounded: the chunk's
+/// keys and values are rounded to Storage too (a copy of 2·B·H_kv·n·d_h elements of Storage,
+/// allocated), so that every token is attended to with the values the cache keeps of it, in its
+/// own chunk as afterwards.
+template <class Scalar, class Storage>
 void sdpa_with_window_cache(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k_new,
                             const ConstHeadsView<Scalar>& v_new, const PositionMask& rule,
-                            const SdpaParams& params, const SlidingWindowCache<Scalar>& cache,
+                            const SdpaParams& params,
+                            const SlidingWindowCache<Scalar, Storage>& cache,
                             const HeadsView<Scalar>& out) {
   detail::require_supported_scalar<Scalar>();
   const char* op = "sdpa_with_window_cache";
   detail::check_window_attention(q, k_new, v_new, rule, params, cache, out, op);
+  HeadsTensor<Storage> k_stored, v_stored;
+  HeadsView<const Storage> k_chunk, v_chunk;
+  if constexpr (std::is_same_v<Storage, Scalar>) {
+    k_chunk = k_new;
+    v_chunk = v_new;
+  } else {
+    k_stored = detail::stored_copy<Storage>(k_new);
+    v_stored = detail::stored_copy<Storage>(v_new);
+    k_chunk = std::as_const(k_stored).view();
+    v_chunk = std::as_const(v_stored).view();
+  }
   const Index next = cache.next_position();
-  std::array<detail::KeySegment<Scalar, Scalar>, 3> segments;
+  std::array<detail::KeySegment<Storage, Storage>, 3> segments;
   std::size_t count = 0;
   for (const auto& run : cache.segments()) {
     if (run.keys.seq() > 0) segments[count++] = {run.keys, run.values, run.first_position};
   }
-  segments[count++] = {k_new, v_new, next};
-  detail::AttentionProblem<Scalar, Scalar, Scalar, Scalar> p;
+  segments[count++] = {k_chunk, v_chunk, next};
+  detail::AttentionProblem<Scalar, Storage, Storage, Scalar> p;
   p.q = q;
   p.segments = segments.data();
   p.num_segments = static_cast<Index>(count);

@@ -239,16 +239,21 @@ class GroupedQueryAttention {
     return out;
   }
 
-  /// An empty full cache for this layer: K and V of H_kv heads of d_h, `capacity` tokens.
-  KvCache<Scalar> make_cache(Index batch, Index capacity) const {
+  /// An empty full cache for this layer: K and V of H_kv heads of d_h, `capacity` tokens,
+  /// stored as Storage (Scalar, or Eigen::half / Eigen::bfloat16 for half the bytes):
+  /// layer.make_cache<Eigen::half>(batch, capacity).
+  template <class Storage = Scalar>
+  KvCache<Scalar, Storage> make_cache(Index batch, Index capacity) const {
     check_constructed();
-    return KvCache<Scalar>({batch, config().num_kv_heads, config().head_dim, capacity});
+    return KvCache<Scalar, Storage>({batch, config().num_kv_heads, config().head_dim, capacity});
   }
 
-  /// An empty sliding-window cache for this layer: the last `window` tokens.
-  SlidingWindowCache<Scalar> make_window_cache(Index batch, Index window) const {
+  /// An empty sliding-window cache for this layer: the last `window` tokens, stored as Storage.
+  template <class Storage = Scalar>
+  SlidingWindowCache<Scalar, Storage> make_window_cache(Index batch, Index window) const {
     check_constructed();
-    return SlidingWindowCache<Scalar>({batch, config().num_kv_heads, config().head_dim, window});
+    return SlidingWindowCache<Scalar, Storage>(
+        {batch, config().num_kv_heads, config().head_dim, window});
   }
 
   /// Decoding with a full cache (§7.4, §8): the forward pass of a chunk of n new tokens per
@@ -268,9 +273,11 @@ class GroupedQueryAttention {
   /// Fed the tokens of a sequence in any chunks, it computes what forward() computes on the whole
   /// sequence. Every check runs before the cache or out is written: on error both are unchanged.
   /// out may be x itself. Allocates the projections and the [B*n, H_q·d_h] concatenation.
-  template <class Derived>
+  /// A 16-bit cache (Storage Eigen::half or Eigen::bfloat16) holds K and V rounded once; the
+  /// attention reads them as stored, so it equals forward() on rounded K and V.
+  template <class Derived, class Storage>
   void forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
-                      const AttentionLayerParams<Scalar>& params, KvCache<Scalar>& cache,
+                      const AttentionLayerParams<Scalar>& params, KvCache<Scalar, Storage>& cache,
                       RowRef<Scalar> out) const {
     static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
                   "[gqa] x must have the layer's scalar type");
@@ -289,15 +296,16 @@ class GroupedQueryAttention {
 
   /// Decoding with a sliding-window cache (§10): as the KvCache form, but the cache holds only
   /// the last W tokens. The chunk attends to what the cache holds and to itself
-  /// (sdpa_with_window_cache: at most three sdpa calls merged exactly), then its K and V are
+  /// (sdpa_with_window_cache: one pass over the ring's runs and the chunk), then its K and V are
   /// appended, evicting the oldest. mask must be causal with a window of at most W (the layer's
   /// §10 window); the cache's memory stays 2·B·H_kv·W·d_h scalars however long the sequence.
   /// Every check runs before the cache or out is written. out may be x itself. Allocates the
-  /// projections, the concatenation and (when the ring has wrapped) one partial result.
-  template <class Derived>
+  /// projections, the concatenation and, for a 16-bit cache, the chunk's rounded K and V (see
+  /// sdpa_with_window_cache).
+  template <class Derived, class Storage>
   void forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
-                      const AttentionLayerParams<Scalar>& params, SlidingWindowCache<Scalar>& cache,
-                      RowRef<Scalar> out) const {
+                      const AttentionLayerParams<Scalar>& params,
+                      SlidingWindowCache<Scalar, Storage>& cache, RowRef<Scalar> out) const {
     static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
                   "[gqa] x must have the layer's scalar type");
     const ConstRowRef<Scalar> xr(x.derived());
@@ -308,7 +316,7 @@ class GroupedQueryAttention {
     const Index h_q = config().num_q_heads;
     const Index d_h = config().head_dim;
     RowMatrix<Scalar> concat(xr.rows(), h_q * d_h);
-    sdpa_with_window_cache<Scalar>(
+    sdpa_with_window_cache<Scalar, Storage>(
         p.q_heads(), p.k_heads(), p.v_heads(), mask, params.attention, cache,
         HeadsView<Scalar>::token_major(concat.data(), {batch, h_q, n, d_h}));
     cache.append(p.k_heads(), p.v_heads(), params.position_offset);
@@ -367,7 +375,7 @@ class GroupedQueryAttention {
     positions.positions = mask;
     positions.positions.query_offset = params.position_offset;
     positions.positions.key_offset = params.position_offset - held;
-    detail::check_sdpa<Scalar>(
+    detail::check_sdpa(
         detail::shape_only_view<const Scalar>({batch, heads.num_q_heads, n, heads.qk_dim}),
         detail::shape_only_view<const Scalar>({batch, heads.num_kv_heads, held + n, heads.qk_dim}),
         detail::shape_only_view<const Scalar>({batch, heads.num_kv_heads, held + n, heads.v_dim}),

@@ -42,6 +42,7 @@
 
 #include <apex/config.hpp>
 #include <apex/detail/checks.hpp>
+#include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
 #include <algorithm>
@@ -54,17 +55,18 @@ namespace apex {
 namespace detail {
 
 /// Copies rows [src_row, src_row + count) of a [B, H, n, D] view into rows [first, first +
-/// count) of a [B, H, slots, D] buffer.
-template <class Scalar>
+/// count) of a [B, H, slots, D] buffer, each element rounded once to the buffer's type.
+template <class Src, class Storage>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (slots, source row, count)
-void write_rows(const HeadsView<const Scalar>& src, Scalar* dst, Index slots, Index src_row,
+void write_rows(const HeadsView<const Src>& src, Storage* dst, Index slots, Index src_row,
                 Index count, Index first) {
   const HeadsShape& s = src.shape();
-  const HeadsView<Scalar> target(dst, {s.batch, s.heads, slots, s.dim},
-                                 {s.heads * slots * s.dim, slots * s.dim, s.dim});
+  const HeadsView<Storage> target(dst, {s.batch, s.heads, slots, s.dim},
+                                  {s.heads * slots * s.dim, slots * s.dim, s.dim});
   for (Index b = 0; b < s.batch; ++b) {
     for (Index h = 0; h < s.heads; ++h) {
-      target.head(b, h).middleRows(first, count) = src.head(b, h).middleRows(src_row, count);
+      target.head(b, h).middleRows(first, count) =
+          rounded<Storage>(src.head(b, h).middleRows(src_row, count).array()).matrix();
     }
   }
 }
@@ -80,9 +82,10 @@ HeadsView<const Scalar> buffer_rows(const Scalar* data, const HeadsShape& buffer
                                  {buffer.heads * buffer.seq * dim, buffer.seq * dim, dim});
 }
 
-/// K and V of a cache: two [B, H, slots, D] buffers, zeroed at construction, with their shape.
-/// Default-constructed or moved from, it is empty (every extent 0, no memory).
-template <class Scalar>
+/// K and V of a cache: two [B, H, slots, D] buffers of Storage, zeroed at construction, with
+/// their shape; chunks of Scalar are rounded to Storage as they are written. Default-constructed
+/// or moved from, it is empty (every extent 0, no memory).
+template <class Scalar, class Storage>
 class KvBuffers {
  public:
   KvBuffers() = default;
@@ -90,10 +93,11 @@ class KvBuffers {
   /// messages: capacity or window) and their bytes fit in 64 bits.
   KvBuffers(const HeadsShape& shape, const char* op, const char* slots_name) {
     require_supported_scalar<Scalar>();
+    require_storage_type<Storage>();
     check_cache_dims(shape, op, slots_name);
-    const Index size = cache_buffer_size<Scalar>(shape, op);
-    k_ = Vector<Scalar>::Zero(size);
-    v_ = Vector<Scalar>::Zero(size);
+    const Index size = cache_buffer_size<Storage>(shape, op);
+    k_ = Vector<Storage>::Zero(size);
+    v_ = Vector<Storage>::Zero(size);
     shape_ = shape;
   }
 
@@ -102,13 +106,13 @@ class KvBuffers {
   /// Bytes of both buffers.
   std::int64_t bytes() const {
     return static_cast<std::int64_t>(k_.size() + v_.size()) *
-           static_cast<std::int64_t>(sizeof(Scalar));
+           static_cast<std::int64_t>(sizeof(Storage));
   }
   /// Rows [first, first + rows) of every head of K (of V).
-  HeadsView<const Scalar> keys(Index first, Index rows) const {
+  HeadsView<const Storage> keys(Index first, Index rows) const {
     return buffer_rows(k_.data(), shape(), first, rows);
   }
-  HeadsView<const Scalar> values(Index first, Index rows) const {
+  HeadsView<const Storage> values(Index first, Index rows) const {
     return buffer_rows(v_.data(), shape(), first, rows);
   }
   /// Rows [src_row, src_row + count) of a chunk's k and v into rows [first, first + count).
@@ -123,9 +127,9 @@ class KvBuffers {
   void grow(Index slots, Index kept, const char* op) {
     HeadsShape grown = shape();
     grown.seq = slots;
-    const Index size = cache_buffer_size<Scalar>(grown, op);
-    Vector<Scalar> k = Vector<Scalar>::Zero(size);
-    Vector<Scalar> v = Vector<Scalar>::Zero(size);
+    const Index size = cache_buffer_size<Storage>(grown, op);
+    Vector<Storage> k = Vector<Storage>::Zero(size);
+    Vector<Storage> v = Vector<Storage>::Zero(size);
     write_rows(keys(0, kept), k.data(), slots, 0, kept, 0);
     write_rows(values(0, kept), v.data(), slots, 0, kept, 0);
     k_ = std::move(k);
@@ -135,8 +139,8 @@ class KvBuffers {
 
  private:
   ResetOnMove<HeadsShape> shape_;
-  Vector<Scalar> k_;  // Eigen leaves a moved-from vector empty
-  Vector<Scalar> v_;
+  Vector<Storage> k_;  // Eigen leaves a moved-from vector empty
+  Vector<Storage> v_;
 };
 
 }  // namespace detail
@@ -156,11 +160,22 @@ struct KvCacheShape {
 /// The full K/V cache of one multi-head or grouped-query attention layer: K and V of every token
 /// so far, [B, H_kv, C, d_h] each, capacity C fixed at construction. keys() and values() are
 /// HeadsViews of the first size() rows of every head (head stride C·d_h), ready for apex::sdpa.
-/// Memory: 2·B·H_kv·C·d_h scalars, allocated (zeroed) at construction, never implicitly more.
-/// Overflow: append past C throws and leaves the cache unchanged; reserve() grows explicitly.
-template <class Scalar>
+/// Memory: 2·B·H_kv·C·d_h elements of Storage, allocated (zeroed) at construction, never
+/// implicitly more. Overflow: append past C throws and leaves the cache unchanged; reserve()
+/// grows explicitly.
+///
+/// Scalar is the type of the chunks appended (float or double); Storage, the type held (by
+/// default Scalar; Eigen::half or Eigen::bfloat16 for half the bytes): KvCache<float, Eigen::half>
+/// rounds every appended element once, to nearest even, and its keys() and values() are half
+/// views, which apex::sdpa widens to float as it reads them.
+template <class Scalar, class Storage = Scalar>
 class KvCache {
  public:
+  /// The type of the appended chunks, and of the attention computed over them.
+  using ComputeType = Scalar;
+  /// The type of the cached elements.
+  using StorageType = Storage;
+
   /// An empty cache (see "Empty caches" above).
   KvCache() = default;
   /// Allocates K and V. Throws unless batch, num_kv_heads, head_dim and capacity are >= 1.
@@ -179,7 +194,7 @@ class KvCache {
   Index size() const { return size_; }
   /// Absolute position of the next token to append (= size()).
   Index next_position() const { return size_; }
-  /// Exact bytes of the stored values: 2·B·H_kv·C·d_h·sizeof(Scalar) (K and V).
+  /// Exact bytes of the stored values: 2·B·H_kv·C·d_h·sizeof(Storage) (K and V).
   std::int64_t bytes() const { return buffers_.bytes(); }
 
   /// Appends a chunk of n tokens at absolute positions [position, position + n):
@@ -187,7 +202,7 @@ class KvCache {
   ///   [B*n, H_kv·d_h] use HeadsView::token_major or ProjectedQkv::k_heads()).
   /// position must equal next_position() (never backwards, never skipping) and size() + n must
   /// not exceed capacity(). Every check runs before anything is written; k and v must not
-  /// overlap the cache. Allocates nothing.
+  /// overlap the cache. Each element is rounded once to Storage. Allocates nothing.
   void append(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v, Index position) {
     check_append(k, v, position);
     buffers_.write(k, v, 0, k.seq(), size_);
@@ -216,9 +231,9 @@ class KvCache {
 
   /// [B, H_kv, size(), d_h] view of the cached keys (head stride C·d_h), no copy. It holds
   /// size() as of the call, and reserve() frees the memory it points to.
-  HeadsView<const Scalar> keys() const { return buffers_.keys(0, size_); }
+  HeadsView<const Storage> keys() const { return buffers_.keys(0, size_); }
   /// [B, H_kv, size(), d_h] view of the cached values; same layout and lifetime as keys().
-  HeadsView<const Scalar> values() const { return buffers_.values(0, size_); }
+  HeadsView<const Storage> values() const { return buffers_.values(0, size_); }
 
   /// Drops the tokens at positions >= new_size (0 <= new_size <= size()). O(1).
   void truncate(Index new_size) {
@@ -242,7 +257,7 @@ class KvCache {
  private:
   const HeadsShape& shape() const { return buffers_.shape(); }
 
-  detail::KvBuffers<Scalar> buffers_;  // [B, H_kv, C, d_h] each
+  detail::KvBuffers<Scalar, Storage> buffers_;  // [B, H_kv, C, d_h] each
   detail::ResetOnMove<Index> size_;
 };
 
@@ -260,20 +275,26 @@ struct WindowCacheShape {
 
 /// The cache of a sliding-window layer (§10.2: query i sees keys 0 <= i − j < W): K and V of the
 /// last W tokens only, [B, H_kv, W, d_h] each, as a ring where absolute position p lives in slot
-/// p mod W. Memory: 2·B·H_kv·W·d_h scalars, allocated at construction and constant afterwards,
-/// however many tokens pass through. The cache never fills; old tokens are overwritten.
+/// p mod W. Memory: 2·B·H_kv·W·d_h elements of Storage, allocated at construction and constant
+/// afterwards, however many tokens pass through. The cache never fills; old tokens are
+/// overwritten. Scalar and Storage as for KvCache: the chunks appended, and what the ring holds.
 ///
 /// W slots are enough for any chunk: the new tokens attend to what the ring holds (the W tokens
 /// before them) and to each other, and only then are appended (see sdpa_with_window_cache).
-template <class Scalar>
+template <class Scalar, class Storage = Scalar>
 class SlidingWindowCache {
  public:
+  /// The type of the appended chunks, and of the attention computed over them.
+  using ComputeType = Scalar;
+  /// The type of the cached elements.
+  using StorageType = Storage;
+
   /// A run of held tokens with consecutive positions [first_position, first_position + n):
   /// keys and values are [B, H_kv, n, d_h] views into the ring.
   struct Segment {
-    Index first_position = 0;        ///< absolute position of the run's first token
-    HeadsView<const Scalar> keys;    ///< [B, H_kv, n, d_h] keys of the run (n = keys.seq())
-    HeadsView<const Scalar> values;  ///< [B, H_kv, n, d_h] values of the run
+    Index first_position = 0;         ///< absolute position of the run's first token
+    HeadsView<const Storage> keys;    ///< [B, H_kv, n, d_h] keys of the run (n = keys.seq())
+    HeadsView<const Storage> values;  ///< [B, H_kv, n, d_h] values of the run
   };
 
   /// An empty cache (see "Empty caches" above).
@@ -298,7 +319,8 @@ class SlidingWindowCache {
   /// Absolute position of the oldest held token: next_position() − size() (0 until the ring
   /// wraps).
   Index first_position() const { return next_ - size(); }
-  /// Exact bytes of the stored values: 2·B·H_kv·W·d_h·sizeof(Scalar), whatever next_position().
+  /// Exact bytes of the stored values: 2·B·H_kv·W·d_h·sizeof(Storage), whatever
+  /// next_position().
   std::int64_t bytes() const { return buffers_.bytes(); }
 
   /// Appends a chunk of n tokens at positions [position, position + n); only the last min(n, W)
@@ -355,7 +377,7 @@ class SlidingWindowCache {
     return Segment{first_position, buffers_.keys(slot, count), buffers_.values(slot, count)};
   }
 
-  detail::KvBuffers<Scalar> buffers_;  // [B, H_kv, W, d_h] each
+  detail::KvBuffers<Scalar, Storage> buffers_;  // [B, H_kv, W, d_h] each
   detail::ResetOnMove<Index> next_;
 };
 
@@ -377,16 +399,23 @@ struct LatentCacheShape {
 /// values) and the rotated K_rope = RoPE(x·W_KR) (H_kr heads of d_r), side by side in one row
 /// of width d_kv + H_kr·d_r, [B, C, d_kv + H_kr·d_r] in all and nothing else. K and V are never
 /// stored: the naive decoder decompresses them from latent(), the absorbed one attends to rows()
-/// directly (mla.hpp). Memory: B·C·(d_kv + H_kr·d_r) scalars, allocated at construction.
-/// Overflow: append past C throws and leaves the cache unchanged; reserve() grows explicitly.
-template <class Scalar>
+/// directly (mla.hpp). Memory: B·C·(d_kv + H_kr·d_r) elements of Storage, allocated at
+/// construction. Overflow: append past C throws and leaves the cache unchanged; reserve() grows
+/// explicitly. Scalar and Storage as for KvCache: the rows appended, and what the cache holds.
+template <class Scalar, class Storage = Scalar>
 class LatentCache {
  public:
+  /// The type of the appended rows, and of the attention computed over them.
+  using ComputeType = Scalar;
+  /// The type of the cached elements.
+  using StorageType = Storage;
+
   /// An empty cache (see "Empty caches" above).
   LatentCache() = default;
   /// Allocates the rows. Throws unless every extent is >= 1 (and rope_dim is even).
   explicit LatentCache(const LatentCacheShape& shape) {
     detail::require_supported_scalar<Scalar>();
+    detail::require_storage_type<Storage>();
     APEX_CHECK(shape.batch >= 1, "[latent_cache] batch (" << shape.batch << ") must be >= 1");
     APEX_CHECK(shape.latent_dim >= 1,
                "[latent_cache] latent_dim d_kv (" << shape.latent_dim << ") must be >= 1");
@@ -401,7 +430,7 @@ class LatentCache {
         shape.latent_dim,
         detail::checked_product(shape.rope_heads, shape.rope_dim, "latent_cache", "H_kr*d_r"),
         "latent_cache", "d_kv + H_kr*d_r");
-    rows_ = Vector<Scalar>::Zero(storage_size(shape, shape.capacity));
+    rows_ = Vector<Storage>::Zero(storage_size(shape, shape.capacity));
     shape_ = shape;
   }
 
@@ -421,9 +450,9 @@ class LatentCache {
   Index size() const { return size_; }
   /// Absolute position of the next token to append (= size()).
   Index next_position() const { return size_; }
-  /// Exact bytes of the stored values: B·C·(d_kv + H_kr·d_r)·sizeof(Scalar).
+  /// Exact bytes of the stored values: B·C·(d_kv + H_kr·d_r)·sizeof(Storage).
   std::int64_t bytes() const {
-    return static_cast<std::int64_t>(rows_.size()) * static_cast<std::int64_t>(sizeof(Scalar));
+    return static_cast<std::int64_t>(rows_.size()) * static_cast<std::int64_t>(sizeof(Storage));
   }
 
   /// Appends n tokens at positions [position, position + n) from their latents and rotated
@@ -447,8 +476,9 @@ class LatentCache {
     check_room(n);
     for (Index b = 0; b < batch(); ++b) {
       auto target = batch_rows(b).middleRows(size_, n);
-      target.leftCols(latent_dim()) = c.middleRows(b * n, n);
-      target.rightCols(rope_heads() * rope_dim()) = r.middleRows(b * n, n);
+      target.leftCols(latent_dim()) = rounded<Storage>(c.middleRows(b * n, n).array()).matrix();
+      target.rightCols(rope_heads() * rope_dim()) =
+          rounded<Storage>(r.middleRows(b * n, n).array()).matrix();
     }
     size_.get() += n;
   }
@@ -464,7 +494,8 @@ class LatentCache {
     const Index n = r.rows() / batch();
     check_room(n);
     for (Index b = 0; b < batch(); ++b) {
-      batch_rows(b).middleRows(size_, n) = r.middleRows(b * n, n);
+      batch_rows(b).middleRows(size_, n) =
+          rounded<Storage>(r.middleRows(b * n, n).array()).matrix();
     }
     size_.get() += n;
   }
@@ -479,20 +510,20 @@ class LatentCache {
   }
 
   /// [B, 1, size(), d_kv]: the cached c_kv (row stride d_kv + H_kr·d_r).
-  HeadsView<const Scalar> latent() const {
-    return HeadsView<const Scalar>(rows_.data(), {batch(), 1, size_, latent_dim()},
-                                   {capacity() * row_width(), 0, row_width()});
+  HeadsView<const Storage> latent() const {
+    return HeadsView<const Storage>(rows_.data(), {batch(), 1, size_, latent_dim()},
+                                    {capacity() * row_width(), 0, row_width()});
   }
   /// [B, H_kr, size(), d_r]: the cached rotated K_rope.
-  HeadsView<const Scalar> rope_keys() const {
-    return HeadsView<const Scalar>(size_ == 0 ? rows_.data() : rows_.data() + latent_dim(),
-                                   {batch(), rope_heads(), size_, rope_dim()},
-                                   {capacity() * row_width(), rope_dim(), row_width()});
+  HeadsView<const Storage> rope_keys() const {
+    return HeadsView<const Storage>(size_ == 0 ? rows_.data() : rows_.data() + latent_dim(),
+                                    {batch(), rope_heads(), size_, rope_dim()},
+                                    {capacity() * row_width(), rope_dim(), row_width()});
   }
   /// [B, 1, size(), d_kv + H_kr·d_r]: whole rows [c_kv ‖ K_rope], the keys of absorbed MLA.
-  HeadsView<const Scalar> rows() const {
-    return HeadsView<const Scalar>(rows_.data(), {batch(), 1, size_, row_width()},
-                                   {capacity() * row_width(), 0, row_width()});
+  HeadsView<const Storage> rows() const {
+    return HeadsView<const Storage>(rows_.data(), {batch(), 1, size_, row_width()},
+                                    {capacity() * row_width(), 0, row_width()});
   }
 
   /// Drops the tokens at positions >= new_size (0 <= new_size <= size()). O(1).
@@ -509,9 +540,10 @@ class LatentCache {
   void reserve(Index capacity) {
     detail::check_constructed(batch() >= 1, "latent_cache", "cache");
     if (capacity <= this->capacity()) return;
-    Vector<Scalar> rows = Vector<Scalar>::Zero(storage_size(shape(), capacity));
+    Vector<Storage> rows = Vector<Storage>::Zero(storage_size(shape(), capacity));
     for (Index b = 0; b < batch(); ++b) {
-      Eigen::Map<RowMatrix<Scalar>>(rows.data() + b * capacity * row_width(), capacity, row_width())
+      Eigen::Map<RowMatrix<Storage>>(rows.data() + b * capacity * row_width(), capacity,
+                                     row_width())
           .topRows(size_) = batch_rows(b).topRows(size_);
     }
     rows_ = std::move(rows);
@@ -529,18 +561,18 @@ class LatentCache {
     const Index width = s.latent_dim + s.rope_heads * s.rope_dim;
     const std::int64_t values =
         detail::checked_product({s.batch, capacity, width}, "latent_cache", "B*C*row_width");
-    detail::checked_product(values, static_cast<std::int64_t>(sizeof(Scalar)), "latent_cache",
+    detail::checked_product(values, static_cast<std::int64_t>(sizeof(Storage)), "latent_cache",
                             "cache bytes");
     return static_cast<Index>(values);
   }
 
-  Eigen::Map<RowMatrix<Scalar>> batch_rows(Index b) {
-    return Eigen::Map<RowMatrix<Scalar>>(rows_.data() + b * capacity() * row_width(), capacity(),
-                                         row_width());
+  Eigen::Map<RowMatrix<Storage>> batch_rows(Index b) {
+    return Eigen::Map<RowMatrix<Storage>>(rows_.data() + b * capacity() * row_width(), capacity(),
+                                          row_width());
   }
-  Eigen::Map<const RowMatrix<Scalar>> batch_rows(Index b) const {
-    return Eigen::Map<const RowMatrix<Scalar>>(rows_.data() + b * capacity() * row_width(),
-                                               capacity(), row_width());
+  Eigen::Map<const RowMatrix<Storage>> batch_rows(Index b) const {
+    return Eigen::Map<const RowMatrix<Storage>>(rows_.data() + b * capacity() * row_width(),
+                                                capacity(), row_width());
   }
 
   void check_rows(Index rows, Index cols, Index width, const char* name, const char* what) const {
@@ -554,7 +586,7 @@ class LatentCache {
 
   detail::ResetOnMove<LatentCacheShape> shape_;
   detail::ResetOnMove<Index> size_;
-  Vector<Scalar> rows_;
+  Vector<Storage> rows_;
 };
 
 }  // namespace apex

@@ -164,10 +164,12 @@ RowMatrix<Scalar> merge_heads(const HeadsTensor<Scalar>& heads) {
 /// Every shape is checked before out is written. out may share storage with q, k or v (they are
 /// read completely before out is written) but not with w_o. Allocates the [B*S_q, H_q·d_v]
 /// concatenation. Bit-identical for any number of threads (sdpa, detail::matmul).
-template <class DerivedWo>
+/// K and V may be stored in another type than the rest (a 16-bit cache's keys() and values():
+/// Eigen::half or Eigen::bfloat16), which sdpa widens as it reads them.
+template <class DerivedWo, class K = const typename DerivedWo::Scalar,
+          class V = const typename DerivedWo::Scalar>
 void multi_head_attention(const ConstHeadsView<typename DerivedWo::Scalar>& q,
-                          const ConstHeadsView<typename DerivedWo::Scalar>& k,
-                          const ConstHeadsView<typename DerivedWo::Scalar>& v,
+                          const HeadsView<K>& k, const HeadsView<V>& v,
                           const AttentionMask<typename DerivedWo::Scalar>& mask,
                           const SdpaParams& params, const Eigen::MatrixBase<DerivedWo>& w_o,
                           RowRef<typename DerivedWo::Scalar> out) {
@@ -178,8 +180,8 @@ void multi_head_attention(const ConstHeadsView<typename DerivedWo::Scalar>& q,
   const Index s_q = q.seq();
   const Index d_v = v.dim();
   const char* op = "multi_head_attention";
-  detail::check_sdpa<Scalar>(q, k, v, mask, params,
-                             detail::shape_only_view<Scalar>({batch, heads, s_q, d_v}), {}, op);
+  detail::check_sdpa(q, k, v, mask, params,
+                     detail::shape_only_view<Scalar>({batch, heads, s_q, d_v}), {}, op);
   // The concatenation [B*S_q, H_q*d_v] is allocated below: its size must be representable, and
   // so must its rows and columns when it is empty.
   detail::heads_tensor_size<Scalar>({batch, heads, s_q, d_v}, op);
@@ -194,8 +196,8 @@ void multi_head_attention(const ConstHeadsView<typename DerivedWo::Scalar>& q,
                                                   << w_o.cols() << "]");
   const ConstRowRef<Scalar> wo(w_o.derived());
   RowMatrix<Scalar> concat(rows, width);
-  sdpa<Scalar>(q, k, v, mask, params,
-               HeadsView<Scalar>::token_major(concat.data(), {batch, heads, s_q, d_v}));
+  sdpa(q, k, v, mask, params,
+       HeadsView<Scalar>::token_major(concat.data(), {batch, heads, s_q, d_v}));
   detail::matmul<Scalar>(concat, wo, out);
 }
 

@@ -377,10 +377,12 @@ class MultiHeadLatentAttention {
     return out;
   }
 
-  /// An empty latent cache for this layer: c_kv and K_rope of `capacity` tokens.
-  LatentCache<Scalar> make_cache(Index batch, Index capacity) const {
+  /// An empty latent cache for this layer: c_kv and K_rope of `capacity` tokens, stored as
+  /// Storage (Scalar, or Eigen::half / Eigen::bfloat16 for half the bytes).
+  template <class Storage = Scalar>
+  LatentCache<Scalar, Storage> make_cache(Index batch, Index capacity) const {
     check_constructed();
-    return LatentCache<Scalar>(
+    return LatentCache<Scalar, Storage>(
         {batch, config().d_kv, config().rope_key_heads(), config().rope_dim, capacity});
   }
 
@@ -396,11 +398,12 @@ class MultiHeadLatentAttention {
   /// Every check runs before the cache or out is written. out may be x itself. Allocates the
   /// decompressed K and V of the whole cache ([B·(p+n), H_kv·(d_h + d_r)] and [B·(p+n), H_kv·d_h])
   /// besides the chunk's projections: O(cache) work and memory per call, the cost that
-  /// forward_absorbed avoids.
-  template <class Derived>
+  /// forward_absorbed avoids. A 16-bit cache holds c_kv and K_rope rounded once; they are
+  /// widened as they are decompressed.
+  template <class Derived, class Storage>
   void forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
-                      const AttentionLayerParams<Scalar>& params, LatentCache<Scalar>& cache,
-                      RowRef<Scalar> out) const {
+                      const AttentionLayerParams<Scalar>& params,
+                      LatentCache<Scalar, Storage>& cache, RowRef<Scalar> out) const {
     static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
                   "[mla] x must have the layer's scalar type");
     const ConstRowRef<Scalar> xr(x.derived());
@@ -419,12 +422,13 @@ class MultiHeadLatentAttention {
     RowMatrix<Scalar> v(batch * len, h_kv * d_h);
     RowMatrix<Scalar> k_content;
     for (Index b = 0; b < batch; ++b) {
-      const auto c_kv = cache.latent().head(b, 0);  // [len, d_kv]
+      const auto c_kv = widened<Scalar>(cache.latent().head(b, 0));  // [len, d_kv]
       k_content = detail::matmul<Scalar>(c_kv, weights_.w_uk);
       detail::matmul<Scalar>(c_kv, weights_.w_uv, v.middleRows(b * len, len));
       for (Index g = 0; g < h_kv; ++g) {
         k.block(b * len, g * d_qk, len, d_h) = k_content.middleCols(g * d_h, d_h);
-        k.block(b * len, g * d_qk + d_h, len, d_r) = cache.rope_keys().head(b, h_kr == 1 ? 0 : g);
+        k.block(b * len, g * d_qk + d_h, len, d_r) =
+            cache.rope_keys().head(b, h_kr == 1 ? 0 : g).template cast<Scalar>();
       }
     }
     AttentionMask<Scalar> positions;
@@ -453,28 +457,29 @@ class MultiHeadLatentAttention {
   ///   other arguments, checks and aliasing as for forward_cached.
   /// Allocates the chunk's projections, its [B*n, H_q·(d_kv + H_kr·d_r)] queries and
   /// [B*n, H_q·d_kv] attention output: O(chunk) memory, nothing proportional to the cache.
-  template <class Derived>
+  /// A 16-bit cache's rows are read as stored, widened by sdpa.
+  template <class Derived, class Storage>
   void forward_absorbed(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
                         const AttentionLayerParams<Scalar>& params,
-                        const MlaAbsorbedWeights<Scalar>& absorbed, LatentCache<Scalar>& cache,
-                        RowRef<Scalar> out) const;
+                        const MlaAbsorbedWeights<Scalar>& absorbed,
+                        LatentCache<Scalar, Storage>& cache, RowRef<Scalar> out) const;
 
   /// Value-returning forward_cached: a new [B*n, d] matrix.
-  template <class Derived>
+  template <class Derived, class Storage>
   RowMatrix<Scalar> forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
                                    const AttentionLayerParams<Scalar>& params,
-                                   LatentCache<Scalar>& cache) const {
+                                   LatentCache<Scalar, Storage>& cache) const {
     RowMatrix<Scalar> out(x.rows(), config().d_model);
     forward_cached(x, mask, params, cache, out);
     return out;
   }
 
   /// Value-returning forward_absorbed: a new [B*n, d] matrix.
-  template <class Derived>
+  template <class Derived, class Storage>
   RowMatrix<Scalar> forward_absorbed(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
                                      const AttentionLayerParams<Scalar>& params,
                                      const MlaAbsorbedWeights<Scalar>& absorbed,
-                                     LatentCache<Scalar>& cache) const {
+                                     LatentCache<Scalar, Storage>& cache) const {
     RowMatrix<Scalar> out(x.rows(), config().d_model);
     forward_absorbed(x, mask, params, absorbed, cache, out);
     return out;
@@ -506,9 +511,10 @@ class MultiHeadLatentAttention {
   /// tokens per sequence. The attention is checked at the shapes it will have: queries and keys
   /// d_h + d_r wide with H_kv key heads (naive), or d_kv + H_kr·d_r wide with one key head whose
   /// values are d_kv wide (absorbed).
+  template <class Cache>
   Index check_cached(const ConstRowRef<Scalar>& x, const PositionMask& mask,
-                     const AttentionLayerParams<Scalar>& params, const LatentCache<Scalar>& cache,
-                     bool absorbed, const RowRef<Scalar>& out) const {
+                     const AttentionLayerParams<Scalar>& params, const Cache& cache, bool absorbed,
+                     const RowRef<Scalar>& out) const {
     const Index batch = cache.batch();
     // Positions first: params.position_offset must be the cache's next position, which also keeps
     // the layer's own position arithmetic below far from overflow.
@@ -533,7 +539,7 @@ class MultiHeadLatentAttention {
     positions.positions.query_offset = params.position_offset;
     SdpaParams attention = params.attention;
     if (!attention.scale) attention.scale = mla_softmax_scale();
-    detail::check_sdpa<Scalar>(
+    detail::check_sdpa(
         detail::shape_only_view<const Scalar>({batch, config().num_q_heads, n, qk_dim}),
         detail::shape_only_view<const Scalar>({batch, kv_heads, keys, qk_dim}),
         detail::shape_only_view<const Scalar>({batch, kv_heads, keys, v_dim}), positions, attention,
@@ -666,9 +672,10 @@ class MultiHeadLatentAttention {
   }
 
   /// Appends the chunk's c_kv = x·W_DKV and K_rope = RoPE(x·W_KR) to the cache (checked).
+  template <class Storage>
   void append_latents(const ConstRowRef<Scalar>& x, Index batch,
                       const AttentionLayerParams<Scalar>& params,
-                      LatentCache<Scalar>& cache) const {
+                      LatentCache<Scalar, Storage>& cache) const {
     const RowMatrix<Scalar> c_kv = detail::matmul<Scalar>(x, weights_.w_dkv);
     RowMatrix<Scalar> k_rope = detail::matmul<Scalar>(x, weights_.w_kr);
     detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, k_rope);
@@ -794,12 +801,12 @@ MlaAbsorbedWeights<Scalar> absorb_mla_weights(const MultiHeadLatentAttention<Sca
 }
 
 template <class Scalar>
-template <class Derived>
+template <class Derived, class Storage>
 void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<Derived>& x,
                                                         const PositionMask& mask,
                                                         const AttentionLayerParams<Scalar>& params,
                                                         const MlaAbsorbedWeights<Scalar>& absorbed,
-                                                        LatentCache<Scalar>& cache,
+                                                        LatentCache<Scalar, Storage>& cache,
                                                         RowRef<Scalar> out) const {
   static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
                 "[mla] x must have the layer's scalar type");
@@ -820,9 +827,9 @@ void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<
   positions.positions.query_offset = params.position_offset;
   SdpaParams attention = params.attention;
   if (!attention.scale) attention.scale = mla_softmax_scale();
-  sdpa<Scalar>(HeadsView<const Scalar>::token_major(q.data(), {batch, h_q, n, cache.row_width()}),
-               cache.rows(), cache.latent(), positions, attention,
-               HeadsView<Scalar>::token_major(o_latent.data(), {batch, h_q, n, d_kv}));
+  sdpa(HeadsView<const Scalar>::token_major(q.data(), {batch, h_q, n, cache.row_width()}),
+       cache.rows(), cache.latent(), positions, attention,
+       HeadsView<Scalar>::token_major(o_latent.data(), {batch, h_q, n, d_kv}));
   absorbed_output(o_latent, absorbed, out);
 }
 

@@ -23,6 +23,7 @@
 #include <apex/detail/online_softmax.hpp>
 #include <apex/detail/scratch.hpp>
 #include <apex/mask.hpp>
+#include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
 #include <cmath>
@@ -94,15 +95,15 @@ void check_row_output(const HeadsView<T>& view, const HeadsShape& q, const char*
 }
 
 /// Every precondition of sdpa on the shapes of [B, H, S, D] views; throws before anything is
-/// written. The views' memory is not looked at, so shape-only views may be checked.
-template <class Scalar>
+/// written. The views' memory is not looked at, so shape-only views may be checked. The element
+/// types are any (each view may be read-only or not).
+template <class Q, class K, class V, class B, class O>
 // q, k, v and the outputs, as sdpa takes them.
 // NOLINTBEGIN(bugprone-easily-swappable-parameters)
-void check_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
-                const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
-                const SdpaParams& params, const HeadsView<Scalar>& out,
-                const HeadsView<Scalar>& lse, const char* op,
-                const SoftmaxStatsView<Scalar>& stats = {}) {
+void check_sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                const AttentionMask<B>& mask, const SdpaParams& params, const HeadsView<O>& out,
+                const HeadsView<O>& lse, const char* op,
+                const SoftmaxStatsView<std::remove_const_t<O>>& stats = {}) {
   // NOLINTEND(bugprone-easily-swappable-parameters)
   check_extents(q, op, "q shape");
   check_extents(k, op, "k shape");
@@ -183,18 +184,22 @@ void check_outputs(std::initializer_list<HeadsView<Scalar>> outputs, const char*
 }
 
 /// The whole of apex::sdpa: checks, the scale, and the tiled kernel, with block sizes that tests
-/// and fuzz targets may choose. Outputs whose memory overlaps an input are computed into a
+/// and fuzz targets may choose. Each input has its storage type (TQ, TK, TV, and TB for the
+/// bias); the outputs are TO. Outputs whose memory overlaps an input are computed into a
 /// temporary first (allocated: [B, H_q, S_q, d_v] and the per-row outputs), then copied.
-template <class Scalar>
-void flash_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
-                const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
-                const SdpaParams& params, const HeadsView<Scalar>& out,
-                const HeadsView<Scalar>& lse, const SoftmaxStatsView<Scalar>& stats,
-                const FlashBlocking& blocking = {}) {
-  require_supported_scalar<Scalar>();
+template <class TQ, class TK, class TV, class TB, class TO>
+void flash_sdpa(const HeadsView<const TQ>& q, const HeadsView<const TK>& k,
+                const HeadsView<const TV>& v, const AttentionMask<TB>& mask,
+                const SdpaParams& params, const HeadsView<TO>& out, const HeadsView<TO>& lse,
+                const SoftmaxStatsView<TO>& stats, const FlashBlocking& blocking = {}) {
+  require_storage_type<TQ>();
+  require_storage_type<TK>();
+  require_storage_type<TV>();
+  require_storage_type<TB>();
+  require_storage_type<TO>();
   const char* op = "sdpa";
   check_sdpa(q, k, v, mask, params, out, lse, op, stats);
-  check_outputs<Scalar>({out, lse, stats.max, stats.sum}, op);
+  check_outputs<TO>({out, lse, stats.max, stats.sum}, op);
   bool overlap = false;
   for (const ByteRange in : {byte_range(q), byte_range(k), byte_range(v), byte_range(mask.allowed),
                              byte_range(mask.bias)}) {
@@ -202,24 +207,25 @@ void flash_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k
       overlap = overlap || in.overlaps(byte_range(o));
   }
   if (overlap) {
-    const auto temporary = [](const HeadsView<Scalar>& o) {
-      return o.empty() ? HeadsTensor<Scalar>() : HeadsTensor<Scalar>(o.shape());
+    const auto temporary = [](const HeadsView<TO>& o) {
+      return o.empty() ? HeadsTensor<TO>() : HeadsTensor<TO>(o.shape());
     };
-    HeadsTensor<Scalar> t_out = temporary(out), t_lse = temporary(lse),
-                        t_max = temporary(stats.max), t_sum = temporary(stats.sum);
-    const auto view_of = [](HeadsTensor<Scalar>& t, const HeadsView<Scalar>& o) {
-      return o.empty() ? HeadsView<Scalar>() : t.view();
+    HeadsTensor<TO> t_out = temporary(out), t_lse = temporary(lse), t_max = temporary(stats.max),
+                    t_sum = temporary(stats.sum);
+    const auto view_of = [](HeadsTensor<TO>& t, const HeadsView<TO>& o) {
+      return o.empty() ? HeadsView<TO>() : t.view();
     };
-    flash_sdpa<Scalar>(q, k, v, mask, params, view_of(t_out, out), view_of(t_lse, lse),
-                       {view_of(t_max, stats.max), view_of(t_sum, stats.sum)}, blocking);
-    copy_heads<Scalar>(t_out.view(), out);
-    copy_heads<Scalar>(t_lse.view(), lse);
-    copy_heads<Scalar>(t_max.view(), stats.max);
-    copy_heads<Scalar>(t_sum.view(), stats.sum);
+    flash_sdpa<TQ, TK, TV, TB, TO>(q, k, v, mask, params, view_of(t_out, out), view_of(t_lse, lse),
+                                   {view_of(t_max, stats.max), view_of(t_sum, stats.sum)},
+                                   blocking);
+    copy_heads<TO>(t_out.view(), out);
+    copy_heads<TO>(t_lse.view(), lse);
+    copy_heads<TO>(t_max.view(), stats.max);
+    copy_heads<TO>(t_sum.view(), stats.sum);
     return;
   }
-  const KeySegment<Scalar, Scalar> keys{k, v, mask.positions.key_offset};
-  AttentionProblem<Scalar, Scalar, Scalar, Scalar> p;
+  const KeySegment<TK, TV> keys{k, v, mask.positions.key_offset};
+  AttentionProblem<TQ, TK, TV, TB> p;
   p.q = q;
   p.segments = &keys;
   p.num_segments = 1;
@@ -234,7 +240,18 @@ void flash_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k
   p.s_k = k.seq();
   p.d_qk = q.dim();
   p.d_v = v.dim();
-  flash_attention(p, AttentionOutputs<Scalar>{out, lse, stats.max, stats.sum}, blocking);
+  flash_attention(p, AttentionOutputs<TO>{out, lse, stats.max, stats.sum}, blocking);
+}
+
+/// flash_sdpa with every input, the bias and the outputs of one type.
+template <class Scalar>
+void flash_sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
+                const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
+                const SdpaParams& params, const HeadsView<Scalar>& out,
+                const HeadsView<Scalar>& lse, const SoftmaxStatsView<Scalar>& stats,
+                const FlashBlocking& blocking = {}) {
+  flash_sdpa<Scalar, Scalar, Scalar, Scalar, Scalar>(q, k, v, mask, params, out, lse, stats,
+                                                     blocking);
 }
 
 /// Runs a [B, H, S, D] attention function on single-head matrices (B = H = 1).
@@ -266,14 +283,19 @@ namespace reference {
 ///   q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v]
 ///   -> out: [B, H_q, S_q, d_v], lse (optional): [B, H_q, S_q, 1] (natural log of Σ_j exp score),
 ///      stats (optional): the max and sum of SoftmaxStatsView.
-/// Outputs must not overlap the inputs. Allocates O(S_k · (d_qk + d_v)) doubles per head; never
-/// an S_q × S_k matrix.
-template <class Scalar>
-void sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
-          const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
-          const SdpaParams& params, const HeadsView<Scalar>& out, const HeadsView<Scalar>& lse = {},
-          const SoftmaxStatsView<Scalar>& stats = {}) {
-  detail::require_supported_scalar<Scalar>();
+/// Each input may have its own storage type (float, double, half, bfloat16; read-only views or
+/// not; the bias TB) and the outputs theirs (TO): the elements are read as doubles and each result
+/// is rounded once to TO. Outputs must not overlap the inputs. Allocates O(S_k · (d_qk + d_v))
+/// doubles per head; never an S_q × S_k matrix.
+template <class Q, class K, class V, class TB, class TO>
+void sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+          const AttentionMask<TB>& mask, const SdpaParams& params, const HeadsView<TO>& out,
+          const HeadsView<TO>& lse = {}, const SoftmaxStatsView<TO>& stats = {}) {
+  detail::require_storage_type<std::remove_const_t<Q>>();
+  detail::require_storage_type<std::remove_const_t<K>>();
+  detail::require_storage_type<std::remove_const_t<V>>();
+  detail::require_storage_type<TB>();
+  detail::require_storage_type<TO>();
   detail::check_sdpa(q, k, v, mask, params, out, lse, "sdpa", stats);
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -284,9 +306,9 @@ void sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
   const Index first_query = mask.positions.first_query_position(s_q, s_k);
   const auto write_stats = [&](Index b, Index h, Index i, double max, double sum) {
     const double row_lse = std::isnan(max) ? kNaN : max == kNegInf ? kNegInf : max + std::log(sum);
-    if (!lse.empty()) lse.head(b, h)(i, 0) = static_cast<Scalar>(row_lse);
-    if (!stats.max.empty()) stats.max.head(b, h)(i, 0) = static_cast<Scalar>(max);
-    if (!stats.sum.empty()) stats.sum.head(b, h)(i, 0) = static_cast<Scalar>(sum);
+    if (!lse.empty()) lse.head(b, h)(i, 0) = round_to<TO>(row_lse);
+    if (!stats.max.empty()) stats.max.head(b, h)(i, 0) = round_to<TO>(max);
+    if (!stats.sum.empty()) stats.sum.head(b, h)(i, 0) = round_to<TO>(sum);
   };
   for (Index b = 0; b < q.batch(); ++b) {
     for (Index h = 0; h < q.heads(); ++h) {
@@ -308,7 +330,7 @@ void sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
           if (std::isnan(scores(j)) || scores(j) > row_max) row_max = scores(j);
         }
         if (std::isnan(row_max) || row_max == std::numeric_limits<double>::infinity()) {
-          out_head.row(i).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+          out_head.row(i).setConstant(std::numeric_limits<TO>::quiet_NaN());
           write_stats(b, h, i, kNaN, kNaN);
           continue;
         }
@@ -328,11 +350,21 @@ void sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
           acc += weight * vd.row(j);
           total += weight;
         }
-        out_head.row(i) = (acc / total).template cast<Scalar>();
+        out_head.row(i) = rounded<TO>((acc / total).array()).matrix();
         write_stats(b, h, i, row_max, total);
       }
     }
   }
+}
+
+/// The reference with every input, the bias and the outputs of one type.
+template <class Scalar>
+void sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
+          const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,
+          const SdpaParams& params, const HeadsView<Scalar>& out, const HeadsView<Scalar>& lse = {},
+          const SoftmaxStatsView<Scalar>& stats = {}) {
+  reference::sdpa<const Scalar, const Scalar, const Scalar, Scalar, Scalar>(q, k, v, mask, params,
+                                                                            out, lse, stats);
 }
 
 /// Single-head convenience form of the reference: q [S_q, d_qk], k [S_k, d_qk], v [S_k, d_v]
@@ -377,6 +409,22 @@ RowMatrix<typename DQ::Scalar> sdpa(const Eigen::MatrixBase<DQ>& q, const Eigen:
 /// partial results. Scalars are float, or double for a float call that falls back to double
 /// (see the policy). Threads: detail::parallel_for (OpenMP when
 /// enabled); the result is bit-identical for any number of threads.
+///
+/// STORAGE TYPES. Q, K, V, the bias and the outputs may each be float, double, Eigen::half or
+/// Eigen::bfloat16 (storage.hpp), independently, and the input views read-only or not: for example
+/// float Q with half K/V from a 16-bit cache, and float or half output. The kernel widens each
+/// element as it reads it (K and V a block at a time, never a whole tensor) and computes in float,
+/// or in double when an input is double (or on the fallback of the policy); each result is rounded
+/// once to the output type.
+template <class Q, class K, class V, class TB, class TO>
+void sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+          const AttentionMask<TB>& mask, const SdpaParams& params, const HeadsView<TO>& out,
+          const HeadsView<TO>& lse = {}, const SoftmaxStatsView<TO>& stats = {}) {
+  detail::flash_sdpa<std::remove_const_t<Q>, std::remove_const_t<K>, std::remove_const_t<V>, TB,
+                     TO>(q, k, v, mask, params, out, lse, stats);
+}
+
+/// sdpa with every input, the bias and the outputs of one type (float or double).
 template <class Scalar>
 void sdpa(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k,
           const ConstHeadsView<Scalar>& v, const AttentionMask<Scalar>& mask,

@@ -168,17 +168,20 @@ class AttentionStack;
 /// tokens for each local layer, a LatentCache of `capacity` tokens for each global layer), the
 /// batch, the prefix and the next absolute position. Made by AttentionStack::make_cache and
 /// advanced only by that stack's prefill / extend / decode_step, which check that it matches.
-/// Memory: bytes() = stack_cache_memory(config, batch, capacity, sizeof(Scalar)).total_bytes,
+/// Every layer's cache stores Storage (Scalar, or Eigen::half / Eigen::bfloat16 for half the
+/// bytes): AttentionStack::make_cache<Storage>.
+/// Memory: bytes() = stack_cache_memory(config, batch, capacity, sizeof(Storage)).total_bytes,
 /// allocated at construction; the local layers' share never grows, the global layers' grows
 /// only through reserve().
-template <class Scalar>
+template <class Scalar, class Storage = Scalar>
 class StackCache {
  public:
   /// An empty cache of no layers (as a moved-from one is); the stacks reject it.
   StackCache() = default;
   /// The cache of one layer: a SlidingWindowCache for a local layer, a LatentCache for a
   /// global one.
-  using LayerCache = std::variant<SlidingWindowCache<Scalar>, LatentCache<Scalar>>;
+  using LayerCache =
+      std::variant<SlidingWindowCache<Scalar, Storage>, LatentCache<Scalar, Storage>>;
 
   /// Number of sequences B decoded side by side.
   Index batch() const { return batch_; }
@@ -201,10 +204,10 @@ class StackCache {
   /// Exact bytes of every layer's cache.
   std::int64_t bytes() const { return local_bytes() + global_bytes(); }
   /// Bytes of the local layers' sliding-window caches: constant, whatever the context.
-  std::int64_t local_bytes() const { return bytes_of<SlidingWindowCache<Scalar>>(); }
+  std::int64_t local_bytes() const { return bytes_of<SlidingWindowCache<Scalar, Storage>>(); }
   /// Bytes of the global layers' latent caches: proportional to capacity(), so it grows with
   /// reserve().
-  std::int64_t global_bytes() const { return bytes_of<LatentCache<Scalar>>(); }
+  std::int64_t global_bytes() const { return bytes_of<LatentCache<Scalar, Storage>>(); }
 
   /// Grows the global layers' capacity to at least `capacity` (one copy of each latent cache;
   /// see LatentCache::reserve). Never shrinks.
@@ -212,7 +215,9 @@ class StackCache {
     detail::check_constructed(batch() >= 1, "stack", "cache");
     if (capacity <= capacity_) return;
     for (LayerCache& cache : layers_) {
-      if (auto* latent = std::get_if<LatentCache<Scalar>>(&cache)) latent->reserve(capacity);
+      if (auto* latent = std::get_if<LatentCache<Scalar, Storage>>(&cache)) {
+        latent->reserve(capacity);
+      }
     }
     capacity_ = capacity;
   }
@@ -397,25 +402,28 @@ class AttentionStack {
 
   /// An empty StackCache for `batch` sequences of up to `capacity` tokens (1 <= capacity <=
   /// max_positions): a SlidingWindowCache of W tokens per local layer and a LatentCache of
-  /// `capacity` tokens per global layer. Allocates stack_cache_memory(config, batch, capacity,
-  /// sizeof(Scalar)).total_bytes.
-  StackCache<Scalar> make_cache(Index batch, Index capacity) const {
+  /// `capacity` tokens per global layer, every one storing Storage (Scalar by default;
+  /// stack.make_cache<Eigen::bfloat16>(batch, capacity) for 16-bit caches). Allocates
+  /// stack_cache_memory(config, batch, capacity, sizeof(Storage)).total_bytes.
+  template <class Storage = Scalar>
+  StackCache<Scalar, Storage> make_cache(Index batch, Index capacity) const {
     check_constructed();
     APEX_CHECK(batch >= 1, "[stack] batch (" << batch << ") must be >= 1");
     APEX_CHECK(capacity >= 1 && capacity <= config().max_positions,
                "[stack] capacity (" << capacity << ") must lie in [1, max_positions = "
                                     << config().max_positions << "]");
-    std::vector<typename StackCache<Scalar>::LayerCache> caches;
+    std::vector<typename StackCache<Scalar, Storage>::LayerCache> caches;
     caches.reserve(layers_.size());
     for (const Layer& layer : layers_) {
       if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layer)) {
-        caches.emplace_back(mla->make_cache(batch, capacity));
+        caches.emplace_back(mla->template make_cache<Storage>(batch, capacity));
       } else {
-        caches.emplace_back(std::get<GroupedQueryAttention<Scalar>>(layer).make_window_cache(
-            batch, config().window));
+        caches.emplace_back(
+            std::get<GroupedQueryAttention<Scalar>>(layer).template make_window_cache<Storage>(
+                batch, config().window));
       }
     }
-    return StackCache<Scalar>(batch, capacity, std::move(caches));
+    return StackCache<Scalar, Storage>(batch, capacity, std::move(caches));
   }
 
   /// Prefill: runs a prompt through the stack in one call and fills the (empty) cache with it.
@@ -426,9 +434,10 @@ class AttentionStack {
   /// Throws (cache unchanged) if the cache is not empty or not made by this stack's make_cache,
   /// on a batch mismatch, a bad id, or S beyond the cache's capacity or max_positions.
   /// Allocates the [B*S, d] residual stream and what each layer's cached forward allocates.
-  template <class TokensDerived>
+  template <class TokensDerived, class Storage>
   RowMatrix<Scalar> prefill(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
-                            const DecodeOptions& options, StackCache<Scalar>& cache) const {
+                            const DecodeOptions& options,
+                            StackCache<Scalar, Storage>& cache) const {
     APEX_CHECK(cache.next_position() == 0,
                "[stack] prefill needs an empty cache (its next position is "
                    << cache.next_position()
@@ -439,9 +448,9 @@ class AttentionStack {
   }
 
   /// prefill with the default options (all logits, MLA path chosen by chunk length).
-  template <class TokensDerived>
+  template <class TokensDerived, class Storage>
   RowMatrix<Scalar> prefill(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
-                            StackCache<Scalar>& cache) const {
+                            StackCache<Scalar, Storage>& cache) const {
     return prefill(tokens, prefix, DecodeOptions{}, cache);
   }
 
@@ -451,39 +460,44 @@ class AttentionStack {
   /// LogitRows::kLast), equal to the rows p … p + n − 1 of forward() on the whole sequence.
   /// Throws (cache unchanged) on a batch mismatch, a bad id, or p + n beyond the cache's
   /// capacity or max_positions (a full cache does not grow by itself: StackCache::reserve).
-  template <class TokensDerived>
+  template <class TokensDerived, class Storage>
   RowMatrix<Scalar> extend(const Eigen::MatrixBase<TokensDerived>& tokens,
-                           const DecodeOptions& options, StackCache<Scalar>& cache) const {
+                           const DecodeOptions& options, StackCache<Scalar, Storage>& cache) const {
     return run_cached(tokens, cache.prefix(), options, cache);
   }
 
   /// extend with the default options.
-  template <class TokensDerived>
+  template <class TokensDerived, class Storage>
   RowMatrix<Scalar> extend(const Eigen::MatrixBase<TokensDerived>& tokens,
-                           StackCache<Scalar>& cache) const {
+                           StackCache<Scalar, Storage>& cache) const {
     return extend(tokens, DecodeOptions{}, cache);
   }
 
   /// Decode step: one new token per sequence (next_tokens[b] for sequence b), at position
   /// p = cache.next_position() -> logits [B, V] of that position. The global layers take the
   /// absorbed MLA path unless options.mla says otherwise. Checks and errors as for extend.
+  template <class Storage>
   RowMatrix<Scalar> decode_step(const std::vector<std::int64_t>& next_tokens,
-                                const DecodeOptions& options, StackCache<Scalar>& cache) const {
+                                const DecodeOptions& options,
+                                StackCache<Scalar, Storage>& cache) const {
     const Eigen::Map<const TokenMatrix> column(next_tokens.data(),
                                                static_cast<Index>(next_tokens.size()), 1);
     return run_cached(column, cache.prefix(), options, cache);
   }
 
   /// decode_step with the default options.
+  template <class Storage>
   RowMatrix<Scalar> decode_step(const std::vector<std::int64_t>& next_tokens,
-                                StackCache<Scalar>& cache) const {
+                                StackCache<Scalar, Storage>& cache) const {
     return decode_step(next_tokens, DecodeOptions{}, cache);
   }
 
   /// The cache memory of this stack for `batch` sequences of `context` tokens in this scalar
-  /// type (stack_cache_memory with bytes_per_value = sizeof(Scalar)).
+  /// type, or for caches storing Storage (stack_cache_memory with bytes_per_value =
+  /// sizeof(Storage)): the bytes make_cache<Storage> allocates.
+  template <class Storage = Scalar>
   StackCacheMemory cache_memory(Index batch, Index context) const {
-    return stack_cache_memory(config(), batch, context, static_cast<Index>(sizeof(Scalar)));
+    return stack_cache_memory(config(), batch, context, static_cast<Index>(sizeof(Storage)));
   }
 
  private:
@@ -597,19 +611,20 @@ class AttentionStack {
   }
 
   /// Throws unless `cache` has the layout make_cache gives for this stack.
-  void check_cache(const StackCache<Scalar>& cache) const {
+  template <class Storage>
+  void check_cache(const StackCache<Scalar, Storage>& cache) const {
     bool matches = cache.num_layers() == config().num_layers;
     for (Index l = 0; matches && l < config().num_layers; ++l) {
       const auto& layer_cache = cache.layer(l);
       if (is_global_layer(l, config().global_every)) {
-        const auto* c = std::get_if<LatentCache<Scalar>>(&layer_cache);
+        const auto* c = std::get_if<LatentCache<Scalar, Storage>>(&layer_cache);
         matches = c != nullptr && c->batch() == cache.batch() &&
                   c->latent_dim() == config().global.d_kv &&
                   c->rope_heads() == config().global.rope_key_heads() &&
                   c->rope_dim() == config().global.rope_dim && c->capacity() == cache.capacity() &&
                   c->next_position() == cache.next_position();
       } else {
-        const auto* c = std::get_if<SlidingWindowCache<Scalar>>(&layer_cache);
+        const auto* c = std::get_if<SlidingWindowCache<Scalar, Storage>>(&layer_cache);
         matches = c != nullptr && c->batch() == cache.batch() &&
                   c->num_kv_heads() == config().local.num_kv_heads &&
                   c->head_dim() == config().local.head_dim && c->window() == config().window &&
@@ -625,9 +640,10 @@ class AttentionStack {
   /// prefill / extend / decode_step: n = tokens.cols() new tokens per sequence at positions
   /// [p, p + n). Every check (the ids included, through embed) runs before the first cache is
   /// written, so that an error leaves every layer's cache as it was.
-  template <class TokensDerived>
+  template <class TokensDerived, class Storage>
   RowMatrix<Scalar> run_cached(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
-                               const DecodeOptions& options, StackCache<Scalar>& cache) const {
+                               const DecodeOptions& options,
+                               StackCache<Scalar, Storage>& cache) const {
     check_constructed();
     check_cache(cache);
     const Index batch = tokens.rows();
@@ -659,7 +675,7 @@ class AttentionStack {
           layer_mask(l, LayerMaskParams{prefix, config().window, config().global_every});
       auto& layer_cache = cache.layers_[at];
       if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layers_[at])) {
-        auto& latent = std::get<LatentCache<Scalar>>(layer_cache);
+        auto& latent = std::get<LatentCache<Scalar, Storage>>(layer_cache);
         const AttentionLayerParams<Scalar> params = layer_params(*mla, first);
         const MlaPath path =
             options.mla == MlaPath::kAuto ? mla_cheaper_path(config().global, n) : options.mla;
@@ -671,7 +687,7 @@ class AttentionStack {
       } else {
         const auto& gqa = std::get<GroupedQueryAttention<Scalar>>(layers_[at]);
         gqa.forward_cached(normed, rule, layer_params(gqa, first),
-                           std::get<SlidingWindowCache<Scalar>>(layer_cache), attended);
+                           std::get<SlidingWindowCache<Scalar, Storage>>(layer_cache), attended);
       }
       x += attended;
     }

@@ -110,6 +110,7 @@
 #include <apex/detail/parallel.hpp>
 #include <apex/detail/scratch.hpp>
 #include <apex/mask.hpp>
+#include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
 #include <Eigen/Core>
@@ -540,9 +541,9 @@ AttentionPlan plan_attention(const P& p, Index kv_heads, const FlashBlocking& bl
 template <class C, class TO>
 void write_row_stats(const AttentionOutputs<TO>& o, Index b, Index h, Index i,
                      const SoftmaxStats<C>& stats) {
-  if (!o.lse.empty()) o.lse.head(b, h)(i, 0) = static_cast<TO>(log_sum_exp(stats));
-  if (!o.max.empty()) o.max.head(b, h)(i, 0) = static_cast<TO>(stats.max);
-  if (!o.sum.empty()) o.sum.head(b, h)(i, 0) = static_cast<TO>(stats.sum);
+  if (!o.lse.empty()) o.lse.head(b, h)(i, 0) = round_to<TO>(log_sum_exp(stats));
+  if (!o.max.empty()) o.max.head(b, h)(i, 0) = round_to<TO>(stats.max);
+  if (!o.sum.empty()) o.sum.head(b, h)(i, 0) = round_to<TO>(stats.sum);
 }
 
 /// The prefill scheduler: one task per (b, kv head, query block), every key in blocks. Returns
@@ -625,9 +626,13 @@ bool run_decode(const P& p, Index kv_heads, const AttentionOutputs<TO>& o,
       const SoftmaxStats<C> stats =
           merge_rows<C>(plan.chunks, p.d_v, part_at, out, weights, weights + plan.chunks);
       write_row_stats<C>(o, b, h, i, stats);
-      // A merge can overflow (Σ_c w_c·o_c with w_c up to a chunk's length) where no part did.
-      if (std::is_same_v<C, float>)
-        ok = ok && finite_stats(stats) && all_finite(out, 1, p.d_v, p.d_v);
+      // A merge can overflow (Σ_c w_c·o_c with w_c up to a chunk's length) where no part did:
+      // the sum, left in C by merge_rows, is checked (an output type may overflow where C did
+      // not, which no second pass would change).
+      if (std::is_same_v<C, float>) {
+        ok = ok && finite_stats(stats) &&
+             (!(stats.sum > C(0)) || all_finite(weights + plan.chunks, 1, p.d_v, p.d_v));
+      }
     }
     if (!ok) finite = false;
   });

@@ -21,6 +21,7 @@
 
 #include <apex/config.hpp>
 #include <apex/detail/eigen_adapter.hpp>
+#include <apex/storage.hpp>
 
 #include <cmath>
 #include <limits>
@@ -90,7 +91,7 @@ SoftmaxStats<C> softmax_finish(const SoftmaxStats<C>& row, const C* acc, Index d
     return {};
   }
   const C inverse = C(1) / row.sum;
-  for (Index c = 0; c < d_v; ++c) out[c] = static_cast<T>(acc[c] * inverse);
+  for (Index c = 0; c < d_v; ++c) out[c] = round_to<T>(acc[c] * inverse);
   return row;
 }
 
@@ -130,7 +131,8 @@ using T_of = std::remove_const_t<
 ///   - every other part is weighted, even by a w_c that underflows to 0, so that a NaN or ±inf
 ///     in o_c reaches the row exactly as it would in one pass over all the keys (PARTICIPATION).
 /// The parts are combined in the order given, into `acc` (d_v values of C), and only then written
-/// to `out`: out may be the output of any one part (in place).
+/// to `out`: out may be the output of any one part (in place). Where some part is weighted, acc
+/// keeps Σ_c w_c·o_c on return (the decode scheduler checks it for overflow).
 ///   part_at(c) -> PartRow<T, C>; out: d_v elements of type U; weights: room for `parts` values.
 template <class C, class PartAt, class U>
 SoftmaxStats<C> merge_rows(Index parts, Index d_v, const PartAt& part_at, U* out, C* weights,
@@ -165,7 +167,7 @@ SoftmaxStats<C> merge_rows(Index parts, Index d_v, const PartAt& part_at, U* out
                          .template cast<C>();
   }
   const C inverse = C(1) / total;
-  for (Index col = 0; col < d_v; ++col) out[col] = static_cast<U>(acc[col] * inverse);
+  for (Index col = 0; col < d_v; ++col) out[col] = round_to<U>(acc[col] * inverse);
   return {max, total};
 }
 
