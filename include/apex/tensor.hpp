@@ -23,9 +23,11 @@ struct HeadsShape {
 
   /// True when some extent is 0: the tensor has no elements.
   bool has_no_elements() const { return batch == 0 || heads == 0 || seq == 0 || dim == 0; }
+  /// Equal extents, axis by axis.
   friend bool operator==(const HeadsShape& a, const HeadsShape& b) {
     return a.batch == b.batch && a.heads == b.heads && a.seq == b.seq && a.dim == b.dim;
   }
+  /// Some extent differs.
   friend bool operator!=(const HeadsShape& a, const HeadsShape& b) { return !(a == b); }
 };
 
