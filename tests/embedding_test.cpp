@@ -283,3 +283,57 @@ TYPED_TEST(EmbeddingTyped, LmHeadMatchesReference) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// 16-bit tables (Eigen::half, Eigen::bfloat16)
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+template <class T>
+class Embedding16Bit : public ::testing::Test {};
+using SixteenBit = ::testing::Types<Eigen::half, Eigen::bfloat16>;
+TYPED_TEST_SUITE(Embedding16Bit, SixteenBit);
+
+// Each output is the stored row times float(scale), formed in float and rounded once to the
+// output's type: exactly the float lookup on the widened table, and that result rounded for a
+// 16-bit output.
+TYPED_TEST(Embedding16Bit, WidensTheStoredRowsAndRoundsOnce) {
+  using T = TypeParam;
+  const apex::RowMatrix<T> table16 =
+      apex::testing::random_matrix<float>(11, 24, 91, -1.0, 1.0).cast<T>();
+  const apex::RowMatrix<float> widened = table16.template cast<float>();
+  apex::TokenMatrix tokens(2, 3);
+  tokens << 0, 10, 3, 3, 7, 1;
+  apex::RowMatrix<float> got(6, 24), want(6, 24);
+  apex::embed(table16, tokens, {}, got);
+  apex::embed(widened, tokens, {}, want);
+  EXPECT_TRUE((got.array() == want.array()).all());
+  apex::RowMatrix<T> got16(6, 24);
+  apex::embed(table16, tokens, {}, got16);
+  for (apex::Index r = 0; r < 6; ++r) {
+    for (apex::Index c = 0; c < 24; ++c) {
+      ASSERT_EQ(Eigen::numext::bit_cast<std::uint16_t>(got16(r, c)),
+                Eigen::numext::bit_cast<std::uint16_t>(apex::round_to<T>(want(r, c))));
+    }
+  }
+  // A scale that float cannot hold is applied in double, as for a float table.
+  apex::EmbeddingParams tiny;
+  tiny.scale = 1e-50;
+  apex::embed(table16, tokens, tiny, got);
+  apex::embed(widened, tokens, tiny, want);
+  EXPECT_TRUE((got.array() == want.array()).all());
+}
+
+TYPED_TEST(Embedding16Bit, RejectsBadIdsBeforeWriting) {
+  using T = TypeParam;
+  const apex::RowMatrix<T> table16 = apex::RowMatrix<float>::Ones(4, 8).cast<T>();
+  apex::TokenMatrix tokens(1, 2);
+  tokens << 1, 4;
+  apex::RowMatrix<float> out = apex::RowMatrix<float>::Constant(2, 8, 5.0f);
+  apex::testing::expect_invalid([&] { apex::embed(table16, tokens, {}, out); },
+                                {"[embed] token id (4)"});
+  EXPECT_TRUE((out.array() == 5.0f).all());
+}
+
+}  // namespace

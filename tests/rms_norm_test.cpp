@@ -357,3 +357,62 @@ TEST(RmsNorm, NonFiniteInputPropagates) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// 16-bit rows (Eigen::half, Eigen::bfloat16): read as stored, computed in double, written in the
+// caller's type
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+template <class T>
+class RmsNorm16Bit : public ::testing::Test {};
+using SixteenBit = ::testing::Types<Eigen::half, Eigen::bfloat16>;
+TYPED_TEST_SUITE(RmsNorm16Bit, SixteenBit);
+
+TYPED_TEST(RmsNorm16Bit, FloatOutputMatchesTheReferenceOnTheStoredValues) {
+  using T = TypeParam;
+  const RowMatrix<float> x = random_input<float>(37, 300, 71);
+  const RowMatrix<T> x16 = x.cast<T>();
+  const Vector<float> gamma = random_gamma<float>(300, 72);
+  RowMatrix<float> out(37, 300);
+  apex::rms_norm(x16, gamma, RmsNormParams{1e-6}, out);
+  expect_matches<float>(out, reference<float>(x16.template cast<float>(), gamma, 1e-6));
+}
+
+// A 16-bit output is the double result rounded once: bit for bit round_to of the double output,
+// in place or not, with a 16-bit γ too.
+TYPED_TEST(RmsNorm16Bit, SixteenBitOutputIsTheDoubleResultRoundedOnce) {
+  using T = TypeParam;
+  const RowMatrix<T> x16 = random_input<float>(9, 130, 73).cast<T>();
+  const Vector<T> gamma16 = random_gamma<float>(130, 74).cast<T>();
+  RowMatrix<double> wide(9, 130);
+  apex::rms_norm(x16, gamma16, RmsNormParams{}, wide);
+  RowMatrix<T> out16(9, 130);
+  apex::rms_norm(x16, gamma16, RmsNormParams{}, out16);
+  RowMatrix<T> in_place = x16;
+  apex::rms_norm(in_place, gamma16, RmsNormParams{}, in_place);
+  for (Index r = 0; r < 9; ++r) {
+    for (Index c = 0; c < 130; ++c) {
+      const auto want = Eigen::numext::bit_cast<std::uint16_t>(apex::round_to<T>(wide(r, c)));
+      ASSERT_EQ(Eigen::numext::bit_cast<std::uint16_t>(out16(r, c)), want) << r << ", " << c;
+      ASSERT_EQ(Eigen::numext::bit_cast<std::uint16_t>(in_place(r, c)), want) << r << ", " << c;
+    }
+  }
+  // The value-returning form keeps x's type.
+  const RowMatrix<T> returned = apex::rms_norm(x16, gamma16);
+  EXPECT_TRUE((returned.array() == out16.array()).all());
+}
+
+TYPED_TEST(RmsNorm16Bit, RejectsBadInputBeforeWriting) {
+  using T = TypeParam;
+  const RowMatrix<T> x16 = random_input<float>(3, 8, 75).cast<T>();
+  RowMatrix<float> out = RowMatrix<float>::Constant(3, 8, 7.0f);
+  expect_invalid([&] { apex::rms_norm(x16, Vector<float>::Ones(7), RmsNormParams{}, out); },
+                 {"[rms_norm] gamma length (7)"});
+  expect_invalid([&] { apex::rms_norm(x16, Vector<float>::Ones(8), RmsNormParams{0.0}, out); },
+                 {"[rms_norm] eps (0)"});
+  EXPECT_TRUE((out.array() == 7.0f).all());
+}
+
+}  // namespace

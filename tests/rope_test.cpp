@@ -692,3 +692,59 @@ TEST_F(RopeBadApplication, ColumnsNotAMultipleOfHeadDim) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// 16-bit rows (Eigen::half, Eigen::bfloat16) with a float table
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+template <class T>
+class Rope16Bit : public ::testing::Test {};
+using SixteenBit = ::testing::Types<Eigen::half, Eigen::bfloat16>;
+TYPED_TEST_SUITE(Rope16Bit, SixteenBit);
+
+// Every element is the rotation of the stored values, computed in float and rounded once: within
+// one rounding of T (2^-11 relative for half, 2^-8 for bfloat16, an ulp of T here) of the same
+// rotation in double on the widened inputs, plus float's own error on the values that cancel.
+// Both pairings, both forms (offset and ids), untouched features past the rotary width.
+TYPED_TEST(Rope16Bit, RotatesStoredValuesAndRoundsOnce) {
+  using T = TypeParam;
+  const double step = std::is_same_v<T, Eigen::half> ? 0x1p-10 : 0x1p-7;
+  for (const RopePairing pairing : {RopePairing::kInterleaved, RopePairing::kHalfSplit}) {
+    RopeParams params;
+    params.pairing = pairing;
+    params.rotary_dim = 12;  // of head_dim 16
+    const RopeTable<float> table(40, 16, params);
+    const RowMatrix<T> x16 = random_matrix<float>(7, 32, 81, -2.0, 2.0).cast<T>();
+    const RowMatrix<double> wide = x16.template cast<double>();
+    const RowMatrix<double> expected = apex::rope(RopeTable<double>(40, 16, params), 5, wide);
+    RowMatrix<T> rotated = x16;
+    apex::apply_rope(table, 5, rotated);
+    Vector<Index> ids(7);
+    for (Index t = 0; t < 7; ++t) ids(t) = 5 + t;
+    RowMatrix<T> by_ids = x16;
+    apex::apply_rope(table, ids, by_ids);
+    for (Index r = 0; r < 7; ++r) {
+      for (Index c = 0; c < 32; ++c) {
+        const double got = static_cast<double>(rotated(r, c));
+        ASSERT_LE(std::abs(got - expected(r, c)), step * std::abs(expected(r, c)) + 1e-6)
+            << "row " << r << ", column " << c;
+        ASSERT_EQ(static_cast<float>(by_ids(r, c)), static_cast<float>(rotated(r, c)));
+        if (c % 16 >= 12) {
+          ASSERT_EQ(static_cast<float>(rotated(r, c)), static_cast<float>(x16(r, c)));
+        }
+      }
+    }
+  }
+}
+
+TYPED_TEST(Rope16Bit, ChecksPositionsBeforeTouchingTheRows) {
+  using T = TypeParam;
+  const RopeTable<float> table(8, 4);
+  RowMatrix<T> x = RowMatrix<float>::Constant(3, 8, 1.5f).cast<T>();
+  expect_invalid([&] { apex::apply_rope(table, 6, x); }, {"[rope] position id (8)"});
+  EXPECT_TRUE((x.template cast<float>().array() == 1.5f).all());
+}
+
+}  // namespace

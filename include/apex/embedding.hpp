@@ -10,6 +10,7 @@
 #include <apex/config.hpp>
 #include <apex/detail/matmul.hpp>
 #include <apex/detail/parallel.hpp>
+#include <apex/storage.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -59,22 +60,32 @@ void check_token_ids(const Eigen::MatrixBase<TokensDerived>& tokens, Index vocab
 /// Embedding lookup with scaling (§2.2): out[b*S + s, :] = table[tokens(b, s), :] · scale.
 /// table: [V, d], tokens: [B, S] of any integer type, out: [B*S, d] (the documents' [B, S, d]
 /// as B blocks of S rows). Every id is checked to lie in [0, V) before anything is written.
-/// The scale is rounded to Scalar once and applied in Scalar, unless Scalar cannot represent it
-/// (a float scale of 1e40 or 1e-50): then each product is formed in double and rounded once, so
-/// that any finite scale means what it says.
-/// out must not overlap table. Allocates nothing unless table is not row-major or tokens is not
-/// a row-major int64 matrix (Eigen::Ref then copies it). Threads over rows for large outputs.
-template <class TableDerived, class TokensDerived>
+/// The table and out may each be float, double, Eigen::half or Eigen::bfloat16 (storage.hpp):
+/// a 16-bit table is widened row by row as it is read, never converted whole. The products are
+/// formed in the compute type C (float, or double when the table or out is double): the scale
+/// is rounded to C once and applied in C, unless C cannot represent it (a float scale of 1e40 or
+/// 1e-50), in which case each product is formed in double; each result is rounded once to out's
+/// type. So any finite scale means what it says.
+/// out (a row-major matrix, Map, Ref or block with contiguous rows, written in place) must not
+/// overlap table. Allocates nothing unless table is not row-major or tokens is not a row-major
+/// int64 matrix (Eigen::Ref then copies it). Threads over rows for large outputs.
+template <class TableDerived, class TokensDerived, class OutDerived>
 void embed(const Eigen::MatrixBase<TableDerived>& table,
            const Eigen::MatrixBase<TokensDerived>& tokens, const EmbeddingParams& params,
-           RowRef<typename TableDerived::Scalar> out) {
-  using Scalar = typename TableDerived::Scalar;
+           const Eigen::MatrixBase<OutDerived>& out_) {
+  using TT = typename TableDerived::Scalar;
+  using TO = typename OutDerived::Scalar;
+  using C = wider_t<compute_t<TT>, compute_t<TO>>;
   using Id = typename TokensDerived::Scalar;
-  detail::require_supported_scalar<Scalar>();
+  detail::require_storage_type<TT>();
+  detail::require_storage_type<TO>();
   static_assert(std::is_integral_v<Id> && !std::is_same_v<Id, bool>,
                 "[embed] token ids must be an integer matrix");
+  // Written through a Ref to its storage (Eigen's idiom for output parameters that may be
+  // temporaries, such as blocks and maps).
+  RowRef<TO> out(const_cast<OutDerived&>(out_.derived()));
 
-  const ConstRowRef<Scalar> w(table.derived());
+  const ConstRowRef<TT> w(table.derived());
   const Index vocab = w.rows();
   const Index d = w.cols();
   const Index batch = tokens.rows();
@@ -89,30 +100,31 @@ void embed(const Eigen::MatrixBase<TableDerived>& table,
   // Every id is now in [0, V), so its conversion to int64 keeps its value.
   const Eigen::Ref<const TokenMatrix> ids(tokens.derived().template cast<std::int64_t>());
 
-  // The scale is applied in Scalar when Scalar represents it, else in double.
-  const bool in_scalar = detail::representable_in<Scalar>(scale);
+  // The scale is applied in C when C represents it, else in double.
+  const bool in_compute = detail::representable_in<C>(scale);
   // A lookup is a copy: threads pay off only once there are some 32K elements to move.
   const Index min_parallel_rows = std::max<Index>(2, (Index{1} << 15) / std::max<Index>(d, 1));
   detail::parallel_for(
       batch * seq,
       [&](Index row) {
-        const auto source = w.row(static_cast<Index>(ids(row / seq, row % seq)));
-        if (in_scalar) {
-          out.row(row) = source * static_cast<Scalar>(scale);
+        const auto source = w.row(static_cast<Index>(ids(row / seq, row % seq))).array();
+        if (in_compute) {
+          out.row(row) = rounded<TO>(source.template cast<C>() * static_cast<C>(scale)).matrix();
         } else {
-          out.row(row) = (source.template cast<double>() * scale).template cast<Scalar>();
+          out.row(row) = rounded<TO>(source.template cast<double>() * scale).matrix();
         }
       },
       min_parallel_rows);
 }
 
-/// Embedding lookup (§2.2) returning a new [B*S, d] matrix; see the overload above.
+/// Embedding lookup (§2.2) returning a new [B*S, d] matrix of the table's type; see the overload
+/// above.
 template <class TableDerived, class TokensDerived>
 RowMatrix<typename TableDerived::Scalar> embed(const Eigen::MatrixBase<TableDerived>& table,
                                                const Eigen::MatrixBase<TokensDerived>& tokens,
                                                const EmbeddingParams& params = {}) {
   using Scalar = typename TableDerived::Scalar;
-  detail::require_supported_scalar<Scalar>();
+  detail::require_storage_type<Scalar>();
   const Index rows = detail::checked_product(tokens.rows(), tokens.cols(), "embed", "B*S");
   detail::checked_product({rows, table.cols(), static_cast<Index>(sizeof(Scalar))}, "embed",
                           "B*S*d bytes of the output");
@@ -122,9 +134,9 @@ RowMatrix<typename TableDerived::Scalar> embed(const Eigen::MatrixBase<TableDeri
 }
 
 /// Embedding lookup (§2.2) of one sequence of S ids: out is [S, d].
-template <class TableDerived>
+template <class TableDerived, class OutDerived>
 void embed(const Eigen::MatrixBase<TableDerived>& table, const std::vector<std::int64_t>& tokens,
-           const EmbeddingParams& params, RowRef<typename TableDerived::Scalar> out) {
+           const EmbeddingParams& params, const Eigen::MatrixBase<OutDerived>& out) {
   const Eigen::Map<const TokenMatrix> ids(tokens.data(), 1, static_cast<Index>(tokens.size()));
   embed(table, ids, params, out);
 }

@@ -11,6 +11,7 @@
 
 #include <apex/config.hpp>
 #include <apex/detail/parallel.hpp>
+#include <apex/storage.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -52,23 +53,34 @@ Acc rms_sum_squares(const Scalar* x, Index n) {
   return partial[0];
 }
 
-/// y[j] = x[j] · inv · γ[j], formed in Acc and rounded once to Scalar. Separate versions for
-/// distinct and identical input/output rows let the compiler vectorise both without run-time
-/// alias checks (γ never overlaps the output: rms_norm checks it).
-template <class Acc, class Scalar>
-void rms_scale_row(const Scalar* __restrict x, const Scalar* __restrict gamma, Acc inv,
-                   Scalar* __restrict y, Index n) {
+/// y[j] = x[j] · inv · γ[j], formed in Acc and rounded once to the output type (round_to).
+/// Separate versions for distinct and identical input/output rows let the compiler vectorise
+/// both without run-time alias checks (γ never overlaps the output: rms_norm checks it).
+template <class Acc, class TX, class TG, class TO>
+void rms_scale_row(const TX* __restrict x, const TG* __restrict gamma, Acc inv, TO* __restrict y,
+                   Index n) {
   for (Index j = 0; j < n; ++j) {
-    y[j] = static_cast<Scalar>(static_cast<Acc>(x[j]) * inv * static_cast<Acc>(gamma[j]));
+    y[j] = round_to<TO>(static_cast<Acc>(x[j]) * inv * static_cast<Acc>(gamma[j]));
   }
 }
 
-template <class Acc, class Scalar>
-void rms_scale_row_in_place(Scalar* __restrict y, const Scalar* __restrict gamma, Acc inv,
-                            Index n) {
+template <class Acc, class TG, class TO>
+void rms_scale_row_in_place(TO* __restrict y, const TG* __restrict gamma, Acc inv, Index n) {
   for (Index j = 0; j < n; ++j) {
-    y[j] = static_cast<Scalar>(static_cast<Acc>(y[j]) * inv * static_cast<Acc>(gamma[j]));
+    y[j] = round_to<TO>(static_cast<Acc>(y[j]) * inv * static_cast<Acc>(gamma[j]));
   }
+}
+
+/// y = x · inv · γ, in place when x and y are the same row.
+template <class TX, class TG, class TO>
+void rms_scale(const TX* x, const TG* gamma, double inv, TO* y, Index n) {
+  if constexpr (std::is_same_v<TX, TO>) {
+    if (x == y) {
+      rms_scale_row_in_place<double>(y, gamma, inv, n);
+      return;
+    }
+  }
+  rms_scale_row<double>(x, gamma, inv, y, n);
 }
 
 /// Double rows whose squares overflow (|x| ≳ 1e154) or whose mean square and ε are both so
@@ -76,8 +88,8 @@ void rms_scale_row_in_place(Scalar* __restrict y, const Scalar* __restrict gamma
 /// binade of max|x| (exact), so that every scaled square lies in [0, 4):
 ///   RMS² = 2^(2k) · (mean((x·2^-k)²) + ε·2^(-2k)),   out = (x·2^-k) / sqrt(…) · γ.
 /// Slower (scalbn per element, one extra pass) but only taken for such rows.
-inline void rms_norm_row_rescaled(const double* x, const double* gamma, double eps, double* y,
-                                  Index n) {
+template <class TG, class TO>
+void rms_norm_row_rescaled(const double* x, const TG* gamma, double eps, TO* y, Index n) {
   double max_abs = 0.0;
   for (Index j = 0; j < n; ++j) max_abs = std::max(max_abs, std::abs(x[j]));
   const double count = static_cast<double>(n);
@@ -85,7 +97,7 @@ inline void rms_norm_row_rescaled(const double* x, const double* gamma, double e
     // Zero rows, infinities: the formula as written (an infinity gives NaN, as it would in
     // any implementation of x / RMS(x)).
     const double inv = 1.0 / std::sqrt(rms_sum_squares<double>(x, n) / count + eps);
-    for (Index j = 0; j < n; ++j) y[j] = x[j] * inv * gamma[j];
+    for (Index j = 0; j < n; ++j) y[j] = round_to<TO>(x[j] * inv * static_cast<double>(gamma[j]));
     return;
   }
   const int k = std::ilogb(max_abs);
@@ -97,84 +109,84 @@ inline void rms_norm_row_rescaled(const double* x, const double* gamma, double e
   const double scaled_eps = std::scalbn(eps, -2 * k);
   if (std::isfinite(scaled_eps)) {
     const double inv = 1.0 / std::sqrt(scaled_sum / count + scaled_eps);
-    for (Index j = 0; j < n; ++j) y[j] = std::scalbn(x[j], -k) * inv * gamma[j];
+    for (Index j = 0; j < n; ++j) {
+      y[j] = round_to<TO>(std::scalbn(x[j], -k) * inv * static_cast<double>(gamma[j]));
+    }
   } else {
     // ε exceeds every square by a factor of more than 1e307: RMS = sqrt(ε) to double precision.
     const double inv = 1.0 / std::sqrt(eps);
-    for (Index j = 0; j < n; ++j) y[j] = x[j] * inv * gamma[j];
+    for (Index j = 0; j < n; ++j) y[j] = round_to<TO>(x[j] * inv * static_cast<double>(gamma[j]));
   }
 }
 
-/// One row of RMSNorm. x and y are either the same row or do not overlap.
-template <class Scalar>
-void rms_norm_row(const Scalar* x, const Scalar* gamma, double eps, Scalar* y, Index n) {
+/// One row of RMSNorm. x and y are either the same row or do not overlap. Rows of float or of a
+/// 16-bit type are widened to double: their squares are exact there and cannot overflow or
+/// underflow (|x| ≤ 3.4e38 → x² ≤ 1.2e77; |x| ≥ 1.4e-45 → x² ≥ 2e-90), so one double pass is
+/// exact up to the rounding of the sum, and the output is formed in double and rounded once.
+template <class TX, class TG, class TO>
+void rms_norm_row(const TX* x, const TG* gamma, double eps, TO* y, Index n) {
   const double count = static_cast<double>(n);
-  if constexpr (std::is_same_v<Scalar, float>) {
-    // Squares of floats are exact in double and cannot overflow or underflow there
-    // (|x| ≤ 3.4e38 → x² ≤ 1.2e77; |x| ≥ 1.4e-45 → x² ≥ 2e-90), so one double pass is
-    // exact up to the rounding of the sum; the output is formed in double and rounded once.
-    const double inv = 1.0 / std::sqrt(rms_sum_squares<double>(x, n) / count + eps);
-    if (x == y) {
-      rms_scale_row_in_place<double>(y, gamma, inv, n);
-    } else {
-      rms_scale_row<double>(x, gamma, inv, y, n);
-    }
+  if constexpr (!std::is_same_v<TX, double>) {
+    rms_scale(x, gamma, 1.0 / std::sqrt(rms_sum_squares<double>(x, n) / count + eps), y, n);
   } else {
     const double mean_square = rms_sum_squares<double>(x, n) / count;
     // Common case: the sum is finite and RMS² ≥ 2^-900, so squares that underflowed (each off
-    // by < 2^-1074) cannot matter and 1/RMS ≤ 2^450 cannot overflow.
-    if (std::isfinite(mean_square) && mean_square + eps >= 0x1p-900) {
-      const double inv = 1.0 / std::sqrt(mean_square + eps);
-      if (x == y) {
-        rms_scale_row_in_place<double>(y, gamma, inv, n);
-      } else {
-        rms_scale_row<double>(x, gamma, inv, y, n);
-      }
-    } else if (std::isnan(mean_square)) {
-      const double inv = 1.0 / std::sqrt(mean_square + eps);  // NaN in, NaN out
-      for (Index j = 0; j < n; ++j) y[j] = x[j] * inv * gamma[j];
+    // by < 2^-1074) cannot matter and 1/RMS ≤ 2^450 cannot overflow. A NaN sum gives NaN rows.
+    if (std::isnan(mean_square) || (std::isfinite(mean_square) && mean_square + eps >= 0x1p-900)) {
+      rms_scale(x, gamma, 1.0 / std::sqrt(mean_square + eps), y, n);
     } else {
       rms_norm_row_rescaled(x, gamma, eps, y, n);
     }
   }
 }
 
-/// Whether two row-major views (first element, rows, columns, row stride) share memory.
-/// Empty views share nothing.
-template <class Scalar>
-bool rms_ranges_overlap(const Scalar* a, Index a_rows, Index a_cols, Index a_stride,
-                        const Scalar* b, Index b_rows, Index b_cols, Index b_stride) {
+/// Whether two row-major views (first element, rows, columns, row stride, each of its own type)
+/// share memory. Empty views share nothing.
+template <class A, class B>
+bool rms_ranges_overlap(const A* a, Index a_rows, Index a_cols, Index a_stride, const B* b,
+                        Index b_rows, Index b_cols, Index b_stride) {
   if (a_rows == 0 || a_cols == 0 || b_rows == 0 || b_cols == 0) return false;
-  const Scalar* a_end = a + (a_rows - 1) * a_stride + a_cols;
-  const Scalar* b_end = b + (b_rows - 1) * b_stride + b_cols;
-  const std::less<const Scalar*> less;
-  return less(a, b_end) && less(b, a_end);
+  const auto* a_begin = reinterpret_cast<const unsigned char*>(a);
+  const auto* b_begin = reinterpret_cast<const unsigned char*>(b);
+  const auto* a_end = reinterpret_cast<const unsigned char*>(a + (a_rows - 1) * a_stride + a_cols);
+  const auto* b_end = reinterpret_cast<const unsigned char*>(b + (b_rows - 1) * b_stride + b_cols);
+  const std::less<const unsigned char*> less;
+  return less(a_begin, b_end) && less(b_begin, a_end);
 }
 
 }  // namespace detail
 
 /// RMSNorm over the last dimension (§3.2):
 ///   out[t, :] = x[t, :] / sqrt(mean(x[t, :]²) + ε) · γ.
-/// x: [tokens, d], gamma: [d] (any vector expression of the same scalar), out: [tokens, d].
+/// x: [tokens, d], gamma: [d] (any vector expression), out: [tokens, d] (a row-major matrix,
+/// Map, Ref or block of one with contiguous rows, written in place). Each may have its own
+/// storage type, float, double, Eigen::half or Eigen::bfloat16 (storage.hpp): for example
+/// bfloat16 rows with a float γ written as float.
 /// In place is allowed: out may be x itself (the same rows); any other overlap of out with x,
 /// or of out with gamma, is rejected.
-/// Accuracy: float rows accumulate the squares in double, so values near the float maximum do
-/// not overflow and values near 1e-20 keep all their digits; the output is formed in double
-/// and rounded once. Double rows whose squares would overflow or underflow are rescaled by a
-/// power of two (exact) before squaring; ordinary rows take the plain two-pass loop.
+/// Accuracy: float and 16-bit rows accumulate the squares in double, so values near the float
+/// maximum do not overflow and values near 1e-20 keep all their digits; the output is formed in
+/// double and rounded once to out's type. Double rows whose squares would overflow or underflow
+/// are rescaled by a power of two (exact) before squaring; ordinary rows take the plain two-pass
+/// loop.
 /// Allocates nothing when x is row-major with contiguous rows and gamma is a contiguous
 /// vector (otherwise Eigen::Ref copies the input). Threads over rows (detail::parallel_for);
 /// each row's result is independent of the thread count.
-template <class Derived, class GammaDerived>
+template <class Derived, class GammaDerived, class OutDerived>
 void rms_norm(const Eigen::MatrixBase<Derived>& x, const Eigen::MatrixBase<GammaDerived>& gamma,
-              const RmsNormParams& params, RowRef<typename Derived::Scalar> out) {
-  using Scalar = typename Derived::Scalar;
-  detail::require_supported_scalar<Scalar>();
-  static_assert(std::is_same_v<Scalar, typename GammaDerived::Scalar>,
-                "[rms_norm] gamma must have the scalar type of x");
+              const RmsNormParams& params, const Eigen::MatrixBase<OutDerived>& out_) {
+  using TX = typename Derived::Scalar;
+  using TG = typename GammaDerived::Scalar;
+  using TO = typename OutDerived::Scalar;
+  detail::require_storage_type<TX>();
+  detail::require_storage_type<TG>();
+  detail::require_storage_type<TO>();
   static_assert(GammaDerived::IsVectorAtCompileTime, "[rms_norm] gamma must be a vector");
+  // The output is written through a Ref to its storage (Eigen's idiom for output parameters
+  // that may be temporaries, such as blocks and maps).
+  RowRef<TO> out(const_cast<OutDerived&>(out_.derived()));
 
-  const ConstRowRef<Scalar> xr(x.derived());
+  const ConstRowRef<TX> xr(x.derived());
   const Index tokens = xr.rows();
   const Index d = xr.cols();
   APEX_CHECK(std::isfinite(params.eps) && params.eps > 0.0,
@@ -184,9 +196,12 @@ void rms_norm(const Eigen::MatrixBase<Derived>& x, const Eigen::MatrixBase<Gamma
   APEX_CHECK(out.rows() == tokens && out.cols() == d,
              "[rms_norm] out (" << out.rows() << " x " << out.cols() << ") must be " << tokens
                                 << " x " << d << " like x");
-  const ConstVectorRef<Scalar> g(gamma.derived());
+  const ConstVectorRef<TG> g(gamma.derived());
 
-  const bool in_place = out.data() == xr.data() && out.outerStride() == xr.outerStride();
+  bool in_place = false;
+  if constexpr (std::is_same_v<TX, TO>) {
+    in_place = out.data() == xr.data() && out.outerStride() == xr.outerStride();
+  }
   APEX_CHECK(in_place || !detail::rms_ranges_overlap(xr.data(), tokens, d, xr.outerStride(),
                                                      out.data(), tokens, d, out.outerStride()),
              "[rms_norm] out must either be x itself (in place) or not overlap x");
@@ -200,19 +215,19 @@ void rms_norm(const Eigen::MatrixBase<Derived>& x, const Eigen::MatrixBase<Gamma
   detail::parallel_for(
       tokens,
       [&](Index t) {
-        detail::rms_norm_row<Scalar>(xr.data() + t * xr.outerStride(), g.data(), eps,
-                                     out.data() + t * out.outerStride(), d);
+        detail::rms_norm_row(xr.data() + t * xr.outerStride(), g.data(), eps,
+                             out.data() + t * out.outerStride(), d);
       },
       min_parallel_rows);
 }
 
-/// RMSNorm (§3.2) returning a new [tokens, d] matrix; see the overload above.
+/// RMSNorm (§3.2) returning a new [tokens, d] matrix of x's type; see the overload above.
 template <class Derived, class GammaDerived>
 RowMatrix<typename Derived::Scalar> rms_norm(const Eigen::MatrixBase<Derived>& x,
                                              const Eigen::MatrixBase<GammaDerived>& gamma,
                                              const RmsNormParams& params = {}) {
   using Scalar = typename Derived::Scalar;
-  detail::require_supported_scalar<Scalar>();
+  detail::require_storage_type<Scalar>();
   RowMatrix<Scalar> out(x.rows(), x.cols());
   rms_norm(x, gamma, params, out);
   return out;

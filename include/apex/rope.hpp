@@ -5,6 +5,7 @@
 
 #include <apex/config.hpp>
 #include <apex/detail/parallel.hpp>
+#include <apex/storage.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -322,42 +323,44 @@ namespace detail {
 // i.e. the 2×2 rotation of §4.2 on each pair (a, b):  a' = a·c − b·s,  b' = b·c + a·s.
 // Written as plain loops over contiguous data so that the compiler vectorises them: for
 // half-split the two halves are two contiguous streams; for interleaved the pair loop becomes
-// x·cos ∓ swap_pairs(x)·sin (a permute and a fused multiply-add/subtract per vector).
-template <class Scalar>
-inline void rope_head_interleaved(const Scalar* c, const Scalar* s, Scalar* x, Index rotary_dim) {
+// x·cos ∓ swap_pairs(x)·sin (a permute and a fused multiply-add/subtract per vector). Rows of
+// another storage type X (16 bits) are widened to the table's Scalar and each result rounded
+// once back to X.
+template <class Scalar, class X>
+inline void rope_head_interleaved(const Scalar* c, const Scalar* s, X* x, Index rotary_dim) {
   for (Index j = 0; j < rotary_dim; j += 2) {
-    const Scalar a = x[j];
-    const Scalar b = x[j + 1];
-    x[j] = a * c[j] - b * s[j];
-    x[j + 1] = b * c[j + 1] + a * s[j + 1];
+    const auto a = static_cast<Scalar>(x[j]);
+    const auto b = static_cast<Scalar>(x[j + 1]);
+    x[j] = round_to<X>(a * c[j] - b * s[j]);
+    x[j + 1] = round_to<X>(b * c[j + 1] + a * s[j + 1]);
   }
 }
 
-template <class Scalar>
-inline void rope_head_half_split(const Scalar* c, const Scalar* s, Scalar* x, Index rotary_dim) {
+template <class Scalar, class X>
+inline void rope_head_half_split(const Scalar* c, const Scalar* s, X* x, Index rotary_dim) {
   const Index h = rotary_dim / 2;
-  Scalar* lo = x;
-  Scalar* hi = x + h;
+  X* lo = x;
+  X* hi = x + h;
   const Scalar* c_hi = c + h;
   const Scalar* s_hi = s + h;
   for (Index i = 0; i < h; ++i) {
-    const Scalar a = lo[i];
-    const Scalar b = hi[i];
-    lo[i] = a * c[i] - b * s[i];
-    hi[i] = b * c_hi[i] + a * s_hi[i];
+    const auto a = static_cast<Scalar>(lo[i]);
+    const auto b = static_cast<Scalar>(hi[i]);
+    lo[i] = round_to<X>(a * c[i] - b * s[i]);
+    hi[i] = round_to<X>(b * c_hi[i] + a * s_hi[i]);
   }
 }
 
 // Rotates every row of x (heads side by side) at the position position(t); positions have been
 // checked. Threads over rows (static schedule); small problems stay on the calling thread.
-template <class Scalar, class PositionOf>
-void apply_rope_rows(const RopeTable<Scalar>& table, RowRef<Scalar> x, PositionOf position) {
+template <class Scalar, class X, class PositionOf>
+void apply_rope_rows(const RopeTable<Scalar>& table, RowRef<X> x, PositionOf position) {
   const Index rows = x.rows();
   const Index head_dim = table.head_dim();
   const Index rotary_dim = table.rotary_dim();
   const Index heads = x.cols() / head_dim;
   const Index stride = x.outerStride();
-  Scalar* const data = x.data();
+  X* const data = x.data();
   const Scalar* const cos = table.cos().data();
   const Scalar* const sin = table.sin().data();
   // Forking a thread team costs microseconds; below ~64K elements one thread is faster.
@@ -369,7 +372,7 @@ void apply_rope_rows(const RopeTable<Scalar>& table, RowRef<Scalar> x, PositionO
         const Index offset = static_cast<Index>(position(t)) * rotary_dim;
         const Scalar* c = cos + offset;
         const Scalar* s = sin + offset;
-        Scalar* row = data + t * stride;
+        X* row = data + t * stride;
         if (interleaved) {
           for (Index h = 0; h < heads; ++h)
             rope_head_interleaved(c, s, row + h * head_dim, rotary_dim);
@@ -429,6 +432,26 @@ void check_rope_ids(const RopeTable<Scalar>& table, const Eigen::MatrixBase<Deri
   }
 }
 
+/// apply_rope with a position offset on rows of any storage type X.
+template <class Scalar, class X>
+void rope_at_offset(const RopeTable<Scalar>& table, Index position_offset, RowRef<X> x) {
+  require_supported_scalar<Scalar>();
+  check_rope_width(table, x.cols());
+  check_rope_offset(table, position_offset, x.rows());
+  apply_rope_rows(table, x, [position_offset](Index t) { return position_offset + t; });
+}
+
+/// apply_rope with explicit position ids on rows of any storage type X.
+template <class Scalar, class DerivedIds, class X>
+void rope_at_ids(const RopeTable<Scalar>& table, const Eigen::MatrixBase<DerivedIds>& position_ids,
+                 RowRef<X> x) {
+  require_supported_scalar<Scalar>();
+  check_rope_width(table, x.cols());
+  check_rope_ids(table, position_ids, x.rows());
+  const DerivedIds& ids = position_ids.derived();
+  apply_rope_rows(table, x, [&ids](Index t) { return ids(t); });
+}
+
 }  // namespace detail
 
 /// RoPE in place (§4.4): x' = x ⊙ cos(mΘ) + rotate_half(x) ⊙ sin(mΘ), row t at position
@@ -441,24 +464,42 @@ void check_rope_ids(const RopeTable<Scalar>& table, const Eigen::MatrixBase<Deri
 template <class Scalar>
 void apply_rope(const RopeTable<Scalar>& table, Index position_offset,
                 RowRef<typename RopeTable<Scalar>::ScalarType> x) {
-  detail::require_supported_scalar<Scalar>();
-  detail::check_rope_width(table, x.cols());
-  detail::check_rope_offset(table, position_offset, x.rows());
-  detail::apply_rope_rows(table, x, [position_offset](Index t) { return position_offset + t; });
+  detail::rope_at_offset(table, position_offset, x);
+}
+
+/// RoPE in place on 16-bit rows (Eigen::half or Eigen::bfloat16) with a table of float or
+/// double: each pair is widened, rotated in the table's type and rounded once back (round_to).
+template <class Scalar>
+void apply_rope(const RopeTable<Scalar>& table, Index position_offset, RowRef<Eigen::half> x) {
+  detail::rope_at_offset(table, position_offset, x);
+}
+/// RoPE in place on bfloat16 rows, as for half rows.
+template <class Scalar>
+void apply_rope(const RopeTable<Scalar>& table, Index position_offset, RowRef<Eigen::bfloat16> x) {
+  detail::rope_at_offset(table, position_offset, x);
 }
 
 /// RoPE in place with explicit positions: row t at position position_ids(t) (packed sequences,
 /// left padding, speculative decoding). position_ids: an Eigen vector of any integer type
 /// (Index, std::int64_t, int) with one id per row of x; each must lie in [0, max_positions).
-/// x as for the offset form. Everything is checked before x is touched; allocates nothing.
+/// x as for the offset form (16-bit rows too). Everything is checked before x is touched;
+/// allocates nothing.
 template <class Scalar, class DerivedIds>
 void apply_rope(const RopeTable<Scalar>& table, const Eigen::MatrixBase<DerivedIds>& position_ids,
                 RowRef<typename RopeTable<Scalar>::ScalarType> x) {
-  detail::require_supported_scalar<Scalar>();
-  detail::check_rope_width(table, x.cols());
-  detail::check_rope_ids(table, position_ids, x.rows());
-  const DerivedIds& ids = position_ids.derived();
-  detail::apply_rope_rows(table, x, [&ids](Index t) { return ids(t); });
+  detail::rope_at_ids(table, position_ids, x);
+}
+/// RoPE in place with explicit positions on half rows (widened, rotated, rounded once).
+template <class Scalar, class DerivedIds>
+void apply_rope(const RopeTable<Scalar>& table, const Eigen::MatrixBase<DerivedIds>& position_ids,
+                RowRef<Eigen::half> x) {
+  detail::rope_at_ids(table, position_ids, x);
+}
+/// RoPE in place with explicit positions on bfloat16 rows (widened, rotated, rounded once).
+template <class Scalar, class DerivedIds>
+void apply_rope(const RopeTable<Scalar>& table, const Eigen::MatrixBase<DerivedIds>& position_ids,
+                RowRef<Eigen::bfloat16> x) {
+  detail::rope_at_ids(table, position_ids, x);
 }
 
 /// Value-returning form of apply_rope with a position offset: returns RoPE(x) as a new
