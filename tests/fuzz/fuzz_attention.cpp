@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Fuzz target: attention on small random shapes with random masks, in float and double.
+// Fuzz target: attention on small random shapes with random masks, in float and double, and
+// with K and V stored in half or bfloat16.
 //   - SDPA: the tiled kernel (apex::sdpa, and detail::flash_sdpa with random block sizes so
 //     that every path runs on small shapes: GEMM and streaming kernels, split-key decoding,
 //     partial and skipped blocks) against apex::reference::sdpa as a differential oracle when
@@ -577,12 +578,77 @@ void mla_case(Input& in) {
   });
 }
 
-/// The checks of this target: SDPA (random, exact large logits, extreme parameters) takes two
-/// thirds of the inputs, the two layers the rest.
+/// 16-bit storage (issue: attention on half and bfloat16 K/V): float queries against K and V in
+/// half or bfloat16, moderate or extreme values (a float beyond half's range becomes an infinity
+/// there), any mask rule and blocking. Widening is exact and the arithmetic is the float
+/// kernel's, so the output must be bit for bit that of the float call on the widened values.
+template <class T>
+void sixteen_bit_case(Input& in) {
+  Shape sh;
+  sh.batch = in.in(1, 2);
+  sh.kv_heads = in.in(1, 2);
+  sh.group = in.in(1, 3);
+  sh.s_q = in.in(0, 10);
+  sh.s_k = in.in(0, 40);
+  sh.d_qk = in.in(1, 16);
+  sh.d_v = in.in(0, 16);
+  const Values mode = in.choice(3) == 0 ? Values::kExtreme : Values::kModerate;
+  Tensor<float> q(sh.batch, sh.q_heads(), sh.s_q, sh.d_qk, in.flag());
+  Tensor<float> k(sh.batch, sh.kv_heads, sh.s_k, sh.d_qk, false);
+  Tensor<float> v(sh.batch, sh.kv_heads, sh.s_k, sh.d_v, false);
+  Tensor<T> k16(sh.batch, sh.kv_heads, sh.s_k, sh.d_qk, false);
+  Tensor<T> v16(sh.batch, sh.kv_heads, sh.s_k, sh.d_v, false);
+  fill(q.storage, in, mode, 2.0);
+  fill(k.storage, in, mode, 2.0);
+  fill(v.storage, in, mode, 2.0);
+  // The same (contiguous) layout: element i of the storage is the same element of both.
+  for (Index i = 0; i < k.storage.size(); ++i) {
+    k16.storage(i) = round_to<T>(k.storage(i));
+    k.storage(i) = static_cast<float>(k16.storage(i));
+  }
+  for (Index i = 0; i < v.storage.size(); ++i) {
+    v16.storage(i) = round_to<T>(v.storage(i));
+    v.storage(i) = static_cast<float>(v16.storage(i));
+  }
+  AttentionMask<float> mask;
+  mask.positions.causal = in.flag();
+  if (mask.positions.causal && in.flag()) mask.positions.window = in.in(1, sh.s_k + 3);
+  if (in.flag()) mask.positions.query_offset = in.in(0, sh.s_k + 2);
+  SdpaParams params;
+  if (in.choice(4) == 0) params.softcap = in.real_in(0.5, 50.0);
+  const detail::FlashBlocking blocking = in.flag() ? detail::FlashBlocking{} : random_blocking(in);
+  Tensor<float> got(sh.batch, sh.q_heads(), sh.s_q, sh.d_v, false);
+  Tensor<float> want(sh.batch, sh.q_heads(), sh.s_q, sh.d_v, false);
+  Tensor<float> got_lse(sh.batch, sh.q_heads(), sh.s_q, 1, false);
+  Tensor<float> want_lse(sh.batch, sh.q_heads(), sh.s_q, 1, false);
+  detail::flash_sdpa<float, T, T, float, float>(q.cview(), k16.cview(), v16.cview(), mask, params,
+                                                got.view, got_lse.view, {}, blocking);
+  detail::flash_sdpa<float>(q.cview(), k.cview(), v.cview(), mask, params, want.view, want_lse.view,
+                            {}, blocking);
+  const auto same = [](float a, float b) { return (std::isnan(a) && std::isnan(b)) || a == b; };
+  for (Index i = 0; i < got.storage.size(); ++i) {
+    APEX_FUZZ_REQUIRE(same(got.storage(i), want.storage(i)),
+                      "sdpa: 16-bit K/V differ from float K/V holding the same values at element " +
+                          std::to_string(i));
+  }
+  for (Index i = 0; i < got_lse.storage.size(); ++i) {
+    APEX_FUZZ_REQUIRE(same(got_lse.storage(i), want_lse.storage(i)),
+                      "sdpa: 16-bit K/V give another lse at row " + std::to_string(i));
+  }
+}
+
+/// The checks of this target: SDPA (random, exact large logits, extreme parameters, 16-bit K/V)
+/// takes most of the inputs, the two layers the rest.
 template <class Scalar>
-constexpr Check kChecks[] = {sdpa_case<Scalar>,        sdpa_case<Scalar>,
-                             exact_logit_case<Scalar>, extreme_parameter_case<Scalar>,
-                             gqa_case<Scalar>,         mla_case<Scalar>};
+constexpr Check kChecks[] = {
+    sdpa_case<Scalar>,
+    sdpa_case<Scalar>,
+    exact_logit_case<Scalar>,
+    extreme_parameter_case<Scalar>,
+    gqa_case<Scalar>,
+    mla_case<Scalar>,
+    sixteen_bit_case<
+        std::conditional_t<std::is_same_v<Scalar, float>, Eigen::half, Eigen::bfloat16>>};
 
 }  // namespace
 }  // namespace apex::fuzz
