@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #if !defined(APEX_EIGEN_PUBLIC_ONLY) && EIGEN_VERSION_AT_LEAST(3, 4, 0) && \
     !EIGEN_VERSION_AT_LEAST(3, 4, 90)
@@ -148,28 +149,91 @@ template <class C>
 using Type = typename Eigen::internal::packet_traits<C>::type;
 template <class C>
 constexpr Index kSize = Eigen::internal::unpacket_traits<Type<C>>::size;
+
+/// Whether a float packet loads from 16-bit elements of T with a vector conversion in registers:
+/// bfloat16 with AVX or AVX-512 (a zero-extend and a shift), half when the compiler also targets
+/// F16C (vcvtph2ps; called directly, as Eigen 3.4.0 enables its own F16C path for clang only).
+template <class T>
+constexpr bool kWidensInRegisters =
+#if defined(EIGEN_VECTORIZE_AVX512) || defined(EIGEN_VECTORIZE_AVX)
+#if defined(__F16C__)
+    std::is_same_v<T, Eigen::half> ||
+#endif
+    std::is_same_v<T, Eigen::bfloat16>;
+#else
+    false;
+#endif
+
+/// A packet of C from kSize<C> consecutive elements of T (unaligned), widened in registers.
+template <class C, class T>
+APEX_ALWAYS_INLINE Type<C> load(const T* from) {
+  namespace ei = Eigen::internal;
+  if constexpr (std::is_same_v<C, T>) {
+    return ei::ploadu<Type<C>>(from);
+  } else {
+    static_assert(std::is_same_v<C, float> && kWidensInRegisters<T>, "no widening load");
+#if defined(EIGEN_VECTORIZE_AVX512)
+    if constexpr (std::is_same_v<T, Eigen::half>) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from)));
+    } else {
+      return ei::Bf16ToF32(ei::ploadu<ei::Packet16bf>(from));
+    }
+#elif defined(EIGEN_VECTORIZE_AVX)
+    if constexpr (std::is_same_v<T, Eigen::half>) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from)));
+    } else {
+      return ei::Bf16ToF32(ei::ploadu<ei::Packet8bf>(from));
+    }
+#else
+    return Type<C>();
+#endif
+  }
+}
 }  // namespace packet
 #endif
 
+/// a·b + c, fused where the target has FMA: the scalar tails of the streaming products use it, so
+/// that they round the same way whatever the storage type of the row (a compiler contracts
+/// a·b + c into an FMA, or not, case by case).
+template <class C>
+APEX_ALWAYS_INLINE C madd(C a, C b, C c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+/// Whether the streaming products read rows of T in place for a compute type C (widening each
+/// packet in registers), rather than rows first widened by widen().
+template <class C, class T>
+constexpr bool kStreamsFrom = std::is_same_v<C, T>
+#if APEX_EIGEN_INTERNALS
+                              || (std::is_same_v<C, float> && packet::kWidensInRegisters<T>)
+#endif
+    ;
+
 /// s(r, j) = q_r · k_j for `rows` query rows q (contiguous, rows × d) and n key rows k (row j at
 /// k + j·k_stride): each key row is read once, in memory order, and used at once by every query
-/// row (four at a time), so the prefetcher streams the keys while the thread computes.
-template <class C>
-void stream_scores(C* s, Index ld_s, const C* q, Index rows, const C* k, Index k_stride, Index n,
+/// row (four at a time), so the prefetcher streams the keys while the thread computes. The keys
+/// are C, or a type T with kStreamsFrom<C, T>, widened packet by packet.
+template <class C, class T>
+void stream_scores(C* s, Index ld_s, const C* q, Index rows, const T* k, Index k_stride, Index n,
                    Index d) {
+  static_assert(kStreamsFrom<C, T>, "stream_scores: keys of this type are widened first");
 #if APEX_EIGEN_INTERNALS
   namespace ei = Eigen::internal;
   using P = packet::Type<C>;
   constexpr Index kP = packet::kSize<C>;
   const Index vectorised = d / kP * kP;
   for (Index j = 0; j < n; ++j) {
-    const C* key = k + j * k_stride;
+    const T* key = k + j * k_stride;
     Index r = 0;
     for (; r + 4 <= rows; r += 4) {
       const C* qr = q + r * d;
       P a0 = ei::pset1<P>(C(0)), a1 = a0, a2 = a0, a3 = a0;
       for (Index c = 0; c < vectorised; c += kP) {
-        const P kc = ei::ploadu<P>(key + c);
+        const P kc = packet::load<C>(key + c);
         a0 = ei::pmadd(ei::ploadu<P>(qr + c), kc, a0);
         a1 = ei::pmadd(ei::ploadu<P>(qr + d + c), kc, a1);
         a2 = ei::pmadd(ei::ploadu<P>(qr + 2 * d + c), kc, a2);
@@ -177,10 +241,11 @@ void stream_scores(C* s, Index ld_s, const C* q, Index rows, const C* k, Index k
       }
       C s0 = ei::predux(a0), s1 = ei::predux(a1), s2 = ei::predux(a2), s3 = ei::predux(a3);
       for (Index c = vectorised; c < d; ++c) {
-        s0 += qr[c] * key[c];
-        s1 += qr[d + c] * key[c];
-        s2 += qr[2 * d + c] * key[c];
-        s3 += qr[3 * d + c] * key[c];
+        const auto kc = static_cast<C>(key[c]);
+        s0 = madd(qr[c], kc, s0);
+        s1 = madd(qr[d + c], kc, s1);
+        s2 = madd(qr[2 * d + c], kc, s2);
+        s3 = madd(qr[3 * d + c], kc, s3);
       }
       s[r * ld_s + j] = s0;
       s[(r + 1) * ld_s + j] = s1;
@@ -191,10 +256,10 @@ void stream_scores(C* s, Index ld_s, const C* q, Index rows, const C* k, Index k
       const C* qr = q + r * d;
       P a = ei::pset1<P>(C(0));
       for (Index c = 0; c < vectorised; c += kP) {
-        a = ei::pmadd(ei::ploadu<P>(qr + c), ei::ploadu<P>(key + c), a);
+        a = ei::pmadd(ei::ploadu<P>(qr + c), packet::load<C>(key + c), a);
       }
       C sum = ei::predux(a);
-      for (Index c = vectorised; c < d; ++c) sum += qr[c] * key[c];
+      for (Index c = vectorised; c < d; ++c) sum = madd(qr[c], static_cast<C>(key[c]), sum);
       s[r * ld_s + j] = sum;
     }
   }
@@ -209,8 +274,8 @@ void stream_scores(C* s, Index ld_s, const C* q, Index rows, const C* k, Index k
 namespace packet {
 /// acc[i][c .. c + kWidth·kP) += Σ_{j in [j0, j1)} p[i][j] · v_j[c ..] for four rows i, with the
 /// 4 × kWidth packets of acc held in registers across the keys.
-template <class C, int kWidth>
-APEX_ALWAYS_INLINE void update_four_rows(C* acc, Index ld_acc, const C* p, Index ld_p, const C* v,
+template <class C, int kWidth, class T>
+APEX_ALWAYS_INLINE void update_four_rows(C* acc, Index ld_acc, const C* p, Index ld_p, const T* v,
                                          Index v_stride, Index j0, Index j1, Index c) {
   namespace ei = Eigen::internal;
   using P = Type<C>;
@@ -220,9 +285,9 @@ APEX_ALWAYS_INLINE void update_four_rows(C* acc, Index ld_acc, const C* p, Index
     for (int u = 0; u < kWidth; ++u) block[i][u] = ei::pload<P>(acc + i * ld_acc + c + u * kP);
   }
   for (Index j = j0; j < j1; ++j) {
-    const C* value = v + (j - j0) * v_stride + c;
+    const T* value = v + (j - j0) * v_stride + c;
     P vv[kWidth];
-    for (int u = 0; u < kWidth; ++u) vv[u] = ei::ploadu<P>(value + u * kP);
+    for (int u = 0; u < kWidth; ++u) vv[u] = load<C>(value + u * kP);
     for (int i = 0; i < 4; ++i) {
       const P w = ei::pset1<P>(p[i * ld_p + j]);
       for (int u = 0; u < kWidth; ++u) block[i][u] = ei::pmadd(w, vv[u], block[i][u]);
@@ -237,16 +302,18 @@ APEX_ALWAYS_INLINE void update_four_rows(C* acc, Index ld_acc, const C* p, Index
 
 /// acc_r += Σ_j p(r, j) v_j for `rows` rows (acc row-major with ld_acc, a multiple of the packet
 /// size; p with ld_p) and n value rows v (row j at v + j·v_stride), in groups of 8 keys so that
-/// the accumulator packets being updated stay in registers.
-template <class C>
-void stream_update(C* acc, Index ld_acc, const C* p, Index ld_p, Index rows, const C* v,
+/// the accumulator packets being updated stay in registers. The values are C, or a type T with
+/// kStreamsFrom<C, T>, widened packet by packet.
+template <class C, class T>
+void stream_update(C* acc, Index ld_acc, const C* p, Index ld_p, Index rows, const T* v,
                    Index v_stride, Index n, Index d_v) {
+  static_assert(kStreamsFrom<C, T>, "stream_update: values of this type are widened first");
 #if APEX_EIGEN_INTERNALS
   constexpr Index kP = packet::kSize<C>;
   constexpr Index kKeys = 8;
   for (Index j0 = 0; j0 < n; j0 += kKeys) {
     const Index j1 = std::min(n, j0 + kKeys);
-    const C* values = v + j0 * v_stride;
+    const T* values = v + j0 * v_stride;
     Index r = 0;
     for (; r + 4 <= rows; r += 4) {
       C* a = acc + r * ld_acc;
@@ -260,16 +327,25 @@ void stream_update(C* acc, Index ld_acc, const C* p, Index ld_p, Index rows, con
       }
       for (; c < d_v; ++c) {
         for (Index j = j0; j < j1; ++j) {
-          const C value = values[(j - j0) * v_stride + c];
-          for (int i = 0; i < 4; ++i) a[i * ld_acc + c] += pr[i * ld_p + j] * value;
+          const auto value = static_cast<C>(values[(j - j0) * v_stride + c]);
+          for (int i = 0; i < 4; ++i) {
+            a[i * ld_acc + c] = madd(pr[i * ld_p + j], value, a[i * ld_acc + c]);
+          }
         }
       }
     }
-    for (; r < rows; ++r) {
-      Eigen::Map<Eigen::Array<C, 1, Eigen::Dynamic>> a(acc + r * ld_acc, d_v);
+    for (; r < rows; ++r) {  // one row at a time: a += p(r, j) · v_j, packet by packet
+      namespace ei = Eigen::internal;
+      using P = packet::Type<C>;
+      C* a = acc + r * ld_acc;
       for (Index j = j0; j < j1; ++j) {
-        a += p[r * ld_p + j] * Eigen::Map<const Eigen::Array<C, 1, Eigen::Dynamic>>(
-                                   values + (j - j0) * v_stride, d_v);
+        const P w = ei::pset1<P>(p[r * ld_p + j]);
+        const T* value = values + (j - j0) * v_stride;
+        Index c = 0;
+        for (; c + kP <= d_v; c += kP) {
+          ei::pstore(a + c, ei::pmadd(w, packet::load<C>(value + c), ei::pload<P>(a + c)));
+        }
+        for (; c < d_v; ++c) a[c] = madd(p[r * ld_p + j], static_cast<C>(value[c]), a[c]);
       }
     }
   }

@@ -29,10 +29,13 @@
 //   accumulate  acc = diag(α)·acc + P·V_j          TileGemm (packed) or stream_update
 // and finish_row() ends each row with softmax_finish: out = acc / l, lse = m + log l.
 //
-// INPUTS TYPED BY WHAT THEY STORE. Q, K, V (and the bias) are views of their storage types; the
-// kernel computes in C (float, or double). Every read of K and V goes through one loader per
-// path: load_rows (the block copy of the GEMM path, which widens while it copies) and read_rows
-// (the row reader of the streaming path, in place when the storage already is C). Q is widened
+// INPUTS TYPED BY WHAT THEY STORE. Q, K, V (and the bias) are views of their storage types
+// (float, double, Eigen::half, Eigen::bfloat16); the kernel computes in C (float, or double).
+// Every read of K and V goes through one loader per path: load_rows (the block copy of the GEMM
+// path, which widens while it copies, with the vector conversions of widen.hpp) and read_rows
+// (the row reader of the streaming path, in place when the storage is C or a 16-bit type that
+// the streaming products widen packet by packet in registers, else widened a panel at a time by
+// load_rows). Q is widened
 // and scaled once per task (load_queries).
 //
 // COMPUTE TYPE. A call computes in double when any input is double. Otherwise it computes in
@@ -97,8 +100,9 @@
 //   (scores and packed P) + 2·Bk·d_v (copied and packed V) + M·d_v (accumulator) + Bq·Bk
 //   (position tile) + 3·M (m, l, α). For float, M = 256, Bk = 64, d_qk = d_v = 128: about
 //   0.7 MiB per thread, whatever S is.
-//   Streaming path: M·d_qk + M·Bk + M·d_v + Bq·Bk + 3·M, plus Bk·(d_qk + d_v) when K and V are
-//   widened (storage other than C).
+//   Streaming path: M·d_qk + M·Bk + M·d_v + Bq·Bk + 3·M, plus 32·(d_qk + d_v) when K and V are
+//   widened before they are streamed (a panel of kStreamPanel = 32 keys at a time: a storage
+//   type the streaming products do not widen in registers themselves, kStreamsFrom).
 // Split-key decoding also keeps, on the calling thread, the partial results of every chunk,
 // at most partial_budget = 2^19 scalars (2 MiB of float) whatever S_k, and each merging thread
 // chunks + d_v scalars.
@@ -109,6 +113,7 @@
 #include <apex/detail/online_softmax.hpp>
 #include <apex/detail/parallel.hpp>
 #include <apex/detail/scratch.hpp>
+#include <apex/detail/widen.hpp>
 #include <apex/mask.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
@@ -180,6 +185,9 @@ struct AttentionOutputs {
 /// line and vectorised loops over a row peel the same way on every thread.
 inline Index padded(Index n) { return (n + 15) / 16 * 16; }
 
+/// Keys of one panel of the streaming path (a multiple of stream_update's groups of 8 keys).
+constexpr Index kStreamPanel = 32;
+
 /// A block length in [1, max(1, limit)].
 inline Index clamp_block(Index block, Index limit) {
   return std::max<Index>(1, std::min(block, limit));
@@ -189,37 +197,37 @@ inline Index clamp_block(Index block, Index limit) {
 // Loaders: every read of K and V
 // ---------------------------------------------------------------------------------------------
 
-/// Rows of C at `data`, row j at data + j·stride.
-template <class C>
+/// Rows of T at `data`, row j at data + j·stride.
+template <class T>
 struct ConstRows {
-  const C* data;
+  const T* data;
   Index stride;
 };
 
 /// The block copy: rows [row, row + n) of one head, written contiguously (n × cols) to `dst`
-/// and widened from the storage type to C once per element.
+/// and widened from the storage type to C once per element, by widen() (vector conversions).
 template <class C, class HeadMap>
 void load_rows(const HeadMap& head, Index row, Index n, C* dst) {
   const Index cols = head.cols();
-  if (head.outerStride() == cols) {  // one contiguous range: a single vectorised pass
-    Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>(dst, n * cols) =
-        Eigen::Map<const Eigen::Array<typename HeadMap::Scalar, Eigen::Dynamic, 1>>(
-            head.data() + row * cols, n * cols)
-            .template cast<C>();
+  const Index stride = head.outerStride();
+  if (stride == cols) {  // one contiguous range: a single pass
+    widen(head.data() + row * cols, dst, n * cols);
     return;
   }
-  Eigen::Map<RowMatrix<C>>(dst, n, cols) = head.middleRows(row, n).template cast<C>();
+  for (Index r = 0; r < n; ++r) widen(head.data() + (row + r) * stride, dst + r * cols, cols);
 }
 
-/// The row reader: rows [row, row + n) of one head as C, in place when the storage is C, else
-/// widened into `buffer` (n × cols) by load_rows.
+/// The row reader: rows [row, row + n) of one head, in place when the streaming products read
+/// the storage type directly (C itself, or a 16-bit type they widen in registers:
+/// kStreamsFrom), else widened into `buffer` (n × cols) by load_rows and read as C.
 template <class C, class HeadMap>
-ConstRows<C> read_rows(const HeadMap& head, Index row, Index n, C* buffer) {
-  if constexpr (std::is_same_v<typename HeadMap::Scalar, C>) {
-    return {head.data() + row * head.outerStride(), head.outerStride()};
+auto read_rows(const HeadMap& head, Index row, Index n, C* buffer) {
+  using T = typename HeadMap::Scalar;
+  if constexpr (kStreamsFrom<C, T>) {
+    return ConstRows<T>{head.data() + row * head.outerStride(), head.outerStride()};
   } else {
     load_rows(head, row, n, buffer);
-    return {buffer, head.cols()};
+    return ConstRows<C>{buffer, head.cols()};
   }
 }
 
@@ -322,17 +330,18 @@ class AttentionTile {
 
  private:
   using RowArray = Eigen::Map<Eigen::Array<C, 1, Eigen::Dynamic>>;
-  using ConstRowArray = Eigen::Map<const Eigen::Array<C, 1, Eigen::Dynamic>>;
 
   void allocate(Index key_block) {
     ThreadScratch& scratch = ThreadScratch::local();
     const auto get = [&](ScratchSlot slot, Index count) { return scratch.get<C>(slot, count); };
     const bool gemm = !streaming_;
-    const bool widen_k = !std::is_same_v<typename P::Key, C>;
-    const bool widen_v = !std::is_same_v<typename P::Value, C>;
+    const bool widen_k = !kStreamsFrom<C, typename P::Key>;
+    const bool widen_v = !kStreamsFrom<C, typename P::Value>;
     q_stacked_ = get(ScratchSlot::kQStacked, rows_ * p_.d_qk);
-    if (gemm || widen_k) k_copy_ = get(ScratchSlot::kKCopy, key_block * p_.d_qk);
-    if (gemm || widen_v) v_copy_ = get(ScratchSlot::kVCopy, key_block * p_.d_v);
+    // The streaming path widens one panel of keys at a time (kStreamPanel rows).
+    const Index copied = gemm ? key_block : std::min(key_block, kStreamPanel);
+    if (gemm || widen_k) k_copy_ = get(ScratchSlot::kKCopy, copied * p_.d_qk);
+    if (gemm || widen_v) v_copy_ = get(ScratchSlot::kVCopy, copied * p_.d_v);
     if (gemm && TileGemm<C>::kPacks) {
       q_packed_ = get(ScratchSlot::kQPacked, rows_ * p_.d_qk);
       k_packed_ = get(ScratchSlot::kKPacked, key_block * p_.d_qk);
@@ -363,8 +372,10 @@ class AttentionTile {
   void score(const Block& keys, bool masked) {
     const auto k_head = keys.segment->k.head(b_, kv_head_);
     if (streaming_) {
-      const ConstRows<C> k = read_rows<C>(k_head, keys.row, keys.n, k_copy_);
-      stream_scores(scores_, ld_s_, q_stacked_, rows_, k.data, k.stride, keys.n, p_.d_qk);
+      for_each_panel(keys.n, [&](Index j0, Index m) {
+        const auto k = read_rows<C>(k_head, keys.row + j0, m, k_copy_);
+        stream_scores(scores_ + j0, ld_s_, q_stacked_, rows_, k.data, k.stride, m, p_.d_qk);
+      });
     } else {
       load_rows<C>(k_head, keys.row, keys.n, k_copy_);
       TileGemm<C>::scores(scores_, ld_s_, k_copy_, k_packed_, q_packed_, q_stacked_, rows_, keys.n,
@@ -444,31 +455,49 @@ class AttentionTile {
   void accumulate(const Block& keys, bool hidden) {
     if (p_.d_v == 0) return;
     const auto v_head = keys.segment->v.head(b_, kv_head_);
-    ConstRows<C> v{v_copy_, p_.d_v};
     if (streaming_) {
-      v = read_rows<C>(v_head, keys.row, keys.n, v_copy_);
-    } else {
-      load_rows<C>(v_head, keys.row, keys.n, v_copy_);
+      for_each_panel(keys.n, [&](Index j0, Index m) {
+        const auto v = read_rows<C>(v_head, keys.row + j0, m, v_copy_);
+        if (hidden && !all_finite(v.data, m, p_.d_v, v.stride)) {
+          accumulate_visible(v, j0, m);
+        } else {
+          stream_update(acc_, ld_acc_, scores_ + j0, ld_s_, rows_, v.data, v.stride, m, p_.d_v);
+        }
+      });
+      return;
     }
+    load_rows<C>(v_head, keys.row, keys.n, v_copy_);
+    const ConstRows<C> v{v_copy_, p_.d_v};
     if (hidden && !all_finite(v.data, keys.n, p_.d_v, v.stride)) {
-      accumulate_visible(v, keys.n);
-    } else if (streaming_) {
-      stream_update(acc_, ld_acc_, scores_, ld_s_, rows_, v.data, v.stride, keys.n, p_.d_v);
+      accumulate_visible(v, 0, keys.n);
     } else {
       TileGemm<C>::update(acc_, ld_acc_, scores_, ld_s_, p_packed_, v_copy_, v_packed_, rows_,
                           keys.n, p_.d_v);
     }
   }
 
-  /// acc_r += Σ_j P(r, j) v_j over the keys that take part (weight without the sign bit), one
-  /// row at a time: the slow path of blocks whose hidden keys may hold NaN or ±inf values.
-  void accumulate_visible(const ConstRows<C>& v, Index n) {
+  /// Calls f(j0, m) for the panels [j0, j0 + m) of kStreamPanel keys of a streamed block, in
+  /// order. A 16-bit panel is widened just before it is used, so that reading memory and the
+  /// arithmetic overlap; the panels start at multiples of stream_update's groups of keys, so a
+  /// row's sums are formed in the same order whatever the storage type.
+  template <class F>
+  static void for_each_panel(Index n, F&& f) {
+    for (Index j0 = 0; j0 < n; j0 += kStreamPanel) f(j0, std::min(kStreamPanel, n - j0));
+  }
+
+  /// acc_r += Σ_j P(r, j0 + j) v_j for the n value rows of v, over the keys that take part
+  /// (weight without the sign bit), one row at a time: the slow path of blocks whose hidden keys
+  /// may hold NaN or ±inf values.
+  template <class T>
+  void accumulate_visible(const ConstRows<T>& v, Index j0, Index n) {
+    using Values = Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>;
     for (Index r = 0; r < rows_; ++r) {
       RowArray acc(acc_ + r * ld_acc_, p_.d_v);
-      const C* weight = scores_ + r * ld_s_;
+      const C* weight = scores_ + r * ld_s_ + j0;
       for (Index j = 0; j < n; ++j) {
-        if (!std::signbit(weight[j]))
-          acc += weight[j] * ConstRowArray(v.data + j * v.stride, p_.d_v);
+        if (!std::signbit(weight[j])) {
+          acc += weight[j] * Values(v.data + j * v.stride, p_.d_v).template cast<C>();
+        }
       }
     }
   }
