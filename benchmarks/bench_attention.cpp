@@ -5,8 +5,11 @@
 //                counts 4·d_h·H_q per allowed (query, key) pair: 4·S²·d_h·H_q for full
 //                attention, exactly half of it for causal, the allowed pairs of a window of 512
 //                (Σ_i min(i + 1, 512)) for window512. Compare with BM_Gemm.
-//   BM_Decode_*  one new token against a cache of S tokens, H_q = 32, H_kv = 8, d_h = 128:
-//                GBps counts the K and V bytes read. Compare with BM_MemRead.
+//                BM_Sdpa_Fast/causal/f16 and /bf16 store K and V in 16 bits (Q and the output
+//                in float). Compare with BM_Sdpa_Fast/causal at the same S.
+//   BM_Decode_Fast/<precision>  one new token against a cache of S tokens, H_q = 32, H_kv = 8,
+//                d_h = 128, K and V stored as f32, f16 or bf16: GBps counts the K and V bytes
+//                as stored, which every call reads once. Compare with BM_MemRead.
 //   BM_Sdpa_Fast_PeakMemory  causal attention over S = 65536 (one head, d_h = 128): extra_MiB
 //                is the growth of the peak resident set during the call, beyond the inputs and
 //                the output that already exist (the kernel promises O(block²) per thread). The
@@ -21,6 +24,7 @@
 #include <apex/config.hpp>
 #include <apex/mask.hpp>
 #include <apex/sdpa.hpp>
+#include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
 #include <benchmark/benchmark.h>
@@ -30,6 +34,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "bench_util.hpp"
 
@@ -62,14 +67,32 @@ double allowed_pairs(Mask mask, Index s) {
   return pairs;
 }
 
-/// [1, heads, seq, d] contiguous inputs with uniform values in [-1, 1).
+/// [1, heads, seq, d] contiguous inputs with uniform values in [-1, 1), stored as T (float,
+/// Eigen::half or Eigen::bfloat16).
+template <class T = float>
 struct HeadsInput {
   HeadsInput(Index heads, Index seq, Index dim, std::uint64_t seed)
-      : data(apex::bench::random_matrix<float>(heads * seq, dim, seed)),
-        view(apex::HeadsView<const float>::contiguous(data.data(), {1, heads, seq, dim})) {}
-  RowMatrix<float> data;
-  apex::HeadsView<const float> view;
+      : data(apex::bench::random_matrix<float>(heads * seq, dim, seed).cast<T>()),
+        view(apex::HeadsView<const T>::contiguous(data.data(), {1, heads, seq, dim})) {}
+  RowMatrix<T> data;
+  apex::HeadsView<const T> view;
 };
+
+/// The storage types of K and V that the benchmarks compare, named as in their names.
+enum class Precision { kF32, kF16, kBF16 };
+
+/// Calls f(T{}) with T the storage type of `precision`.
+template <class F>
+void with_precision(Precision precision, F&& f) {
+  switch (precision) {
+    case Precision::kF32:
+      return f(float{});
+    case Precision::kF16:
+      return f(Eigen::half{});
+    case Precision::kBF16:
+      return f(Eigen::bfloat16{});
+  }
+}
 
 /// A zeroed (hence already touched) [1, heads, seq, d] output.
 struct HeadsOutput {
@@ -80,45 +103,55 @@ struct HeadsOutput {
   apex::HeadsView<float> view;
 };
 
-// Prefill: S queries against S keys. `reference` selects apex::reference::sdpa.
-void run_prefill(benchmark::State& state, Mask mask, bool reference) {
-  const Index s = state.range(0);
-  const HeadsInput q(kQueryHeads, s, kHeadDim, 1);
-  const HeadsInput k(kKvHeads, s, kHeadDim, 2);
-  const HeadsInput v(kKvHeads, s, kHeadDim, 3);
-  HeadsOutput out(kQueryHeads, s, kHeadDim);
-  apex::AttentionMask<float> attention_mask;
-  attention_mask.positions = position_mask(mask);
-  const apex::SdpaParams params;
-  for (auto _ : state) {
-    if (reference) {
-      apex::reference::sdpa<float>(q.view, k.view, v.view, attention_mask, params, out.view);
-    } else {
-      apex::sdpa<float>(q.view, k.view, v.view, attention_mask, params, out.view);
+// Prefill: S queries against S keys, K and V stored as `precision`. `reference` selects
+// apex::reference::sdpa.
+void run_prefill(benchmark::State& state, Mask mask, bool reference, Precision precision) {
+  with_precision(precision, [&](auto storage) {
+    using T = decltype(storage);
+    const Index s = state.range(0);
+    const HeadsInput<> q(kQueryHeads, s, kHeadDim, 1);
+    const HeadsInput<T> k(kKvHeads, s, kHeadDim, 2);
+    const HeadsInput<T> v(kKvHeads, s, kHeadDim, 3);
+    HeadsOutput out(kQueryHeads, s, kHeadDim);
+    apex::AttentionMask<float> attention_mask;
+    attention_mask.positions = position_mask(mask);
+    const apex::SdpaParams params;
+    for (auto _ : state) {
+      if (reference) {
+        apex::reference::sdpa(q.view, k.view, v.view, attention_mask, params, out.view);
+      } else {
+        apex::sdpa(q.view, k.view, v.view, attention_mask, params, out.view);
+      }
+      benchmark::DoNotOptimize(out.data.data());
+      benchmark::ClobberMemory();
     }
-    benchmark::DoNotOptimize(out.data.data());
-    benchmark::ClobberMemory();
-  }
-  state.counters["GFLOPS"] = apex::bench::gflops(
-      state, allowed_pairs(mask, s) * 4.0 * static_cast<double>(kHeadDim * kQueryHeads));
+  });
+  state.counters["GFLOPS"] =
+      apex::bench::gflops(state, allowed_pairs(mask, state.range(0)) * 4.0 *
+                                     static_cast<double>(kHeadDim * kQueryHeads));
 }
 
-// Decoding: one query (the newest position) against a cache of S keys, all of them visible.
-void run_decode(benchmark::State& state) {
-  const Index s = state.range(0);
-  const HeadsInput q(kQueryHeads, 1, kHeadDim, 4);
-  const HeadsInput k(kKvHeads, s, kHeadDim, 5);
-  const HeadsInput v(kKvHeads, s, kHeadDim, 6);
-  HeadsOutput out(kQueryHeads, 1, kHeadDim);
-  apex::AttentionMask<float> attention_mask;
-  attention_mask.positions = position_mask(Mask::kCausal);
-  const apex::SdpaParams params;
-  for (auto _ : state) {
-    apex::sdpa<float>(q.view, k.view, v.view, attention_mask, params, out.view);
-    benchmark::DoNotOptimize(out.data.data());
-    benchmark::ClobberMemory();
-  }
-  const double kv_bytes = 2.0 * static_cast<double>(s * kKvHeads * kHeadDim) * sizeof(float);
+// Decoding: one query (the newest position) against a cache of S keys, all of them visible,
+// K and V stored as `precision`; GBps counts the bytes of K and V as stored.
+void run_decode(benchmark::State& state, Precision precision) {
+  double kv_bytes = 0.0;
+  with_precision(precision, [&](auto storage) {
+    using T = decltype(storage);
+    const Index s = state.range(0);
+    const HeadsInput<> q(kQueryHeads, 1, kHeadDim, 4);
+    const HeadsInput<T> k(kKvHeads, s, kHeadDim, 5);
+    const HeadsInput<T> v(kKvHeads, s, kHeadDim, 6);
+    HeadsOutput out(kQueryHeads, 1, kHeadDim);
+    apex::AttentionMask<float> attention_mask;
+    attention_mask.positions = position_mask(Mask::kCausal);
+    const apex::SdpaParams params;
+    for (auto _ : state) {
+      apex::sdpa(q.view, k.view, v.view, attention_mask, params, out.view);
+      benchmark::DoNotOptimize(out.data.data());
+      benchmark::ClobberMemory();
+    }
+    kv_bytes = 2.0 * static_cast<double>(s * kKvHeads * kHeadDim) * sizeof(T);
+  });
   state.counters["GBps"] = apex::bench::gbps(state, kv_bytes);
 }
 
@@ -145,9 +178,9 @@ bool reset_peak_rss() {
 // during each call, beyond the inputs and the output, which exist (and are touched) before.
 void run_peak_memory(benchmark::State& state) {
   const Index s = state.range(0);
-  const HeadsInput q(1, s, kHeadDim, 7);
-  const HeadsInput k(1, s, kHeadDim, 8);
-  const HeadsInput v(1, s, kHeadDim, 9);
+  const HeadsInput<> q(1, s, kHeadDim, 7);
+  const HeadsInput<> k(1, s, kHeadDim, 8);
+  const HeadsInput<> v(1, s, kHeadDim, 9);
   HeadsOutput out(1, s, kHeadDim);
   apex::AttentionMask<float> attention_mask;
   attention_mask.positions = position_mask(Mask::kCausal);
@@ -178,10 +211,12 @@ void run_peak_memory(benchmark::State& state) {
 }
 
 const bool kRegistered = [] {
-  const auto prefill = [](const char* name, Mask mask, bool reference) {
-    return benchmark::RegisterBenchmark(
-               name,
-               [mask, reference](benchmark::State& state) { run_prefill(state, mask, reference); })
+  const auto prefill = [](const std::string& name, Mask mask, bool reference,
+                          Precision precision = Precision::kF32) {
+    return benchmark::RegisterBenchmark(name.c_str(),
+                                        [mask, reference, precision](benchmark::State& state) {
+                                          run_prefill(state, mask, reference, precision);
+                                        })
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   };
@@ -191,11 +226,19 @@ const bool kRegistered = [] {
   prefill("BM_Sdpa_Fast/causal", Mask::kCausal, false)->Arg(1024)->Arg(4096)->Arg(16384);
   prefill("BM_Sdpa_Fast/full", Mask::kFull, false)->Arg(4096)->Arg(16384);
   prefill("BM_Sdpa_Fast/window512", Mask::kWindow512, false)->Arg(4096)->Arg(16384);
-  benchmark::RegisterBenchmark("BM_Decode_Fast", run_decode)
-      ->Arg(4096)
-      ->Arg(32768)
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
+  prefill("BM_Sdpa_Fast/causal/f16", Mask::kCausal, false, Precision::kF16)->Arg(4096);
+  prefill("BM_Sdpa_Fast/causal/bf16", Mask::kCausal, false, Precision::kBF16)->Arg(4096);
+  for (const auto& [name, precision] :
+       {std::pair{"f32", Precision::kF32}, std::pair{"f16", Precision::kF16},
+        std::pair{"bf16", Precision::kBF16}}) {
+    const Precision p = precision;
+    benchmark::RegisterBenchmark((std::string("BM_Decode_Fast/") + name).c_str(),
+                                 [p](benchmark::State& state) { run_decode(state, p); })
+        ->Arg(4096)
+        ->Arg(32768)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
   benchmark::RegisterBenchmark("BM_Sdpa_Fast_PeakMemory/causal", run_peak_memory)
       ->Arg(65536)
       ->UseRealTime()

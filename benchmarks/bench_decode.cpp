@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: MIT
 // One decoding step of one attention layer against a cache (§7.4, §8.3, §9.4, §10): project the
-// new token, append it to the cache, attend over everything cached, project the output. Float,
-// batch 1, at APEX-1-like widths: d = 2048, H_q = 16 query heads of d_h = 128.
+// new token, append it to the cache, attend over everything cached, project the output. Float
+// weights and arithmetic, batch 1, at APEX-1-like widths: d = 2048, H_q = 16 query heads of
+// d_h = 128; the cache stores f32, or f16 / bf16 (Eigen::half, Eigen::bfloat16), the last part
+// of the name: BM_DecodeStep/gqa/bf16/cache_len:32768.
 //
 //   BM_DecodeStep/mha           H_kv = 16, full KvCache                       (§7)
 //   BM_DecodeStep/gqa           H_kv = 2 (G = 8), full KvCache                (§8)
@@ -33,12 +35,15 @@
 #include <apex/mha.hpp>
 #include <apex/mla.hpp>
 #include <apex/rope.hpp>
+#include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <utility>
 
 #include "bench_util.hpp"
 
@@ -99,7 +104,8 @@ void fill_kv(Cache& cache, Index count) {
 }
 
 /// Appends `count` random latent rows [c_kv ‖ K_rope] to a LatentCache.
-void fill_latent(apex::LatentCache<float>& cache, Index count) {
+template <class Cache>
+void fill_latent(Cache& cache, Index count) {
   const RowMatrix<float> block = apex::bench::random_matrix<float>(kFill, cache.row_width(), 8);
   for (Index done = 0; done < count;) {
     const Index n = std::min(kFill, count - done);
@@ -112,6 +118,7 @@ void fill_latent(apex::LatentCache<float>& cache, Index count) {
 /// back after each step (O(1), inside the timed loop); the ring cannot be, so it keeps going
 /// and is restored from a copy (outside the timing) when its positions reach the RoPE table's
 /// end.
+template <class Storage>
 void BM_DecodeStep(benchmark::State& state, Kind kind) {
   const Index cache_len = state.range(0);
   const Index position = cache_len - 1;
@@ -126,7 +133,7 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
     const auto& layer = mla_layer();
     const apex::RopeTable<float> rope(cache_len, layer.config().rope_dim);
     params.rope = &rope;
-    apex::LatentCache<float> cache = layer.make_cache(1, cache_len);
+    auto cache = layer.template make_cache<Storage>(1, cache_len);
     fill_latent(cache, position);
     cache_bytes = cache.bytes();
     bytes_read = static_cast<double>(cache_bytes);
@@ -145,13 +152,13 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
     const Index steps = 4096;  // positions per pass before the ring is restored
     const apex::RopeTable<float> rope(position + steps, kHeadDim);
     params.rope = &rope;
-    apex::SlidingWindowCache<float> cache = layer.make_window_cache(1, kWindow);
+    auto cache = layer.template make_window_cache<Storage>(1, kWindow);
     fill_kv(cache, position);
-    const apex::SlidingWindowCache<float> start = cache;
+    const auto start = cache;
     const apex::PositionMask rule = apex::sliding_window_mask(kWindow);
     cache_bytes = cache.bytes();
     bytes_read = static_cast<double>(std::min(cache_len, kWindow)) * 2.0 * kGroupedKvHeads *
-                 kHeadDim * sizeof(float);
+                 kHeadDim * sizeof(Storage);
     for (auto _ : state) {
       if (cache.next_position() == position + steps) {
         state.PauseTiming();
@@ -167,7 +174,7 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
     const auto& layer = gqa_layer(kind == Kind::kMha ? kQueryHeads : kGroupedKvHeads);
     const apex::RopeTable<float> rope(cache_len, kHeadDim);
     params.rope = &rope;
-    apex::KvCache<float> cache = layer.make_cache(1, cache_len);
+    auto cache = layer.template make_cache<Storage>(1, cache_len);
     fill_kv(cache, position);
     cache_bytes = cache.bytes();
     bytes_read = static_cast<double>(cache_bytes);
@@ -193,10 +200,28 @@ void decode_args(benchmark::internal::Benchmark* b) {
       ->Unit(benchmark::kMicrosecond);
 }
 
-BENCHMARK_CAPTURE(BM_DecodeStep, mha, Kind::kMha)->Apply(decode_args);
-BENCHMARK_CAPTURE(BM_DecodeStep, gqa, Kind::kGqa)->Apply(decode_args);
-BENCHMARK_CAPTURE(BM_DecodeStep, mla_naive, Kind::kMlaNaive)->Apply(decode_args);
-BENCHMARK_CAPTURE(BM_DecodeStep, mla_absorbed, Kind::kMlaAbsorbed)->Apply(decode_args);
-BENCHMARK_CAPTURE(BM_DecodeStep, local_window, Kind::kLocalWindow)->Apply(decode_args);
+/// BM_DecodeStep/<kind>/<cache precision>: f32 for every kind, f16 and bf16 (Eigen::half and
+/// Eigen::bfloat16 caches, float weights and arithmetic) for all but the naive MLA oracle.
+const bool kRegistered = [] {
+  const std::pair<const char*, Kind> kinds[] = {{"mha", Kind::kMha},
+                                                {"gqa", Kind::kGqa},
+                                                {"mla_naive", Kind::kMlaNaive},
+                                                {"mla_absorbed", Kind::kMlaAbsorbed},
+                                                {"local_window", Kind::kLocalWindow}};
+  const auto add = [](const std::string& name, Kind kind, auto storage) {
+    using Storage = decltype(storage);
+    benchmark::RegisterBenchmark(("BM_DecodeStep/" + name).c_str(), [kind](
+                                                                        benchmark::State& state) {
+      BM_DecodeStep<Storage>(state, kind);
+    })->Apply(decode_args);
+  };
+  for (const auto& [name, kind] : kinds) add(std::string(name) + "/f32", kind, float{});
+  for (const auto& [name, kind] : kinds) {
+    if (kind == Kind::kMlaNaive) continue;
+    add(std::string(name) + "/f16", kind, Eigen::half{});
+    add(std::string(name) + "/bf16", kind, Eigen::bfloat16{});
+  }
+  return true;
+}();
 
 }  // namespace

@@ -3,7 +3,9 @@
 // trained context) prefills a prompt whose first tokens form a bidirectional prefix, then decodes
 // token by token against its caches (sliding-window rings on the local layers, c_kv + K_rope on
 // the global ones). Prints the decoding speed, the cache memory by layer kind, and the speed-up
-// over recomputing the whole sequence at every step, which it also checks gives the same logits.
+// over recomputing the whole sequence at every step, which it also checks gives the same logits;
+// then decodes the same tokens with caches in half and bfloat16 and prints their speed, their
+// bytes and how far their logits are from the float caches'.
 #include <apex/apex.hpp>
 
 #ifdef _OPENMP
@@ -51,6 +53,38 @@ void print_padded(const std::string& text, std::size_t width) {
 
 double kib(std::int64_t bytes) { return static_cast<double>(bytes) / 1024.0; }
 
+/// What decoding a sequence with caches of one storage type gave.
+struct CachedRun {
+  double seconds = 0.0;           ///< decode steps only
+  std::int64_t cache_bytes = 0;   ///< what the StackCache owns
+  double worst_difference = 0.0;  ///< largest relative logit difference from `reference`
+};
+
+/// Prefills tokens [0, prompt_len) and decodes the rest of `tokens` one at a time (teacher-forced:
+/// the tokens are given) with caches that store Storage; compares each step's logits with row t
+/// of `reference` (the float run's logits at position t).
+template <class Storage>
+CachedRun decode_with(const apex::AttentionStack<float>& stack, const apex::TokenMatrix& tokens,
+                      apex::Index prompt_len, apex::Index prefix,
+                      const apex::RowMatrix<float>& reference) {
+  const apex::Index total = tokens.cols();
+  auto cache = stack.make_cache<Storage>(1, total);
+  apex::DecodeOptions last_only;
+  last_only.logits = apex::LogitRows::kLast;
+  stack.prefill(tokens.leftCols(prompt_len), prefix, last_only, cache);
+  CachedRun run;
+  for (apex::Index t = prompt_len; t < total; ++t) {
+    const auto start = Clock::now();
+    const apex::RowMatrix<float> logits = stack.decode_step({tokens(0, t)}, last_only, cache);
+    run.seconds += seconds_since(start);
+    const double difference = (logits.row(0) - reference.row(t)).cwiseAbs().maxCoeff() /
+                              reference.row(t).cwiseAbs().maxCoeff();
+    run.worst_difference = std::max(run.worst_difference, difference);
+  }
+  run.cache_bytes = cache.bytes();
+  return run;
+}
+
 int run() {
 #ifdef _OPENMP
   // A decoding step of a model this small is a stream of kernels of a few microseconds each, too
@@ -97,12 +131,14 @@ int run() {
   const apex::Index stride = 40;
   double decode_seconds = 0.0, sampled_recompute = 0.0, sampled_decode = 0.0;
   double worst_difference = 0.0;
+  apex::RowMatrix<float> step_logits(total, config.vocab_size);  // row t: the logits at t
   for (apex::Index t = prompt_len; t < total; ++t) {
     tokens(0, t) = greedy_no_repeat(logits, tokens, t, /*recent=*/16);
     start = Clock::now();
     logits = stack.decode_step({tokens(0, t)}, last_only, cache);
     const double step = seconds_since(start);
     decode_seconds += step;
+    step_logits.row(t) = logits.row(0);
     if ((t - prompt_len) % stride == stride - 1) {
       start = Clock::now();
       const apex::RowMatrix<float> full = stack.forward(tokens.leftCols(t + 1), prefix);
@@ -163,6 +199,20 @@ int run() {
               recompute_estimate / decode_seconds, sampled_recompute / sampled_decode);
   std::printf("Largest relative difference between cached and recomputed logits: %.2e\n",
               worst_difference);
+
+  // The same tokens decoded with 16-bit caches (float weights and arithmetic).
+  std::printf("\nCaches in 16 bits (the same %lld tokens, one thread):\n",
+              static_cast<long long>(new_tokens));
+  std::printf("  %-9s %8s %12s %26s\n", "storage", "tokens/s", "cache KiB",
+              "largest logit difference");
+  std::printf("  %-9s %8.0f %12.1f %26s\n", "float",
+              static_cast<double>(new_tokens) / decode_seconds, kib(cache.bytes()), "-");
+  const auto report = [&](const char* name, const CachedRun& run) {
+    std::printf("  %-9s %8.0f %12.1f %26.2e\n", name, static_cast<double>(new_tokens) / run.seconds,
+                kib(run.cache_bytes), run.worst_difference);
+  };
+  report("half", decode_with<Eigen::half>(stack, tokens, prompt_len, prefix, step_logits));
+  report("bfloat16", decode_with<Eigen::bfloat16>(stack, tokens, prompt_len, prefix, step_logits));
 
   // The summary of §7.4 / §8.3 / §9.4 / §10.3 for APEX-1 Large (FP16, 128K, d_r = 64 assumed).
   apex::CacheComparisonParams large;
