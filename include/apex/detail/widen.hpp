@@ -6,11 +6,10 @@
 //
 //   bfloat16 -> float  the 16 bits are the upper half of the float: a zero-extend and a shift,
 //                      written as a plain loop that compilers vectorise with SSE2 and later.
-//   half -> float      F16C's vcvtph2ps, 8 at a time (16 with AVX-512F): used directly when the
-//                      compiler targets F16C, else chosen at run time on x86-64 with GCC or
-//                      clang (a function compiled for AVX2 + F16C, called when the CPU has
-//                      both); otherwise, or with EIGEN_DONT_VECTORIZE, Eigen's scalar
-//                      conversion.
+//   half -> float      F16C's vcvtph2ps, 8 at a time: used directly when the compiler targets
+//                      F16C, else chosen at run time on x86-64 with GCC or clang (a function
+//                      compiled for AVX + F16C, called when the CPU has both); otherwise, or
+//                      with EIGEN_DONT_VECTORIZE, Eigen's scalar conversion.
 //   anything else      a plain element-by-element conversion (exact: every half and bfloat16
 //                      is a float, every float a double).
 #pragma once
@@ -26,6 +25,7 @@
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && \
     !defined(EIGEN_DONT_VECTORIZE)
+#include <cpuid.h>
 #include <immintrin.h>
 #define APEX_X86_F16C_DISPATCH 1
 #else
@@ -44,8 +44,8 @@ inline void widen_bfloat16(const std::uint16_t* src, float* dst, Index n) {
 
 #if APEX_X86_F16C_DISPATCH
 /// dst[i] = src[i] widened to float, for the 16-bit patterns of IEEE half, with F16C.
-__attribute__((target("avx2,f16c"))) inline void widen_half_f16c(const std::uint16_t* src,
-                                                                 float* dst, Index n) {
+__attribute__((target("avx,f16c"))) inline void widen_half_f16c(const std::uint16_t* src,
+                                                                float* dst, Index n) {
   Index i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
@@ -54,12 +54,20 @@ __attribute__((target("avx2,f16c"))) inline void widen_half_f16c(const std::uint
   for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
 }
 
-/// Whether this CPU has AVX2 and F16C (asked once).
+/// Whether this CPU (and its operating system) runs AVX and F16C instructions, asked once: AVX
+/// through the compiler's check (which includes the OS's support for the AVX registers), F16C
+/// from CPUID leaf 1 (ECX bit 29; not every compiler's check knows it).
 inline bool cpu_has_f16c() {
-#if defined(__F16C__) && defined(__AVX2__)
+#if defined(__F16C__) && defined(__AVX__)
   return true;
 #else
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  static const bool has = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__builtin_cpu_supports("avx") == 0 || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) {
+      return false;
+    }
+    return (ecx & (1U << 29)) != 0;
+  }();
   return has;
 #endif
 }
