@@ -14,10 +14,12 @@
 // tests/CMakeLists.txt builds this file three times: for the default target (16-bit rows widened
 // before the streaming products), for AVX2 + F16C and for AVX-512 (widened in registers).
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
-// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers when Eigen's
-// kernels are inlined (the sdpa_16bit_avx512_test build; fixed in GCC 13). The pragma must
+// GCC 12 reports -Wmaybe-uninitialized (and, at -O1, -Wuninitialized) inside its own AVX-512
+// intrinsic headers, whose _mm512_undefined_* values are uninitialised on purpose, when Eigen's
+// kernels are inlined (the sdpa_16bit_avx512_test build; fixed in GCC 13). The pragmas must
 // precede them.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 #include <apex/sdpa.hpp>
