@@ -244,7 +244,7 @@ RowMatrix<float> forward_on_rounded_kv(const GroupedQueryAttention<float>& layer
 template <class T>
 class Decode16Bit : public ::testing::Test {};
 using SixteenBit = ::testing::Types<Eigen::half, Eigen::bfloat16>;
-TYPED_TEST_SUITE(Decode16Bit, SixteenBit);
+TYPED_TEST_SUITE(Decode16Bit, SixteenBit, apex::testing::ScalarName);
 
 // 1000 tokens one at a time through a 16-bit full cache and a 16-bit ring: within the float
 // tolerance of decoding (kDecode) of the forward pass on the same rounded K and V, at half the

@@ -293,7 +293,7 @@ namespace {
 template <class T>
 class Embedding16Bit : public ::testing::Test {};
 using SixteenBit = ::testing::Types<Eigen::half, Eigen::bfloat16>;
-TYPED_TEST_SUITE(Embedding16Bit, SixteenBit);
+TYPED_TEST_SUITE(Embedding16Bit, SixteenBit, apex::testing::ScalarName);
 
 // Each output is the stored row times float(scale), formed in float and rounded once to the
 // output's type: exactly the float lookup on the widened table, and that result rounded for a

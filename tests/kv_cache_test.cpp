@@ -327,7 +327,7 @@ namespace {
 template <class T>
 class Cache16Bit : public ::testing::Test {};
 using SixteenBit = ::testing::Types<Eigen::half, Eigen::bfloat16>;
-TYPED_TEST_SUITE(Cache16Bit, SixteenBit);
+TYPED_TEST_SUITE(Cache16Bit, SixteenBit, apex::testing::ScalarName);
 
 /// Whether every element of a [B, H, S, D] view of T is the element of `from` rounded once.
 template <class T, class Scalar>

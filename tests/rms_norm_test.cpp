@@ -368,7 +368,7 @@ namespace {
 template <class T>
 class RmsNorm16Bit : public ::testing::Test {};
 using SixteenBit = ::testing::Types<Eigen::half, Eigen::bfloat16>;
-TYPED_TEST_SUITE(RmsNorm16Bit, SixteenBit);
+TYPED_TEST_SUITE(RmsNorm16Bit, SixteenBit, apex::testing::ScalarName);
 
 TYPED_TEST(RmsNorm16Bit, FloatOutputMatchesTheReferenceOnTheStoredValues) {
   using T = TypeParam;

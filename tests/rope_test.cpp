@@ -702,7 +702,7 @@ namespace {
 template <class T>
 class Rope16Bit : public ::testing::Test {};
 using SixteenBit = ::testing::Types<Eigen::half, Eigen::bfloat16>;
-TYPED_TEST_SUITE(Rope16Bit, SixteenBit);
+TYPED_TEST_SUITE(Rope16Bit, SixteenBit, apex::testing::ScalarName);
 
 // Every element is the rotation of the stored values, computed in float and rounded once: within
 // one rounding of T (2^-11 relative for half, 2^-8 for bfloat16, an ulp of T here) of the same

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "attention_case.hpp"
+#include "test_util.hpp"
 
 namespace {
 
@@ -142,7 +143,7 @@ std::vector<Shape> sweep_shapes() {
 template <class T>
 class Sdpa16Bit : public ::testing::Test {};
 using SixteenBit = ::testing::Types<Eigen::half, Eigen::bfloat16>;
-TYPED_TEST_SUITE(Sdpa16Bit, SixteenBit);
+TYPED_TEST_SUITE(Sdpa16Bit, SixteenBit, apex::testing::ScalarName);
 
 // Float Q, 16-bit K and V: bit for bit the float call on the same values, and within the float
 // tolerance of the double loops.

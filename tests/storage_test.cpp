@@ -11,6 +11,8 @@
 #include <random>
 #include <type_traits>
 
+#include "test_util.hpp"
+
 namespace {
 
 using Eigen::bfloat16;
@@ -56,7 +58,7 @@ T nearest(double x) {
 template <class T>
 class StorageRounding : public ::testing::Test {};
 using SixteenBit = ::testing::Types<half, bfloat16>;
-TYPED_TEST_SUITE(StorageRounding, SixteenBit);
+TYPED_TEST_SUITE(StorageRounding, SixteenBit, apex::testing::ScalarName);
 
 TYPED_TEST(StorageRounding, TypesAndComputeTypes) {
   using T = TypeParam;

@@ -61,6 +61,8 @@ struct ScalarName {
   static std::string GetName(int /*index*/) {
     if constexpr (std::is_same_v<T, float>) return "float";
     if constexpr (std::is_same_v<T, double>) return "double";
+    if constexpr (std::is_same_v<T, Eigen::half>) return "half";
+    if constexpr (std::is_same_v<T, Eigen::bfloat16>) return "bfloat16";
     return "other";
   }
 };
