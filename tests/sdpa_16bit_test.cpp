@@ -11,6 +11,8 @@
 //   - a 16-bit output is the float output rounded once.
 // Against the float path on the unrounded values, the error is that of rounding every stored
 // element once; Sdpa16Bit.ErrorOfStoringKAndVIsBounded states the bound measured for each type.
+// The products of layers with 16-bit weights (detail/matmul.hpp), which share the streaming
+// products, are checked here too (Widening16Bit).
 // tests/CMakeLists.txt builds this file three times: for the default target (16-bit rows widened
 // before the streaming products), for AVX2 + F16C and for AVX-512 (widened in registers).
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
@@ -22,10 +24,15 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
+#include <apex/detail/matmul.hpp>
 #include <apex/sdpa.hpp>
 #include <apex/storage.hpp>
 
 #include <gtest/gtest.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -293,6 +300,78 @@ TYPED_TEST(Sdpa16Bit, ErrorOfStoringKAndVIsBounded) {
             << " K/V over 100 problems: " << worst << "\n";
   EXPECT_LE(worst, storage_error_bound<T>());
   EXPECT_GT(worst, 0.0) << "rounding K and V must change something";
+}
+
+// The products behind 16-bit weights equal the product of the widened weight to the float
+// tolerance of a dot product (1e-5 of the largest output, as for float weights in
+// DecodeTyped.FewRowProjectionsAreSplitIntoFixedBlocks), for few rows (streamed) and more
+// (widened panel by panel), either orientation, depths that are no multiple of any block, and
+// strided operands; bit-identical for one and two threads; scratch within its documented bounds
+// (the streamed x·wᵀ allocates none where the weights are widened in registers).
+template <class T>
+class Widening16Bit : public ::testing::Test {};
+TYPED_TEST_SUITE(Widening16Bit, SixteenBit, apex::testing::ScalarName);
+
+TYPED_TEST(Widening16Bit, ProductsEqualTheProductOfTheWidenedWeight) {
+  using T = TypeParam;
+  using apex::RowMatrix;
+  using apex::testing::random_matrix;
+  namespace d = apex::detail;
+  constexpr Index kCols = 2100;  // two stream strips, five tiles
+  const auto panel = static_cast<std::size_t>(d::kPanelDepth * d::kTileCols) * sizeof(float);
+  for (const Index rows : {Index{1}, Index{3}, Index{8}, Index{9}, Index{130}}) {
+    for (const Index depth : {Index{1}, Index{5}, Index{300}, Index{1030}}) {
+      const std::string shape = std::to_string(rows) + " x " + std::to_string(depth);
+      const RowMatrix<float> x_wide =
+          random_matrix<float>(rows, depth + 3, static_cast<std::uint32_t>(181 + rows));
+      const apex::ConstRowRef<float> x(x_wide.leftCols(depth));
+      const RowMatrix<T> w = apex::converted<T>(
+          random_matrix<float>(depth, kCols, static_cast<std::uint32_t>(182 + depth)));
+      const RowMatrix<T> w_t = w.transpose();
+      const Eigen::MatrixXd expected = x.template cast<double>() * apex::converted<double>(w);
+      const double tol = 1e-5 * expected.cwiseAbs().maxCoeff();
+      RowMatrix<float> out_wide = RowMatrix<float>::Constant(rows, kCols + 5, 7.0f);
+      d::matmul<float>(x, w, out_wide.leftCols(kCols));
+      EXPECT_LE((out_wide.leftCols(kCols).template cast<double>() - expected).cwiseAbs().maxCoeff(),
+                tol)
+          << shape;
+      EXPECT_TRUE((out_wide.rightCols(5).array() == 7.0f).all()) << shape << ": outside out";
+      RowMatrix<float> transposed = d::matmul_transposed<float>(x, w_t);
+      EXPECT_LE((transposed.template cast<double>() - expected).cwiseAbs().maxCoeff(), tol)
+          << shape << ", transposed";
+
+      const apex::testing::OneThread one_thread;
+      const auto scratch_of = [](const auto& product) {
+        apex::release_scratch();
+        product();
+        return apex::scratch_bytes();
+      };
+      RowMatrix<float> plain(rows, kCols);
+      const std::size_t plain_bytes = scratch_of([&] { d::matmul<float>(x, w, plain); });
+      const std::size_t transposed_bytes =
+          scratch_of([&] { d::matmul_transposed<float>(x, w_t, transposed); });
+      if (rows > d::kStreamRows) {
+        EXPECT_LE(plain_bytes, panel) << shape;
+        EXPECT_LE(transposed_bytes, panel) << shape;
+      } else {
+        const std::size_t partials = static_cast<std::size_t>(std::max(
+                                         d::kStreamPartials, rows * ((kCols + 15) / 16 * 16))) *
+                                     sizeof(float);
+        EXPECT_GT(plain_bytes, 0U) << shape;
+        EXPECT_LE(plain_bytes, partials) << shape;
+        if (apex::detail::kStreamsFrom<float, T>) {
+          EXPECT_EQ(transposed_bytes, 0U) << shape << ": streamed in place";
+        } else {
+          EXPECT_LE(transposed_bytes, panel) << shape;
+        }
+      }
+#ifdef _OPENMP
+      omp_set_num_threads(2);
+      EXPECT_EQ(plain, d::matmul<float>(x, w)) << shape << ": 1 and 2 threads";
+      EXPECT_EQ(transposed, d::matmul_transposed<float>(x, w_t)) << shape << ": 1 and 2 threads";
+#endif
+    }
+  }
 }
 
 }  // namespace

@@ -89,12 +89,31 @@ auto widened(const Eigen::MatrixBase<Derived>& m) {
   }
 }
 
+/// `m` as a new row-major matrix of storage type T: widened exactly, or rounded once to nearest
+/// with ties to even (round_to; a 16-bit value is widened to float first, which is exact). How a
+/// layer's weights move to another storage type (with_weights).
+template <class T, class Derived>
+RowMatrix<T> converted(const Eigen::MatrixBase<Derived>& m) {
+  if constexpr (is_16bit_v<typename Derived::Scalar>) {
+    return rounded<T>(m.template cast<float>().array()).matrix();
+  } else {
+    return rounded<T>(m.array()).matrix();
+  }
+}
+
 namespace detail {
 
 /// Storage types other than float, double, half and bfloat16 are rejected at compile time.
 template <class T>
 constexpr void require_storage_type() {
   static_assert(is_storage_v<T>, "apex stores float, double, Eigen::half and Eigen::bfloat16");
+}
+
+/// A layer computing in Scalar holds its weights in Scalar or in a 16-bit storage type.
+template <class Scalar, class Weight>
+constexpr void require_weight_type() {
+  static_assert(std::is_same_v<Weight, Scalar> || is_16bit_v<Weight>,
+                "a layer's weights are stored in its scalar type, Eigen::half or Eigen::bfloat16");
 }
 
 }  // namespace detail

@@ -452,11 +452,12 @@ bool all_finite(const T* x, Index rows, Index n, Index ld) {
 /// thread with a blocking that depends on the shapes (and the CPU's cache sizes) only, never on
 /// the number of threads: Eigen's own products choose theirs from the thread count, so their
 /// last bits change with it. One row is a matrix-vector product, which Eigen never threads.
+/// With `accumulate` the product is added to c (c += a·b) instead of replacing it.
 /// Without Eigen's internals this is Eigen's public product, which Eigen may thread itself
 /// (define EIGEN_DONT_PARALLELIZE to keep results independent of the thread count then).
 template <class C, int RhsOrder>
 void matmul_serial(Index rows, Index cols, Index depth, const C* a, Index lda, const C* b,
-                   Index ldb, C* c, Index ldc) {
+                   Index ldb, C* c, Index ldc, bool accumulate = false) {
   using Rhs = Eigen::Matrix<C, Eigen::Dynamic, Eigen::Dynamic, RhsOrder>;
   RowMap<C> out(c, rows, cols, Eigen::OuterStride<>(ldc));
   const ConstRowMap<C> lhs(a, rows, depth, Eigen::OuterStride<>(lda));
@@ -465,7 +466,7 @@ void matmul_serial(Index rows, Index cols, Index depth, const C* a, Index lda, c
 #if APEX_EIGEN_INTERNALS
   if (rows > 1 && cols > 1 && depth > 0) {
     namespace ei = Eigen::internal;
-    out.setZero();
+    if (!accumulate) out.setZero();
     ei::gemm_blocking_space<Eigen::RowMajor, C, C, Eigen::Dynamic, Eigen::Dynamic, Eigen::Dynamic,
                             1, false>
         blocking(rows, cols, depth, 1, true);
@@ -475,7 +476,11 @@ void matmul_serial(Index rows, Index cols, Index depth, const C* a, Index lda, c
     return;
   }
 #endif
-  out.noalias() = lhs * rhs;
+  if (accumulate) {
+    out.noalias() += lhs * rhs;
+  } else {
+    out.noalias() = lhs * rhs;
+  }
 }
 
 }  // namespace apex::detail

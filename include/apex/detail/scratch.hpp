@@ -30,6 +30,8 @@ enum class ScratchSlot : int {
   kRowScale,
   kDecodePartials,
   kMergeWeights,
+  kWeightPanel,
+  kWeightPartials,
   kCount
 };
 
