@@ -794,6 +794,24 @@ TEST(C9ThreadCounts, LayersAndStackAreBitIdentical) {
         return stack.decode_step({3, 4}, cache);
       },
       "stack prefill + decode_step");
+
+  // 16-bit weights: streamed (few rows) and widened panel by panel (a prompt), both in fixed
+  // tiles.
+  const auto narrow = stack.with_weights<Eigen::bfloat16>();
+  const auto narrow_gqa = gqa.with_weights<Eigen::half>();
+  expect_same_bits_for_thread_counts([&] { return narrow_gqa.forward(chunk, 1); },
+                                     "gqa 8-token chunk, half weights");
+  expect_same_bits_for_thread_counts([&] { return narrow_gqa.forward(prompt, 2); },
+                                     "gqa prompt, half weights");
+  expect_same_bits_for_thread_counts([&] { return narrow.forward(tokens, 4); },
+                                     "stack forward, bfloat16 weights");
+  expect_same_bits_for_thread_counts(
+      [&] {
+        auto cache = narrow.make_cache<Eigen::bfloat16>(2, 64);
+        (void)narrow.prefill(tokens, 4, cache);
+        return narrow.decode_step({3, 4}, cache);
+      },
+      "stack prefill + decode_step, bfloat16 weights and caches");
 }
 
 TEST(C9ThreadCounts, SdpaIsBitIdentical) {

@@ -368,6 +368,74 @@ TYPED_TEST(Decode16Bit, MlaNaiveAndAbsorbedReadTheSameRoundedLatents) {
   EXPECT_GT(worst, 0.0);
 }
 
+// 16-bit weights: a layer holding T weights computes what a float layer holding the same
+// (widened) weights computes, within the float tolerance of decoding (kDecode), 1000 tokens one
+// at a time on float caches: GQA on a full and a window cache, naive MLA, and absorbed MLA,
+// whose folded products the 16-bit layer rounds to T once (the float layer is given those same
+// rounded products).
+TYPED_TEST(Decode16Bit, LayersWith16BitWeightsMatchFloatLayersOnTheSameWeights) {
+  using T = TypeParam;
+  const apex::testing::OneThread one_thread;
+  const RowMatrix<float> x = random_matrix<float>(kBatch * kTokens, 16, 172);
+
+  const auto gqa = GroupedQueryAttention<float, T>::random(GqaConfig{16, 4, 2, 6}, 171);
+  const GroupedQueryAttention<float> gqa_wide = gqa.template with_weights<float>();
+  EXPECT_EQ(2 * gqa.weight_bytes(), gqa_wide.weight_bytes());
+  const auto setup = rope_setup<float>(false, 6, 6, apex::YarnTemperature::kInTables);
+  const PositionMask window = apex::sliding_window_mask(kWindow);
+  const RowMatrix<float> expected = forward_oracle(gqa_wide, x, window, setup);
+  expect_rows_close(forward_oracle(gqa, x, window, setup), expected, kTol<float>,
+                    "GQA forward, 16-bit weights");
+  KvCache<float> full = gqa.make_cache(kBatch, kTokens);
+  SlidingWindowCache<float> ring = gqa.make_window_cache(kBatch, kWindow);
+  const auto decode = [&](auto& cache) {
+    return run_in_chunks(x, kBatch, 1, {1}, [&](const RowMatrix<float>& c, Index p) {
+      return gqa.forward_cached(c, window, layer_params(setup, p), cache);
+    });
+  };
+  expect_rows_close(decode(full), expected, kTol<float>, "GQA full cache, 16-bit weights");
+  expect_rows_close(decode(ring), expected, kTol<float>, "GQA window cache, 16-bit weights");
+
+  const MlaConfig config = mla_config(1);
+  const auto mla = MultiHeadLatentAttention<float, T>::random(config, 173);
+  const MultiHeadLatentAttention<float> mla_wide = mla.template with_weights<float>();
+  const apex::MlaAbsorbedWeights<T> absorbed = apex::absorb_mla_weights(mla);
+  ASSERT_TRUE(absorbed.query_multiplied());  // so that a rounded product takes part
+  const apex::MlaAbsorbedWeights<float> absorbed_wide{absorbed.config,
+                                                      apex::converted<float>(absorbed.w_q_latent),
+                                                      apex::converted<float>(absorbed.w_o_latent)};
+  const auto mla_setup =
+      rope_setup<float>(false, config.rope_dim, config.qk_dim(), apex::YarnTemperature::kInTables);
+  const PositionMask causal = apex::causal_mask();
+  LatentCache<float> naive_cache = mla.make_cache(kBatch, kTokens);
+  const RowMatrix<float> naive =
+      run_in_chunks(x, kBatch, 1, {1}, [&](const RowMatrix<float>& c, Index p) {
+        return mla.forward_cached(c, causal, layer_params(mla_setup, p), naive_cache);
+      });
+  expect_rows_close(naive, forward_oracle(mla_wide, x, causal, mla_setup), kTol<float>,
+                    "MLA naive, 16-bit weights");
+  LatentCache<float> cache = mla.make_cache(kBatch, kTokens);
+  LatentCache<float> wide_cache = mla.make_cache(kBatch, kTokens);
+  const RowMatrix<float> absorbed_out =
+      run_in_chunks(x, kBatch, 1, {1}, [&](const RowMatrix<float>& c, Index p) {
+        return mla.forward_absorbed(c, causal, layer_params(mla_setup, p), absorbed, cache);
+      });
+  const RowMatrix<float> absorbed_expected =
+      run_in_chunks(x, kBatch, 1, {1}, [&](const RowMatrix<float>& c, Index p) {
+        return mla_wide.forward_absorbed(c, causal, layer_params(mla_setup, p), absorbed_wide,
+                                         wide_cache);
+      });
+  expect_rows_close(absorbed_out, absorbed_expected, kTol<float>, "MLA absorbed, 16-bit weights");
+  apex::GqaWeights<T> bad = apex::converted_weights<T>(gqa_wide.weights());
+  bad.w_o.resize(5, 5);
+  expect_invalid([&] { GroupedQueryAttention<float, T>(gqa.config(), bad); },
+                 "[gqa] w_o shape [5, 5] must be");
+  expect_invalid([] { (void)GroupedQueryAttention<float>().with_weights<T>(); },
+                 "[gqa] the layer is empty");
+  expect_invalid([] { (void)MultiHeadLatentAttention<float>().with_weights<T>(); },
+                 "[mla] the layer is empty");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Absorbed = naive MLA on random weights, float and double, every folding
 // ---------------------------------------------------------------------------------------------

@@ -196,7 +196,7 @@ TEST(Stack, ConfigSizesBeyond64BitsAreRejected) {
   bad.local.d_model = bad.d_model;
   bad.global.d_model = bad.d_model;
   expect_invalid([&] { apex::AttentionStack<float>::random(bad, 1); },
-                 {"[stack] embedding bytes V*d*sizeof(Scalar)", "overflows 64 bits"});
+                 {"[stack] embedding bytes V*d*sizeof(Weight)", "overflows 64 bits"});
   // A layer config whose widths overflow makes the cache size meaningless.
   bad = small_config();
   bad.local.num_q_heads = Index{1} << 62;
@@ -416,6 +416,66 @@ TEST(Stack, HalfCachesStayWithinTheirBoundOfFloatCaches) {
 
 TEST(Stack, BFloat16CachesStayWithinTheirBoundOfFloatCaches) {
   decode_with_16bit_caches<Eigen::bfloat16>(1.6e-2);
+}
+
+// 16-bit weights (the embedding table, so the LM head, and every layer's matrices) and 16-bit
+// caches: the stack's weights take half the bytes, and
+//  - on float caches, with naive MLA, it decodes what a float stack holding the same (widened)
+//    weights decodes, to the tolerance of decoding against forward (kDecode);
+//  - with its caches in T too (default MLA path), its logits stay within a bound of the float
+//    stack.s: max |Δ| / max |float row| measured 1.1e-3 for half and 1.4e-2 for bfloat16 over
+//    kTokens tokens; the bounds are about twice that.
+template <class T>
+void decode_with_16bit_weights(double bound) {
+  const apex::testing::OneThread one_thread;
+  const apex::StackConfig config = decode_config(false);
+  const auto stack = apex::AttentionStack<float>::random(config, 33);
+  const apex::AttentionStack<float, T> narrow = stack.template with_weights<T>();
+  const apex::AttentionStack<float> widened = narrow.template with_weights<float>();
+  const std::int64_t gammas =
+      (config.num_layers + 1) * config.d_model * static_cast<std::int64_t>(sizeof(float));
+  EXPECT_EQ(2 * (narrow.weight_bytes() - gammas), stack.weight_bytes() - gammas);
+  const Index batch = 2, prefix = 9;
+  const apex::TokenMatrix tokens = random_tokens(batch, kTokens, config.vocab_size, 34);
+  apex::DecodeOptions naive;
+  naive.mla = apex::MlaPath::kNaive;
+  apex::StackCache<float> same_values = narrow.make_cache(batch, kTokens);
+  apex::StackCache<float> oracle = widened.make_cache(batch, kTokens);
+  apex::StackCache<float, T> narrow_cache = narrow.template make_cache<T>(batch, kTokens);
+  apex::StackCache<float> wide_cache = stack.make_cache(batch, kTokens);
+  double worst = 0.0;
+  const auto compare = [&](const apex::RowMatrix<float>& a, const apex::RowMatrix<float>& b) {
+    for (Index r = 0; r < a.rows(); ++r) {
+      worst = std::max(worst, static_cast<double>((a.row(r) - b.row(r)).cwiseAbs().maxCoeff() /
+                                                  b.row(r).cwiseAbs().maxCoeff()));
+    }
+  };
+  expect_logits_close(narrow.prefill(tokens.leftCols(prefix), prefix, naive, same_values),
+                      widened.prefill(tokens.leftCols(prefix), prefix, naive, oracle),
+                      "16-bit weights, prefill");
+  compare(narrow.prefill(tokens.leftCols(prefix), prefix, narrow_cache),
+          stack.prefill(tokens.leftCols(prefix), prefix, wide_cache));
+  for (Index t = prefix; t < kTokens; ++t) {
+    const std::vector<std::int64_t> next = {tokens(0, t), tokens(1, t)};
+    expect_logits_close(narrow.decode_step(next, naive, same_values),
+                        widened.decode_step(next, naive, oracle),
+                        "16-bit weights, token " + std::to_string(t));
+    compare(narrow.decode_step(next, narrow_cache), stack.decode_step(next, wide_cache));
+  }
+  std::cout << "largest normwise logit difference, 16-bit weights and caches against float: "
+            << worst << "\n";
+  EXPECT_LE(worst, bound);
+  EXPECT_GT(worst, 0.0) << "rounding the weights must change something";
+  expect_invalid([] { (void)apex::AttentionStack<float>().with_weights<T>(); },
+                 "[stack] the stack is empty");
+}
+
+TEST(Stack, HalfWeightsDecodeAsFloatWeightsOfTheSameValues) {
+  decode_with_16bit_weights<Eigen::half>(2.2e-3);
+}
+
+TEST(Stack, BFloat16WeightsDecodeAsFloatWeightsOfTheSameValues) {
+  decode_with_16bit_weights<Eigen::bfloat16>(2.8e-2);
 }
 
 TEST(Stack, ChunkedPrefillEqualsOneShotPrefill) {

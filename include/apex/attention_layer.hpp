@@ -11,6 +11,7 @@
 #include <apex/mha.hpp>
 #include <apex/rope.hpp>
 #include <apex/sdpa.hpp>
+#include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
 #include <cmath>
@@ -76,11 +77,12 @@ void check_weight_shape(const RowMatrix<Scalar>& w, Index rows, Index cols, cons
 
 /// A [rows, cols] matrix of independent N(0, 1/rows) entries: fan-in scaling, so that x·W keeps
 /// the scale of x (each output is a sum of `rows` terms).
-template <class Scalar>
-RowMatrix<Scalar> random_weight(Index rows, Index cols, std::mt19937_64& rng) {
+/// Each entry is drawn in double and rounded once to the storage type Weight.
+template <class Weight>
+RowMatrix<Weight> random_weight(Index rows, Index cols, std::mt19937_64& rng) {
   std::normal_distribution<double> normal(0.0, 1.0 / std::sqrt(static_cast<double>(rows)));
-  RowMatrix<Scalar> w(rows, cols);
-  for (Index i = 0; i < w.size(); ++i) w.data()[i] = static_cast<Scalar>(normal(rng));
+  RowMatrix<Weight> w(rows, cols);
+  for (Index i = 0; i < w.size(); ++i) w.data()[i] = round_to<Weight>(normal(rng));
   return w;
 }
 
@@ -145,10 +147,10 @@ ProjectedQkv<Scalar> empty_projection(Index batch, const LayerHeads& heads) {
 /// before every check has passed) and out against [B*S, d]; then attends with
 /// multi_head_attention and W_O on the ProjectedQkv that `project()` returns. `op` prefixes the
 /// messages. Allocates what `project` allocates and the concatenation.
-template <class Scalar, class Project>
+template <class Scalar, class Project, class Weight>
 void attention_layer_forward(const ConstRowRef<Scalar>& x, Index batch, const LayerHeads& heads,
                              const AttentionMask<Scalar>& mask, const SdpaParams& attention,
-                             const Project& project, const RowMatrix<Scalar>& w_o,
+                             const Project& project, const RowMatrix<Weight>& w_o,
                              RowRef<Scalar> out, const char* op) {
   const Index seq = x.rows() / batch;
   const Index h_q = heads.num_q_heads;

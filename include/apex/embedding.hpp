@@ -155,19 +155,22 @@ RowMatrix<typename TableDerived::Scalar> embed(const Eigen::MatrixBase<TableDeri
 /// One product (detail::matmul: fixed tiles spread over the threads, bit-identical for any
 /// number of threads), written straight into out, which must not overlap h or table. Note that the
 /// table is used as stored: the √d of embed() is not undone here (Gemma, which also scales by √d,
-/// ties the weights the same way). Allocates nothing beyond Eigen's GEMM packing buffers (and a
-/// copy of an input that is not row-major).
+/// ties the weights the same way). A 16-bit table (Eigen::half or Eigen::bfloat16) is widened
+/// to h's type as the product reads it. Allocates nothing beyond Eigen's GEMM packing buffers, a
+/// 16-bit table's panel scratch for more than a few rows (detail/matmul.hpp), and a copy of an
+/// input that is not row-major.
 template <class HiddenDerived, class TableDerived>
 void lm_head(const Eigen::MatrixBase<HiddenDerived>& h,
              const Eigen::MatrixBase<TableDerived>& table,
              RowRef<typename HiddenDerived::Scalar> out) {
   using Scalar = typename HiddenDerived::Scalar;
   detail::require_supported_scalar<Scalar>();
-  static_assert(std::is_same_v<Scalar, typename TableDerived::Scalar>,
-                "[lm_head] h and table must have the same scalar type");
+  using Weight = typename TableDerived::Scalar;
+  static_assert(std::is_same_v<Scalar, Weight> || is_16bit_v<Weight>,
+                "[lm_head] the table must have h's scalar type or a 16-bit storage type");
 
   const ConstRowRef<Scalar> hr(h.derived());
-  const ConstRowRef<Scalar> w(table.derived());
+  const ConstRowRef<Weight> w(table.derived());
   APEX_CHECK(hr.cols() == w.cols(), "[lm_head] h width ("
                                         << hr.cols() << ") must equal the table's d (" << w.cols()
                                         << ")");

@@ -104,14 +104,21 @@ inline std::int64_t gqa_parameter_count(const GqaConfig& config) {
                              config.head_dim);
 }
 
-/// The projection matrices of a GroupedQueryAttention layer, applied as x·W (x on the left).
-template <class Scalar>
+/// The projection matrices of a GroupedQueryAttention layer, applied as x·W (x on the left),
+/// stored as Weight (the layer's scalar type, Eigen::half or Eigen::bfloat16).
+template <class Weight>
 struct GqaWeights {
-  RowMatrix<Scalar> w_q;  ///< [d, H_q·d_h]
-  RowMatrix<Scalar> w_k;  ///< [d, H_kv·d_h]
-  RowMatrix<Scalar> w_v;  ///< [d, H_kv·d_h]
-  RowMatrix<Scalar> w_o;  ///< [H_q·d_h, d]
+  RowMatrix<Weight> w_q;  ///< [d, H_q·d_h]
+  RowMatrix<Weight> w_k;  ///< [d, H_kv·d_h]
+  RowMatrix<Weight> w_v;  ///< [d, H_kv·d_h]
+  RowMatrix<Weight> w_o;  ///< [H_q·d_h, d]
 };
+
+/// The same weights stored as W: widened exactly, or rounded once to nearest even (converted).
+template <class W, class Weight>
+GqaWeights<W> converted_weights(const GqaWeights<Weight>& w) {
+  return {converted<W>(w.w_q), converted<W>(w.w_k), converted<W>(w.w_v), converted<W>(w.w_o)};
+}
 
 namespace detail {
 
@@ -143,7 +150,13 @@ inline void check_gqa_config(const GqaConfig& c) {
 /// attention, a SlidingWindowCache for a windowed layer) and appends the chunk to it.
 /// The layer is immutable after construction; forward and forward_cached are const, and may run
 /// from several threads at once on different caches.
-template <class Scalar>
+///
+/// Scalar (float or double) is the type the layer computes in and takes and returns x in; Weight
+/// is the type its four matrices are stored in: Scalar, or Eigen::half / Eigen::bfloat16 for half
+/// the bytes, widened as each product reads them (detail/matmul.hpp), so that a decoding step,
+/// which reads every weight once per token, moves half as much. The layer then computes exactly
+/// what a Scalar layer holding the rounded weights computes (with_weights converts).
+template <class Scalar, class Weight = Scalar>
 class GroupedQueryAttention {
  public:
   /// An empty layer: no weights and a zero config, as a moved-from layer is; every use of it
@@ -151,9 +164,10 @@ class GroupedQueryAttention {
   GroupedQueryAttention() = default;
   /// Takes ownership of the weights; throws if the config is invalid (H_kv must divide H_q) or
   /// any weight does not have the shape documented in GqaWeights.
-  GroupedQueryAttention(const GqaConfig& config, GqaWeights<Scalar> weights)
+  GroupedQueryAttention(const GqaConfig& config, GqaWeights<Weight> weights)
       : config_(config), weights_(std::move(weights)) {
     detail::require_supported_scalar<Scalar>();
+    detail::require_weight_type<Scalar, Weight>();
     detail::check_gqa_config(config);
     const Index d = config.d_model;
     const Index q_width = config.num_q_heads * config.head_dim;
@@ -170,29 +184,42 @@ class GroupedQueryAttention {
 
   /// A layer with random weights for examples and tests: every entry of a [rows, cols] weight is
   /// drawn from N(0, 1/rows) (fan-in scaling, so activations keep their scale), in the order
-  /// W_Q, W_K, W_V, W_O, from a std::mt19937_64 seeded with `seed`.
+  /// W_Q, W_K, W_V, W_O, from a std::mt19937_64 seeded with `seed` (each drawn in double and
+  /// rounded once to Weight).
   static GroupedQueryAttention random(const GqaConfig& config, std::uint64_t seed) {
     detail::check_gqa_config(config);
-    detail::checked_product(gqa_parameter_count(config), static_cast<std::int64_t>(sizeof(Scalar)),
+    detail::checked_product(gqa_parameter_count(config), static_cast<std::int64_t>(sizeof(Weight)),
                             "gqa", "weight bytes");
     std::mt19937_64 rng(seed);
     const Index d = config.d_model;
     const Index q_width = config.num_q_heads * config.head_dim;
     const Index kv_width = config.num_kv_heads * config.head_dim;
-    GqaWeights<Scalar> w;
-    w.w_q = detail::random_weight<Scalar>(d, q_width, rng);
-    w.w_k = detail::random_weight<Scalar>(d, kv_width, rng);
-    w.w_v = detail::random_weight<Scalar>(d, kv_width, rng);
-    w.w_o = detail::random_weight<Scalar>(q_width, d, rng);
+    GqaWeights<Weight> w;
+    w.w_q = detail::random_weight<Weight>(d, q_width, rng);
+    w.w_k = detail::random_weight<Weight>(d, kv_width, rng);
+    w.w_v = detail::random_weight<Weight>(d, kv_width, rng);
+    w.w_o = detail::random_weight<Weight>(q_width, d, rng);
     return GroupedQueryAttention(config, std::move(w));
   }
 
   /// The configuration the layer was built with (checked at construction).
   const GqaConfig& config() const { return config_; }
   /// The projections W_Q, W_K, W_V, W_O, read-only (shapes as in GqaWeights).
-  const GqaWeights<Scalar>& weights() const { return weights_; }
+  const GqaWeights<Weight>& weights() const { return weights_; }
   /// Number of weights, d·d_h·(2·H_q + 2·H_kv) (gqa_parameter_count).
   std::int64_t parameter_count() const { return gqa_parameter_count(config()); }
+  /// Bytes of the weights: parameter_count()·sizeof(Weight).
+  std::int64_t weight_bytes() const {
+    return parameter_count() * static_cast<std::int64_t>(sizeof(Weight));
+  }
+
+  /// The same layer with its weights stored as W (Scalar, Eigen::half or Eigen::bfloat16):
+  /// widened exactly or rounded once to nearest even. Allocates the new weights.
+  template <class W>
+  GroupedQueryAttention<Scalar, W> with_weights() const {
+    check_constructed();
+    return GroupedQueryAttention<Scalar, W>(config(), converted_weights<W>(weights_));
+  }
 
   /// The projections of §8.2 with RoPE (§4) on Q and K when params.rope is set:
   ///   Q = RoPE(x·W_Q), K = RoPE(x·W_K), V = x·W_V, row b*S + s at position offset + s.
@@ -401,7 +428,7 @@ class GroupedQueryAttention {
   }
 
   detail::ResetOnMove<GqaConfig> config_;  // a moved-from layer is an empty one
-  GqaWeights<Scalar> weights_;
+  GqaWeights<Weight> weights_;
 };
 
 }  // namespace apex

@@ -165,16 +165,17 @@ RowMatrix<Scalar> merge_heads(const HeadsTensor<Scalar>& heads) {
 /// read completely before out is written) but not with w_o. Allocates the [B*S_q, H_q·d_v]
 /// concatenation. Bit-identical for any number of threads (sdpa, detail::matmul).
 /// K and V may be stored in another type than the rest (a 16-bit cache's keys() and values():
-/// Eigen::half or Eigen::bfloat16), which sdpa widens as it reads them.
-template <class DerivedWo, class K = const typename DerivedWo::Scalar,
-          class V = const typename DerivedWo::Scalar>
-void multi_head_attention(const ConstHeadsView<typename DerivedWo::Scalar>& q,
-                          const HeadsView<K>& k, const HeadsView<V>& v,
-                          const AttentionMask<typename DerivedWo::Scalar>& mask,
+/// Eigen::half or Eigen::bfloat16), which sdpa widens as it reads them, and so may W_O (a layer
+/// with 16-bit weights), which the product widens as it reads it. Q's type (float or double) is
+/// the type of the computation and of out.
+template <class Q, class K, class V, class DerivedWo>
+void multi_head_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                          const AttentionMask<std::remove_const_t<Q>>& mask,
                           const SdpaParams& params, const Eigen::MatrixBase<DerivedWo>& w_o,
-                          RowRef<typename DerivedWo::Scalar> out) {
-  using Scalar = typename DerivedWo::Scalar;
+                          RowRef<std::remove_const_t<Q>> out) {
+  using Scalar = std::remove_const_t<Q>;
   detail::require_supported_scalar<Scalar>();
+  detail::require_storage_type<typename DerivedWo::Scalar>();
   const Index batch = q.batch();
   const Index heads = q.heads();
   const Index s_q = q.seq();
@@ -194,22 +195,19 @@ void multi_head_attention(const ConstHeadsView<typename DerivedWo::Scalar>& q,
              "[multi_head_attention] out shape [" << out.rows() << ", " << out.cols()
                                                   << "] must be [B*S_q, d] = [" << rows << ", "
                                                   << w_o.cols() << "]");
-  const ConstRowRef<Scalar> wo(w_o.derived());
   RowMatrix<Scalar> concat(rows, width);
   sdpa(q, k, v, mask, params,
        HeadsView<Scalar>::token_major(concat.data(), {batch, heads, s_q, d_v}));
-  detail::matmul<Scalar>(concat, wo, out);
+  detail::matmul<Scalar>(concat, w_o, out);
 }
 
 /// Value-returning multi_head_attention: a new [B*S_q, d] matrix.
-template <class DerivedWo>
-RowMatrix<typename DerivedWo::Scalar> multi_head_attention(
-    const ConstHeadsView<typename DerivedWo::Scalar>& q,
-    const ConstHeadsView<typename DerivedWo::Scalar>& k,
-    const ConstHeadsView<typename DerivedWo::Scalar>& v,
-    const AttentionMask<typename DerivedWo::Scalar>& mask, const SdpaParams& params,
+template <class Q, class K, class V, class DerivedWo>
+RowMatrix<std::remove_const_t<Q>> multi_head_attention(
+    const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+    const AttentionMask<std::remove_const_t<Q>>& mask, const SdpaParams& params,
     const Eigen::MatrixBase<DerivedWo>& w_o) {
-  using Scalar = typename DerivedWo::Scalar;
+  using Scalar = std::remove_const_t<Q>;
   const Index rows = detail::checked_product(q.batch(), q.seq(), "multi_head_attention", "B*S_q");
   detail::checked_product({rows, w_o.cols(), static_cast<Index>(sizeof(Scalar))},
                           "multi_head_attention", "B*S_q*d bytes of the output");

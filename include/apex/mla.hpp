@@ -198,18 +198,26 @@ inline double mla_cache_ratio(const MlaConfig& c) {
 }
 
 /// The weight matrices of an MLA layer, applied as x·W (x on the left); shapes as in
-/// mla_parameter_table.
-template <class Scalar>
+/// mla_parameter_table, stored as Weight (the layer's scalar type, Eigen::half or
+/// Eigen::bfloat16).
+template <class Weight>
 struct MlaWeights {
-  RowMatrix<Scalar> w_dkv;  ///< [d, d_kv]
-  RowMatrix<Scalar> w_uk;   ///< [d_kv, H_kv·d_h]
-  RowMatrix<Scalar> w_uv;   ///< [d_kv, H_kv·d_h]
-  RowMatrix<Scalar> w_dq;   ///< [d, d_q]
-  RowMatrix<Scalar> w_uq;   ///< [d_q, H_q·d_h]
-  RowMatrix<Scalar> w_qr;   ///< [d, H_q·d_r]
-  RowMatrix<Scalar> w_kr;   ///< [d, H_kr·d_r]
-  RowMatrix<Scalar> w_o;    ///< [H_q·d_h, d]
+  RowMatrix<Weight> w_dkv;  ///< [d, d_kv]
+  RowMatrix<Weight> w_uk;   ///< [d_kv, H_kv·d_h]
+  RowMatrix<Weight> w_uv;   ///< [d_kv, H_kv·d_h]
+  RowMatrix<Weight> w_dq;   ///< [d, d_q]
+  RowMatrix<Weight> w_uq;   ///< [d_q, H_q·d_h]
+  RowMatrix<Weight> w_qr;   ///< [d, H_q·d_r]
+  RowMatrix<Weight> w_kr;   ///< [d, H_kr·d_r]
+  RowMatrix<Weight> w_o;    ///< [H_q·d_h, d]
 };
+
+/// The same weights stored as W: widened exactly, or rounded once to nearest even (converted).
+template <class W, class Weight>
+MlaWeights<W> converted_weights(const MlaWeights<Weight>& w) {
+  return {converted<W>(w.w_dkv), converted<W>(w.w_uk), converted<W>(w.w_uv), converted<W>(w.w_dq),
+          converted<W>(w.w_uq),  converted<W>(w.w_qr), converted<W>(w.w_kr), converted<W>(w.w_o)};
+}
 
 /// How absorb_mla_weights treats one side of the absorption.
 ///   kFactored   keep the two factors and apply them in turn at run time (q̃_h = (c_q W_UQ,h)
@@ -230,12 +238,12 @@ struct MlaAbsorbParams {
 
 /// What absorbed MLA decoding needs beyond the layer's own weights: the folded products where
 /// absorb_mla_weights chose to multiply (an empty matrix means "factored: use W_UQ and W_UK, or
-/// W_UV and W_O, in turn"). Computed once per layer at load time.
-template <class Scalar>
+/// W_UV and W_O, in turn"). Computed once per layer at load time, stored as the layer's Weight.
+template <class Weight>
 struct MlaAbsorbedWeights {
   MlaConfig config;              ///< the config of the layer they were folded from
-  RowMatrix<Scalar> w_q_latent;  ///< [d_q, H_q·d_kv], block h = W_UQ,h · W_UK,gᵀ; or empty
-  RowMatrix<Scalar> w_o_latent;  ///< [H_q·d_kv, d], row block h = W_UV,g · W_O,h; or empty
+  RowMatrix<Weight> w_q_latent;  ///< [d_q, H_q·d_kv], block h = W_UQ,h · W_UK,gᵀ; or empty
+  RowMatrix<Weight> w_o_latent;  ///< [H_q·d_kv, d], row block h = W_UV,g · W_O,h; or empty
 
   /// True when the query side was folded into w_q_latent; false: apply W_UQ, then W_UKᵀ.
   bool query_multiplied() const { return w_q_latent.size() != 0; }
@@ -269,7 +277,7 @@ inline MlaPath mla_cheaper_path(const MlaConfig& c, Index new_tokens) {
   return absorbed <= naive ? MlaPath::kAbsorbed : MlaPath::kNaive;
 }
 
-template <class Scalar>
+template <class Scalar, class Weight = Scalar>
 class MultiHeadLatentAttention;
 
 /// A multi-head latent attention layer (§9) that owns its eight weight matrices. The attention
@@ -282,7 +290,11 @@ class MultiHeadLatentAttention;
 /// forward_absorbed() with the folded weights of absorb_mla_weights (decompressing nothing).
 /// The layer is immutable after construction; its members are const and may run from several
 /// threads at once (on different caches).
-template <class Scalar>
+///
+/// Scalar (float or double) is the type the layer computes in; Weight the type its matrices
+/// (and its absorbed weights) are stored in: Scalar, or Eigen::half / Eigen::bfloat16, widened
+/// as each product reads them, exactly as for GroupedQueryAttention.
+template <class Scalar, class Weight>
 class MultiHeadLatentAttention {
  public:
   /// An empty layer: no weights and a zero config, as a moved-from layer is; every use of it
@@ -290,15 +302,16 @@ class MultiHeadLatentAttention {
   MultiHeadLatentAttention() = default;
   /// Takes ownership of the weights; throws if the config is invalid (H_kv must divide H_q, d_r
   /// even, H_kr ∈ {1, H_kv}) or any weight does not have its §9.5 shape.
-  MultiHeadLatentAttention(const MlaConfig& config, MlaWeights<Scalar> weights)
+  MultiHeadLatentAttention(const MlaConfig& config, MlaWeights<Weight> weights)
       : config_(config), weights_(std::move(weights)) {
     detail::require_supported_scalar<Scalar>();
+    detail::require_weight_type<Scalar, Weight>();
     const std::vector<MlaMatrixShape> table = mla_parameter_table(config);
-    const RowMatrix<Scalar>* const matrices[] = {&weights_.w_dkv, &weights_.w_uk, &weights_.w_uv,
+    const RowMatrix<Weight>* const matrices[] = {&weights_.w_dkv, &weights_.w_uk, &weights_.w_uv,
                                                  &weights_.w_dq,  &weights_.w_uq, &weights_.w_qr,
                                                  &weights_.w_kr,  &weights_.w_o};
     for (std::size_t i = 0; i < table.size(); ++i) {
-      const RowMatrix<Scalar>& w = *matrices[i];
+      const RowMatrix<Weight>& w = *matrices[i];
       APEX_CHECK(w.rows() == table[i].rows && w.cols() == table[i].cols,
                  "[mla] " << table[i].name << " shape [" << w.rows() << ", " << w.cols()
                           << "] must be [" << table[i].rows << ", " << table[i].cols << "]");
@@ -307,17 +320,17 @@ class MultiHeadLatentAttention {
 
   /// A layer with random weights for examples and tests: every entry of a [rows, cols] weight is
   /// drawn from N(0, 1/rows) (fan-in scaling), in the order of mla_parameter_table, from a
-  /// std::mt19937_64 seeded with `seed`.
+  /// std::mt19937_64 seeded with `seed` (each drawn in double and rounded once to Weight).
   static MultiHeadLatentAttention random(const MlaConfig& config, std::uint64_t seed) {
     const std::vector<MlaMatrixShape> table = mla_parameter_table(config);
-    detail::checked_product(mla_parameter_count(config), static_cast<std::int64_t>(sizeof(Scalar)),
+    detail::checked_product(mla_parameter_count(config), static_cast<std::int64_t>(sizeof(Weight)),
                             "mla", "weight bytes");
     std::mt19937_64 rng(seed);
-    MlaWeights<Scalar> w;
-    RowMatrix<Scalar>* const matrices[] = {&w.w_dkv, &w.w_uk, &w.w_uv, &w.w_dq,
+    MlaWeights<Weight> w;
+    RowMatrix<Weight>* const matrices[] = {&w.w_dkv, &w.w_uk, &w.w_uv, &w.w_dq,
                                            &w.w_uq,  &w.w_qr, &w.w_kr, &w.w_o};
     for (std::size_t i = 0; i < table.size(); ++i) {
-      *matrices[i] = detail::random_weight<Scalar>(table[i].rows, table[i].cols, rng);
+      *matrices[i] = detail::random_weight<Weight>(table[i].rows, table[i].cols, rng);
     }
     return MultiHeadLatentAttention(config, std::move(w));
   }
@@ -325,9 +338,22 @@ class MultiHeadLatentAttention {
   /// The configuration the layer was built with (checked at construction).
   const MlaConfig& config() const { return config_; }
   /// The eight weight matrices, read-only (shapes as in mla_parameter_table).
-  const MlaWeights<Scalar>& weights() const { return weights_; }
+  const MlaWeights<Weight>& weights() const { return weights_; }
   /// Number of weights, the §9.5 total (mla_parameter_count).
   std::int64_t parameter_count() const { return mla_parameter_count(config()); }
+  /// Bytes of the weights: parameter_count()·sizeof(Weight).
+  std::int64_t weight_bytes() const {
+    return parameter_count() * static_cast<std::int64_t>(sizeof(Weight));
+  }
+
+  /// The same layer with its weights stored as W (Scalar, Eigen::half or Eigen::bfloat16):
+  /// widened exactly or rounded once to nearest even. Allocates the new weights; absorbed weights
+  /// are folded anew from them (absorb_mla_weights).
+  template <class W>
+  MultiHeadLatentAttention<Scalar, W> with_weights() const {
+    check_constructed();
+    return MultiHeadLatentAttention<Scalar, W>(config(), converted_weights<W>(weights_));
+  }
 
   /// Compression, decompression and decoupled RoPE (§9.2, §9.3), everything before attention:
   ///   c_kv = x·W_DKV, K = c_kv·W_UK, V = c_kv·W_UV, c_q = x·W_DQ, Q = c_q·W_UQ,
@@ -461,7 +487,7 @@ class MultiHeadLatentAttention {
   template <class Derived, class Storage>
   void forward_absorbed(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
                         const AttentionLayerParams<Scalar>& params,
-                        const MlaAbsorbedWeights<Scalar>& absorbed,
+                        const MlaAbsorbedWeights<Weight>& absorbed,
                         LatentCache<Scalar, Storage>& cache, RowRef<Scalar> out) const;
 
   /// Value-returning forward_cached: a new [B*n, d] matrix.
@@ -478,7 +504,7 @@ class MultiHeadLatentAttention {
   template <class Derived, class Storage>
   RowMatrix<Scalar> forward_absorbed(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
                                      const AttentionLayerParams<Scalar>& params,
-                                     const MlaAbsorbedWeights<Scalar>& absorbed,
+                                     const MlaAbsorbedWeights<Weight>& absorbed,
                                      LatentCache<Scalar, Storage>& cache) const {
     RowMatrix<Scalar> out(x.rows(), config().d_model);
     forward_absorbed(x, mask, params, absorbed, cache, out);
@@ -551,7 +577,7 @@ class MultiHeadLatentAttention {
   }
 
   /// Throws unless `absorbed` was folded from a layer of this shape (absorb_mla_weights).
-  void check_absorbed(const MlaAbsorbedWeights<Scalar>& absorbed) const {
+  void check_absorbed(const MlaAbsorbedWeights<Weight>& absorbed) const {
     const MlaConfig& c = config();
     const MlaConfig& a = absorbed.config;
     APEX_CHECK(a.d_model == c.d_model && a.d_q == c.d_q && a.d_kv == c.d_kv &&
@@ -580,7 +606,7 @@ class MultiHeadLatentAttention {
   /// Throws (before allocating) when their size does not fit in 64 bits.
   RowMatrix<Scalar> absorbed_queries(const ConstRowRef<Scalar>& x, Index batch,
                                      const AttentionLayerParams<Scalar>& params,
-                                     const MlaAbsorbedWeights<Scalar>& absorbed) const {
+                                     const MlaAbsorbedWeights<Weight>& absorbed) const {
     const MlaConfig& c = config();
     const Index h_q = c.num_q_heads;
     const Index group = h_q / c.num_kv_heads;
@@ -625,7 +651,7 @@ class MultiHeadLatentAttention {
   /// out = Concat_h (o_h W_UV,g) · W_O, or Concat_h o_h · W_o_latent when folded, from the
   /// latent attention outputs o_latent [B*n, H_q·d_kv].
   void absorbed_output(const RowMatrix<Scalar>& o_latent,
-                       const MlaAbsorbedWeights<Scalar>& absorbed, RowRef<Scalar> out) const {
+                       const MlaAbsorbedWeights<Weight>& absorbed, RowRef<Scalar> out) const {
     if (absorbed.output_multiplied()) {
       detail::matmul<Scalar>(o_latent, absorbed.w_o_latent, out);
       return;
@@ -730,7 +756,7 @@ class MultiHeadLatentAttention {
   }
 
   detail::ResetOnMove<MlaConfig> config_;  // a moved-from layer is an empty one
-  MlaWeights<Scalar> weights_;
+  MlaWeights<Weight> weights_;
 };
 
 /// Folds MLA's decompression matrices into the query and output sides for absorbed decoding
@@ -740,15 +766,16 @@ class MultiHeadLatentAttention {
 ///   output side (W_UV into the output):  W_o_latent,h = W_UV,g · W_O,h        [d_kv, d]
 /// where W_UQ,h, W_UK,g, W_UV,g are the d_h columns of head h (g) and W_O,h the d_h rows of head
 /// h. Each side is multiplied or kept factored as params says (MlaFold). Products are formed in
-/// double and rounded once. Apply once per layer at load time; the result stays valid as long
-/// as the layer's weights (it does not refer to the layer). Allocates the products:
-/// H_q·d_q·d_kv and H_q·d_kv·d scalars when multiplied, nothing when factored.
-template <class Scalar>
-MlaAbsorbedWeights<Scalar> absorb_mla_weights(const MultiHeadLatentAttention<Scalar>& layer,
+/// double from the stored weights and rounded once to the layer's Weight. Apply once per layer
+/// at load time; the result stays valid as long as the layer's weights (it does not refer to the
+/// layer). Allocates the products: H_q·d_q·d_kv and H_q·d_kv·d weights when multiplied, nothing
+/// when factored.
+template <class Scalar, class Weight>
+MlaAbsorbedWeights<Weight> absorb_mla_weights(const MultiHeadLatentAttention<Scalar, Weight>& layer,
                                               const MlaAbsorbParams& params = {}) {
   detail::require_supported_scalar<Scalar>();
   const MlaConfig& c = layer.config();
-  const MlaWeights<Scalar>& w = layer.weights();
+  const MlaWeights<Weight>& w = layer.weights();
   const Index h_q = c.num_q_heads;
   const Index group = h_q / c.num_kv_heads;
   const Index d_h = c.head_dim;
@@ -760,14 +787,14 @@ MlaAbsorbedWeights<Scalar> absorb_mla_weights(const MultiHeadLatentAttention<Sca
            (fold == MlaFold::kAuto && multiplied_cost <= factored_cost);
   };
   const auto real = [](Index n) { return static_cast<double>(n); };
-  MlaAbsorbedWeights<Scalar> result;
+  MlaAbsorbedWeights<Weight> result;
   result.config = c;
   const bool multiply_query =
       choose(params.query, real(c.d_q) * real(d_kv), real(d_h) * (real(c.d_q) + real(d_kv)));
   const bool multiply_output =
       choose(params.output, real(d_kv) * real(d), real(d_h) * (real(d_kv) + real(d)));
   // The products are new matrices: check their sizes before allocating either.
-  const auto bytes = static_cast<Index>(sizeof(Scalar));
+  const auto bytes = static_cast<Index>(sizeof(Weight));
   if (multiply_query) {
     detail::checked_product({c.d_q, h_q, d_kv, bytes}, "mla", "w_q_latent bytes d_q*H_q*d_kv");
   }
@@ -775,39 +802,35 @@ MlaAbsorbedWeights<Scalar> absorb_mla_weights(const MultiHeadLatentAttention<Sca
     detail::checked_product({h_q, d_kv, d, bytes}, "mla", "w_o_latent bytes H_q*d_kv*d");
   }
   if (multiply_query) {
-    const RowMatrix<double> w_uq = w.w_uq.template cast<double>();
-    const RowMatrix<double> w_uk = w.w_uk.template cast<double>();
+    const RowMatrix<double> w_uq = converted<double>(w.w_uq);
+    const RowMatrix<double> w_uk = converted<double>(w.w_uk);
     result.w_q_latent.resize(c.d_q, h_q * d_kv);
     for (Index h = 0; h < h_q; ++h) {
       const Index g = h / group;
       result.w_q_latent.middleCols(h * d_kv, d_kv) =
-          detail::matmul_transposed<double>(w_uq.middleCols(h * d_h, d_h),
-                                            w_uk.middleCols(g * d_h, d_h))
-              .template cast<Scalar>();
+          converted<Weight>(detail::matmul_transposed<double>(w_uq.middleCols(h * d_h, d_h),
+                                                              w_uk.middleCols(g * d_h, d_h)));
     }
   }
   if (multiply_output) {
-    const RowMatrix<double> w_uv = w.w_uv.template cast<double>();
-    const RowMatrix<double> w_o = w.w_o.template cast<double>();
+    const RowMatrix<double> w_uv = converted<double>(w.w_uv);
+    const RowMatrix<double> w_o = converted<double>(w.w_o);
     result.w_o_latent.resize(h_q * d_kv, d);
     for (Index h = 0; h < h_q; ++h) {
       const Index g = h / group;
-      result.w_o_latent.middleRows(h * d_kv, d_kv) =
-          detail::matmul<double>(w_uv.middleCols(g * d_h, d_h), w_o.middleRows(h * d_h, d_h))
-              .template cast<Scalar>();
+      result.w_o_latent.middleRows(h * d_kv, d_kv) = converted<Weight>(
+          detail::matmul<double>(w_uv.middleCols(g * d_h, d_h), w_o.middleRows(h * d_h, d_h)));
     }
   }
   return result;
 }
 
-template <class Scalar>
+template <class Scalar, class Weight>
 template <class Derived, class Storage>
-void MultiHeadLatentAttention<Scalar>::forward_absorbed(const Eigen::MatrixBase<Derived>& x,
-                                                        const PositionMask& mask,
-                                                        const AttentionLayerParams<Scalar>& params,
-                                                        const MlaAbsorbedWeights<Scalar>& absorbed,
-                                                        LatentCache<Scalar, Storage>& cache,
-                                                        RowRef<Scalar> out) const {
+void MultiHeadLatentAttention<Scalar, Weight>::forward_absorbed(
+    const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
+    const AttentionLayerParams<Scalar>& params, const MlaAbsorbedWeights<Weight>& absorbed,
+    LatentCache<Scalar, Storage>& cache, RowRef<Scalar> out) const {
   static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
                 "[mla] x must have the layer's scalar type");
   check_constructed();

@@ -161,7 +161,7 @@ inline StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, In
   return m;
 }
 
-template <class Scalar>
+template <class Scalar, class Weight = Scalar>
 class AttentionStack;
 
 /// The decoding state of one AttentionStack: one cache per layer (a SlidingWindowCache of W
@@ -230,7 +230,8 @@ class StackCache {
   }
 
  private:
-  friend class AttentionStack<Scalar>;
+  template <class, class>
+  friend class AttentionStack;
 
   // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): private, called by make_cache only
   StackCache(Index batch, Index capacity, std::vector<LayerCache> layers)
@@ -260,12 +261,23 @@ class StackCache {
 /// weights of every global layer (absorb_mla_weights). Immutable after construction: forward,
 /// prefill, extend and decode_step are const and may run from several threads at once on
 /// different StackCaches.
-template <class Scalar>
+///
+/// Scalar (float or double) is the type the stack computes in and returns logits in. Weight is
+/// the type the embedding table (and tied LM head) and every layer's matrices are stored in:
+/// Scalar, or Eigen::half / Eigen::bfloat16 for half the bytes, widened as each product reads
+/// them; the γ of the norms stay in Scalar. AttentionStack<float, Eigen::bfloat16> computes
+/// what a float stack holding the rounded weights computes (with_weights converts a stack);
+/// its caches may be of any storage type (make_cache<Storage>), independently of Weight.
+template <class Scalar, class Weight>
 class AttentionStack {
  public:
-  /// One attention block: GroupedQueryAttention for a local layer, MultiHeadLatentAttention
-  /// for a global one (which one is fixed by the layer rule, is_global_layer).
-  using Layer = std::variant<GroupedQueryAttention<Scalar>, MultiHeadLatentAttention<Scalar>>;
+  /// A local layer: grouped-query attention with the stack's scalar and weight types.
+  using Gqa = GroupedQueryAttention<Scalar, Weight>;
+  /// A global layer: multi-head latent attention with the stack's scalar and weight types.
+  using Mla = MultiHeadLatentAttention<Scalar, Weight>;
+  /// One attention block: Gqa for a local layer, Mla for a global one (which one is fixed by the
+  /// layer rule, is_global_layer).
+  using Layer = std::variant<Gqa, Mla>;
 
   /// An empty stack (as a moved-from one is): no layers, no weights; every call throws
   /// std::invalid_argument.
@@ -273,7 +285,7 @@ class AttentionStack {
   /// Takes ownership of the weights; throws if the config is inconsistent (every field is
   /// checked), if layers[l] is not of the kind the layer rule gives layer l or not of the shape
   /// the config gives that kind, or if any γ or the table has the wrong shape.
-  AttentionStack(const StackConfig& config, RowMatrix<Scalar> embedding,
+  AttentionStack(const StackConfig& config, RowMatrix<Weight> embedding,
                  std::vector<Vector<Scalar>> norm_gammas, Vector<Scalar> final_gamma,
                  std::vector<Layer> layers)
       : config_(checked(config)),
@@ -299,7 +311,7 @@ class AttentionStack {
     absorbed_.resize(layers_.size());
     Index globals = 0;
     for (std::size_t l = 0; l < layers_.size(); ++l) {
-      if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layers_[l])) {
+      if (const auto* mla = std::get_if<Mla>(&layers_[l])) {
         absorbed_[l] = absorb_mla_weights(*mla, config.absorb);
         ++globals;
       }
@@ -308,14 +320,15 @@ class AttentionStack {
   }
 
   /// A stack with random weights for examples and tests: embedding entries N(0, 0.02²) (§2.3),
-  /// every γ = 1 (§3.2), attention layers from their own random() with seeds derived from `seed`.
+  /// every γ = 1 (§3.2), attention layers from their own random() with seeds derived from `seed`
+  /// (every weight drawn in double and rounded once to Weight).
   static AttentionStack random(const StackConfig& config, std::uint64_t seed) {
     checked(config);
     std::mt19937_64 rng(seed);
     std::normal_distribution<double> normal(0.0, 0.02);
-    RowMatrix<Scalar> embedding(config.vocab_size, config.d_model);
+    RowMatrix<Weight> embedding(config.vocab_size, config.d_model);
     for (Index i = 0; i < embedding.size(); ++i) {
-      embedding.data()[i] = static_cast<Scalar>(normal(rng));
+      embedding.data()[i] = round_to<Weight>(normal(rng));
     }
     std::vector<Vector<Scalar>> gammas(static_cast<std::size_t>(config.num_layers),
                                        Vector<Scalar>::Ones(config.d_model));
@@ -323,9 +336,9 @@ class AttentionStack {
     for (Index l = 0; l < config.num_layers; ++l) {
       const std::uint64_t layer_seed = rng();
       if (is_global_layer(l, config.global_every)) {
-        layers.emplace_back(MultiHeadLatentAttention<Scalar>::random(config.global, layer_seed));
+        layers.emplace_back(Mla::random(config.global, layer_seed));
       } else {
-        layers.emplace_back(GroupedQueryAttention<Scalar>::random(config.local, layer_seed));
+        layers.emplace_back(Gqa::random(config.local, layer_seed));
       }
     }
     return AttentionStack(config, std::move(embedding), std::move(gammas),
@@ -335,7 +348,39 @@ class AttentionStack {
   /// The configuration the stack was built with (checked at construction).
   const StackConfig& config() const { return config_; }
   /// The [V, d] embedding table W_E, which is also the tied LM head (§2.5).
-  const RowMatrix<Scalar>& embedding() const { return embedding_; }
+  const RowMatrix<Weight>& embedding() const { return embedding_; }
+
+  /// The same stack with every weight matrix (the embedding table and each layer's projections)
+  /// stored as W (Scalar, Eigen::half or Eigen::bfloat16): widened exactly or rounded once to
+  /// nearest even; the γ are kept, the RoPE tables and absorbed weights are built anew (the
+  /// latter folded from the converted weights). Allocates the new stack.
+  template <class W>
+  AttentionStack<Scalar, W> with_weights() const {
+    check_constructed();
+    std::vector<typename AttentionStack<Scalar, W>::Layer> layers;
+    layers.reserve(layers_.size());
+    for (const Layer& layer : layers_) {
+      std::visit([&](const auto& a) { layers.emplace_back(a.template with_weights<W>()); }, layer);
+    }
+    return AttentionStack<Scalar, W>(config(), converted<W>(embedding_), norm_gammas_, final_gamma_,
+                                     std::move(layers));
+  }
+
+  /// Bytes of the weights the stack holds: the embedding table and every layer's matrices in
+  /// Weight (with the absorbed products of absorb_mla_weights), the γ in Scalar. The RoPE
+  /// tables are not counted.
+  std::int64_t weight_bytes() const {
+    const auto weight = static_cast<std::int64_t>(sizeof(Weight));
+    std::int64_t total = static_cast<std::int64_t>(embedding_.size()) * weight;
+    for (const Layer& layer : layers_) {
+      total += std::visit([](const auto& a) { return a.weight_bytes(); }, layer);
+    }
+    for (const MlaAbsorbedWeights<Weight>& a : absorbed_) {
+      total += static_cast<std::int64_t>(a.w_q_latent.size() + a.w_o_latent.size()) * weight;
+    }
+    const auto gammas = static_cast<std::int64_t>(norm_gammas_.size() + 1) * config().d_model;
+    return total + gammas * static_cast<std::int64_t>(sizeof(Scalar));
+  }
   /// The attention layer of block l. Throws std::out_of_range unless 0 <= l < L.
   const Layer& layer(Index l) const { return layers_.at(static_cast<std::size_t>(l)); }
 
@@ -380,7 +425,7 @@ class AttentionStack {
     APEX_CHECK(seq <= config().max_positions, "[stack] sequence length ("
                                                   << seq << ") exceeds max_positions ("
                                                   << config().max_positions << ")");
-    RowMatrix<Scalar> x = embed(embedding_, tokens);  // checks every id
+    RowMatrix<Scalar> x = embedded(tokens);  // checks every id
     RowMatrix<Scalar> normed(x.rows(), x.cols());
     const RmsNormParams norm{config().norm_eps};
     for (Index l = 0; l < config().num_layers; ++l) {
@@ -415,12 +460,11 @@ class AttentionStack {
     std::vector<typename StackCache<Scalar, Storage>::LayerCache> caches;
     caches.reserve(layers_.size());
     for (const Layer& layer : layers_) {
-      if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layer)) {
+      if (const auto* mla = std::get_if<Mla>(&layer)) {
         caches.emplace_back(mla->template make_cache<Storage>(batch, capacity));
       } else {
         caches.emplace_back(
-            std::get<GroupedQueryAttention<Scalar>>(layer).template make_window_cache<Storage>(
-                batch, config().window));
+            std::get<Gqa>(layer).template make_window_cache<Storage>(batch, config().window));
       }
     }
     return StackCache<Scalar, Storage>(batch, capacity, std::move(caches));
@@ -509,8 +553,8 @@ class AttentionStack {
                "[stack] global_every F_g (" << c.global_every << ") must be >= 1");
     APEX_CHECK(c.d_model >= 1, "[stack] d_model (" << c.d_model << ") must be >= 1");
     // The [V, d] embedding table is allocated from these: its size must be representable.
-    detail::checked_product({c.vocab_size, c.d_model, static_cast<Index>(sizeof(Scalar))}, "stack",
-                            "embedding bytes V*d*sizeof(Scalar)");
+    detail::checked_product({c.vocab_size, c.d_model, static_cast<Index>(sizeof(Weight))}, "stack",
+                            "embedding bytes V*d*sizeof(Weight)");
     APEX_CHECK(c.local.d_model == c.d_model && c.global.d_model == c.d_model,
                "[stack] local.d_model (" << c.local.d_model << ") and global.d_model ("
                                          << c.global.d_model << ") must equal d_model ("
@@ -547,11 +591,11 @@ class AttentionStack {
                "[stack] gamma of layer " << l << " has length " << norm_gammas_[at].size()
                                          << ", expected d = " << c.d_model);
     const bool global = is_global_layer(l, c.global_every);
-    APEX_CHECK(std::holds_alternative<MultiHeadLatentAttention<Scalar>>(layers_[at]) == global,
+    APEX_CHECK(std::holds_alternative<Mla>(layers_[at]) == global,
                "[stack] layer " << l << " must be "
                                 << (global ? "MultiHeadLatentAttention (global)"
                                            : "GroupedQueryAttention (local)"));
-    if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layers_[at])) {
+    if (const auto* mla = std::get_if<Mla>(&layers_[at])) {
       const MlaConfig& m = mla->config();
       const MlaConfig& e = c.global;
       APEX_CHECK(m.d_model == e.d_model && m.d_q == e.d_q && m.d_kv == e.d_kv &&
@@ -565,7 +609,7 @@ class AttentionStack {
                                   << ", H_q " << e.num_q_heads << ", H_kv " << e.num_kv_heads
                                   << ", d_h " << e.head_dim << ", d_r " << e.rope_dim << ")");
     } else {
-      const GqaConfig& g = std::get<GroupedQueryAttention<Scalar>>(layers_[at]).config();
+      const GqaConfig& g = std::get<Gqa>(layers_[at]).config();
       const GqaConfig& e = c.local;
       APEX_CHECK(g.d_model == e.d_model && g.num_q_heads == e.num_q_heads &&
                      g.num_kv_heads == e.num_kv_heads && g.head_dim == e.head_dim,
@@ -586,15 +630,21 @@ class AttentionStack {
     return RopeTable<Scalar>(c.max_positions, head_dim, c.rope);
   }
 
-  const RopeTable<Scalar>* rope_for(const GroupedQueryAttention<Scalar>&) const {
-    return &local_rope_;
-  }
-  const RopeTable<Scalar>* rope_for(const MultiHeadLatentAttention<Scalar>&) const {
-    return &global_rope_;
-  }
+  const RopeTable<Scalar>* rope_for(const Gqa&) const { return &local_rope_; }
+  const RopeTable<Scalar>* rope_for(const Mla&) const { return &global_rope_; }
   /// d_qk, the width the default softmax scale 1/√d_qk of a layer refers to.
-  Index qk_dim(const GroupedQueryAttention<Scalar>&) const { return config().local.head_dim; }
-  Index qk_dim(const MultiHeadLatentAttention<Scalar>&) const { return config().global.qk_dim(); }
+  Index qk_dim(const Gqa&) const { return config().local.head_dim; }
+  Index qk_dim(const Mla&) const { return config().global.qk_dim(); }
+
+  /// x_0 = Embed(tokens)·√d (§2.2) in Scalar, whatever Weight the table is stored in; checks
+  /// every id.
+  template <class TokensDerived>
+  RowMatrix<Scalar> embedded(const Eigen::MatrixBase<TokensDerived>& tokens) const {
+    const Index rows = detail::checked_product(tokens.rows(), tokens.cols(), "stack", "B*S");
+    RowMatrix<Scalar> x(rows, config().d_model);
+    embed(embedding_, tokens, EmbeddingParams{}, x);
+    return x;
+  }
 
   /// RoPE table, position and (with YaRN) softmax scale of a layer.
   template <class Attention>
@@ -664,7 +714,7 @@ class AttentionStack {
                                         "larger one");
     APEX_CHECK(prefix == 0 || first >= prefix || (first == 0 && n >= prefix),
                "[stack] prefix (" << prefix << ") must lie inside the first chunk");
-    RowMatrix<Scalar> x = embed(embedding_, tokens);  // checks every id
+    RowMatrix<Scalar> x = embedded(tokens);  // checks every id
     RowMatrix<Scalar> normed(x.rows(), x.cols());
     RowMatrix<Scalar> attended(x.rows(), x.cols());
     const RmsNormParams norm{config().norm_eps};
@@ -674,7 +724,7 @@ class AttentionStack {
       const PositionMask rule =
           layer_mask(l, LayerMaskParams{prefix, config().window, config().global_every});
       auto& layer_cache = cache.layers_[at];
-      if (const auto* mla = std::get_if<MultiHeadLatentAttention<Scalar>>(&layers_[at])) {
+      if (const auto* mla = std::get_if<Mla>(&layers_[at])) {
         auto& latent = std::get<LatentCache<Scalar, Storage>>(layer_cache);
         const AttentionLayerParams<Scalar> params = layer_params(*mla, first);
         const MlaPath path =
@@ -685,7 +735,7 @@ class AttentionStack {
           mla->forward_cached(normed, rule, params, latent, attended);
         }
       } else {
-        const auto& gqa = std::get<GroupedQueryAttention<Scalar>>(layers_[at]);
+        const auto& gqa = std::get<Gqa>(layers_[at]);
         gqa.forward_cached(normed, rule, layer_params(gqa, first),
                            std::get<SlidingWindowCache<Scalar, Storage>>(layer_cache), attended);
       }
@@ -706,7 +756,7 @@ class AttentionStack {
   }
 
   detail::ResetOnMove<StackConfig> config_;  // a moved-from stack is an empty one
-  RowMatrix<Scalar> embedding_;
+  RowMatrix<Weight> embedding_;
   std::vector<Vector<Scalar>> norm_gammas_;
   Vector<Scalar> final_gamma_;
   std::vector<Layer> layers_;
@@ -714,7 +764,7 @@ class AttentionStack {
   RopeTable<Scalar> global_rope_;
   double softmax_multiplier_ = 1.0;  ///< YaRN's softmax-scale multiplier (1 without YaRN)
   detail::ResetOnMove<Index> global_layers_;
-  std::vector<MlaAbsorbedWeights<Scalar>> absorbed_;  ///< per layer; empty for local layers
+  std::vector<MlaAbsorbedWeights<Weight>> absorbed_;  ///< per layer; empty for local layers
 };
 
 }  // namespace apex
