@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: MIT
 // One decoding step of one attention layer against a cache (§7.4, §8.3, §9.4, §10): project the
 // new token, append it to the cache, attend over everything cached, project the output. Float
-// weights and arithmetic, batch 1, at APEX-1-like widths: d = 2048, H_q = 16 query heads of
-// d_h = 128; the cache stores f32, or f16 / bf16 (Eigen::half, Eigen::bfloat16), the last part
-// of the name: BM_DecodeStep/gqa/bf16/cache_len:32768.
+// arithmetic, batch 1, at APEX-1-like widths: d = 2048, H_q = 16 query heads of d_h = 128; the
+// weights and the cache are stored as f32, or both as f16 / bf16 (Eigen::half, Eigen::bfloat16),
+// the last part of the name: BM_DecodeStep/gqa/bf16/cache_len:32768.
 //
 //   BM_DecodeStep/mha           H_kv = 16, full KvCache                       (§7)
 //   BM_DecodeStep/gqa           H_kv = 2 (G = 8), full KvCache                (§8)
@@ -17,11 +17,12 @@
 // cache_len is the number of cached tokens once the step is done (the step attends to all of
 // them, or to the last W). Counters: cache_bytes is what the cache object owns (exactly
 // cache_len tokens, or W for the ring); GBps is the cached keys and values (or latent rows) the
-// attention reads per step, per second — compare with BM_MemRead. Every step also reads the
-// layer's weights (64 MiB for mha, 36 MiB for gqa and local_window, 41 MiB for mla), which
-// dominates the short caches; absorbed MLA is compute-bound at long ones (H_q·(2·d_kv + H_kr·d_r)
-// multiply-adds per cached token, against the naive path's 2·d_kv·H_kv·d_h to decompress it).
-// Threads: OpenMP, as many as OMP_NUM_THREADS says (the figures are meant for 2).
+// attention reads per step, per second — compare with BM_MemRead; weight_bytes is what the
+// layer's weights take. Every step reads all of them (in f32: 64 MiB for mha, 36 MiB for gqa and
+// local_window, 41 MiB for mla, half that in 16 bits), which dominates the short caches; absorbed
+// MLA is compute-bound at long ones (H_q·(2·d_kv + H_kr·d_r) multiply-adds per cached token,
+// against the naive path's 2·d_kv·H_kv·d_h to decompress it). Threads: OpenMP, as many as
+// OMP_NUM_THREADS says (the figures are meant for 2).
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 // GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers when Eigen's
 // GEMM kernels are inlined at -O3 -march=native (fixed in GCC 13). The pragma must precede them.
@@ -61,15 +62,17 @@ constexpr Index kFill = 512;  // tokens of random K/V written per append while f
 
 enum class Kind { kMha, kGqa, kMlaNaive, kMlaAbsorbed, kLocalWindow };
 
-const apex::GroupedQueryAttention<float>& gqa_layer(Index kv_heads) {
-  static const auto mha =
-      apex::GroupedQueryAttention<float>::random({kModel, kQueryHeads, kQueryHeads, kHeadDim}, 1);
-  static const auto gqa = apex::GroupedQueryAttention<float>::random(
-      {kModel, kQueryHeads, kGroupedKvHeads, kHeadDim}, 2);
+/// The benchmarks' layers, with their weights stored as Weight.
+template <class Weight>
+const apex::GroupedQueryAttention<float, Weight>& gqa_layer(Index kv_heads) {
+  using Layer = apex::GroupedQueryAttention<float, Weight>;
+  static const auto mha = Layer::random({kModel, kQueryHeads, kQueryHeads, kHeadDim}, 1);
+  static const auto gqa = Layer::random({kModel, kQueryHeads, kGroupedKvHeads, kHeadDim}, 2);
   return kv_heads == kQueryHeads ? mha : gqa;
 }
 
-const apex::MultiHeadLatentAttention<float>& mla_layer() {
+template <class Weight>
+const apex::MultiHeadLatentAttention<float, Weight>& mla_layer() {
   static const auto layer = [] {
     apex::MlaConfig c;
     c.d_model = kModel;
@@ -79,13 +82,14 @@ const apex::MultiHeadLatentAttention<float>& mla_layer() {
     c.num_kv_heads = kGroupedKvHeads;
     c.head_dim = kHeadDim;
     c.rope_dim = 64;
-    return apex::MultiHeadLatentAttention<float>::random(c, 3);
+    return apex::MultiHeadLatentAttention<float, Weight>::random(c, 3);
   }();
   return layer;
 }
 
-const apex::MlaAbsorbedWeights<float>& mla_absorbed() {
-  static const auto absorbed = apex::absorb_mla_weights(mla_layer());
+template <class Weight>
+const apex::MlaAbsorbedWeights<Weight>& mla_absorbed() {
+  static const auto absorbed = apex::absorb_mla_weights(mla_layer<Weight>());
   return absorbed;
 }
 
@@ -117,7 +121,7 @@ void fill_latent(Cache& cache, Index count) {
 /// Decodes one token at position cache_len - 1 per iteration. The full caches are truncated
 /// back after each step (O(1), inside the timed loop); the ring cannot be, so it keeps going
 /// and is restored from a copy (outside the timing) when its positions reach the RoPE table's
-/// end.
+/// end. Weights and cache are both stored as Storage.
 template <class Storage>
 void BM_DecodeStep(benchmark::State& state, Kind kind) {
   const Index cache_len = state.range(0);
@@ -127,10 +131,12 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
   apex::AttentionLayerParams<float> params;
   params.position_offset = position;
   std::int64_t cache_bytes = 0;
+  std::int64_t weight_bytes = 0;
   double bytes_read = 0.0;
 
   if (kind == Kind::kMlaNaive || kind == Kind::kMlaAbsorbed) {
-    const auto& layer = mla_layer();
+    const auto& layer = mla_layer<Storage>();
+    weight_bytes = layer.weight_bytes();
     const apex::RopeTable<float> rope(cache_len, layer.config().rope_dim);
     params.rope = &rope;
     auto cache = layer.template make_cache<Storage>(1, cache_len);
@@ -139,7 +145,7 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
     bytes_read = static_cast<double>(cache_bytes);
     for (auto _ : state) {
       if (kind == Kind::kMlaAbsorbed) {
-        layer.forward_absorbed(x, apex::causal_mask(), params, mla_absorbed(), cache, out);
+        layer.forward_absorbed(x, apex::causal_mask(), params, mla_absorbed<Storage>(), cache, out);
       } else {
         layer.forward_cached(x, apex::causal_mask(), params, cache, out);
       }
@@ -148,7 +154,8 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
       cache.truncate(position);
     }
   } else if (kind == Kind::kLocalWindow) {
-    const auto& layer = gqa_layer(kGroupedKvHeads);
+    const auto& layer = gqa_layer<Storage>(kGroupedKvHeads);
+    weight_bytes = layer.weight_bytes();
     const Index steps = 4096;  // positions per pass before the ring is restored
     const apex::RopeTable<float> rope(position + steps, kHeadDim);
     params.rope = &rope;
@@ -171,7 +178,8 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
       benchmark::ClobberMemory();
     }
   } else {
-    const auto& layer = gqa_layer(kind == Kind::kMha ? kQueryHeads : kGroupedKvHeads);
+    const auto& layer = gqa_layer<Storage>(kind == Kind::kMha ? kQueryHeads : kGroupedKvHeads);
+    weight_bytes = layer.weight_bytes();
     const apex::RopeTable<float> rope(cache_len, kHeadDim);
     params.rope = &rope;
     auto cache = layer.template make_cache<Storage>(1, cache_len);
@@ -188,6 +196,9 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
   state.counters["cache_bytes"] =
       benchmark::Counter(static_cast<double>(cache_bytes), benchmark::Counter::kDefaults,
                          benchmark::Counter::OneK::kIs1024);
+  state.counters["weight_bytes"] =
+      benchmark::Counter(static_cast<double>(weight_bytes), benchmark::Counter::kDefaults,
+                         benchmark::Counter::OneK::kIs1024);
   state.counters["GBps"] = apex::bench::gbps(state, bytes_read);
 }
 
@@ -200,8 +211,8 @@ void decode_args(benchmark::internal::Benchmark* b) {
       ->Unit(benchmark::kMicrosecond);
 }
 
-/// BM_DecodeStep/<kind>/<cache precision>: f32 for every kind, f16 and bf16 (Eigen::half and
-/// Eigen::bfloat16 caches, float weights and arithmetic) for all but the naive MLA oracle.
+/// BM_DecodeStep/<kind>/<precision>: f32 for every kind, f16 and bf16 (Eigen::half and
+/// Eigen::bfloat16 weights and caches, float arithmetic) for all but the naive MLA oracle.
 const bool kRegistered = [] {
   const std::pair<const char*, Kind> kinds[] = {{"mha", Kind::kMha},
                                                 {"gqa", Kind::kGqa},

@@ -4,8 +4,8 @@
 // token by token against its caches (sliding-window rings on the local layers, c_kv + K_rope on
 // the global ones). Prints the decoding speed, the cache memory by layer kind, and the speed-up
 // over recomputing the whole sequence at every step, which it also checks gives the same logits;
-// then decodes the same tokens with caches in half and bfloat16 and prints their speed, their
-// bytes and how far their logits are from the float caches'.
+// then decodes the same tokens with caches, and then caches and weights, in half and bfloat16
+// and prints their speed, their bytes and how far their logits are from the float run's.
 #include <apex/apex.hpp>
 
 #ifdef _OPENMP
@@ -57,18 +57,19 @@ double kib(std::int64_t bytes) { return static_cast<double>(bytes) / 1024.0; }
 struct CachedRun {
   double seconds = 0.0;           ///< decode steps only
   std::int64_t cache_bytes = 0;   ///< what the StackCache owns
+  std::int64_t weight_bytes = 0;  ///< what the stack's weights take
   double worst_difference = 0.0;  ///< largest relative logit difference from `reference`
 };
 
 /// Prefills tokens [0, prompt_len) and decodes the rest of `tokens` one at a time (teacher-forced:
 /// the tokens are given) with caches that store Storage; compares each step's logits with row t
 /// of `reference` (the float run's logits at position t).
-template <class Storage>
-CachedRun decode_with(const apex::AttentionStack<float>& stack, const apex::TokenMatrix& tokens,
-                      apex::Index prompt_len, apex::Index prefix,
+template <class Storage, class Weight>
+CachedRun decode_with(const apex::AttentionStack<float, Weight>& stack,
+                      const apex::TokenMatrix& tokens, apex::Index prompt_len, apex::Index prefix,
                       const apex::RowMatrix<float>& reference) {
   const apex::Index total = tokens.cols();
-  auto cache = stack.make_cache<Storage>(1, total);
+  auto cache = stack.template make_cache<Storage>(1, total);
   apex::DecodeOptions last_only;
   last_only.logits = apex::LogitRows::kLast;
   stack.prefill(tokens.leftCols(prompt_len), prefix, last_only, cache);
@@ -82,6 +83,7 @@ CachedRun decode_with(const apex::AttentionStack<float>& stack, const apex::Toke
     run.worst_difference = std::max(run.worst_difference, difference);
   }
   run.cache_bytes = cache.bytes();
+  run.weight_bytes = stack.weight_bytes();
   return run;
 }
 
@@ -200,19 +202,29 @@ int run() {
   std::printf("Largest relative difference between cached and recomputed logits: %.2e\n",
               worst_difference);
 
-  // The same tokens decoded with 16-bit caches (float weights and arithmetic).
-  std::printf("\nCaches in 16 bits (the same %lld tokens, one thread):\n",
+  // The same tokens decoded with 16-bit caches, then 16-bit caches and weights (float
+  // arithmetic throughout).
+  std::printf("\nCaches and weights in 16 bits (the same %lld tokens, one thread):\n",
               static_cast<long long>(new_tokens));
-  std::printf("  %-9s %8s %12s %26s\n", "storage", "tokens/s", "cache KiB",
-              "largest logit difference");
-  std::printf("  %-9s %8.0f %12.1f %26s\n", "float",
-              static_cast<double>(new_tokens) / decode_seconds, kib(cache.bytes()), "-");
-  const auto report = [&](const char* name, const CachedRun& run) {
-    std::printf("  %-9s %8.0f %12.1f %26.2e\n", name, static_cast<double>(new_tokens) / run.seconds,
-                kib(run.cache_bytes), run.worst_difference);
+  std::printf("  %-10s %-10s %8s %10s %11s %26s\n", "caches", "weights", "tokens/s", "cache KiB",
+              "weight KiB", "largest logit difference");
+  std::printf("  %-10s %-10s %8.0f %10.1f %11.1f %26s\n", "float", "float",
+              static_cast<double>(new_tokens) / decode_seconds, kib(cache.bytes()),
+              kib(stack.weight_bytes()), "-");
+  const auto report = [&](const char* caches, const char* weights, const CachedRun& run) {
+    std::printf("  %-10s %-10s %8.0f %10.1f %11.1f %26.2e\n", caches, weights,
+                static_cast<double>(new_tokens) / run.seconds, kib(run.cache_bytes),
+                kib(run.weight_bytes), run.worst_difference);
   };
-  report("half", decode_with<Eigen::half>(stack, tokens, prompt_len, prefix, step_logits));
-  report("bfloat16", decode_with<Eigen::bfloat16>(stack, tokens, prompt_len, prefix, step_logits));
+  report("half", "float", decode_with<Eigen::half>(stack, tokens, prompt_len, prefix, step_logits));
+  report("bfloat16", "float",
+         decode_with<Eigen::bfloat16>(stack, tokens, prompt_len, prefix, step_logits));
+  report("half", "half",
+         decode_with<Eigen::half>(stack.with_weights<Eigen::half>(), tokens, prompt_len, prefix,
+                                  step_logits));
+  report("bfloat16", "bfloat16",
+         decode_with<Eigen::bfloat16>(stack.with_weights<Eigen::bfloat16>(), tokens, prompt_len,
+                                      prefix, step_logits));
 
   // The summary of §7.4 / §8.3 / §9.4 / §10.3 for APEX-1 Large (FP16, 128K, d_r = 64 assumed).
   apex::CacheComparisonParams large;
