@@ -166,8 +166,7 @@ void lm_head(const Eigen::MatrixBase<HiddenDerived>& h,
   using Scalar = typename HiddenDerived::Scalar;
   detail::require_supported_scalar<Scalar>();
   using Weight = typename TableDerived::Scalar;
-  static_assert(std::is_same_v<Scalar, Weight> || is_16bit_v<Weight>,
-                "[lm_head] the table must have h's scalar type or a 16-bit storage type");
+  detail::require_weight_type<Scalar, Weight>();
 
   const ConstRowRef<Scalar> hr(h.derived());
   const ConstRowRef<Weight> w(table.derived());

@@ -11,8 +11,9 @@
 //   few rows (<= kStreamRows, a decoding step, bound by reading the weight): the streaming
 //     products of the attention kernel (stream_update for x·w, stream_scores for x·wᵀ) read each
 //     weight row once, in order, widening it packet by packet in registers where the target can
-//     (kStreamsFrom); otherwise x·w widens kStreamDepth weight rows at a time into a buffer on
-//     the stack, and x·wᵀ takes the panel path below;
+//     (kStreamsFrom); x·w is cut into fixed blocks of weight rows that the threads stream whole,
+//     summed in order (stream_product); without in-register widening x·w widens kStreamDepth
+//     weight rows at a time into a buffer on the stack, and x·wᵀ takes the panel path below;
 //   more rows (a prompt): a kPanelDepth-deep panel of the tile's weights is widened into the
 //     thread's scratch and multiplied by matmul_serial, the tile accumulating panel by panel.
 #pragma once
@@ -54,6 +55,15 @@ struct MatmulTile {
   Index cols = 0;
 };
 
+/// Runs body(t) for t in [0, tasks) of an m × n × depth product: on the calling thread below
+/// kParallelWork multiply-adds, else spread over the threads.
+template <class Body>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): a product's m, n, k, as everywhere here
+void parallel_tasks(Index tasks, Index m, Index n, Index depth, const Body& body) {
+  const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(depth);
+  parallel_for(tasks, body, work < static_cast<double>(kParallelWork) ? tasks + 1 : 2);
+}
+
 /// Calls tile(t) for every kTileRows × kTileCols tile t of an m × n output (with `depth` the
 /// inner dimension), on the calling thread below kParallelWork multiply-adds, else spread over
 /// the threads. Which tile holds which outputs depends on the shapes only.
@@ -66,9 +76,7 @@ void for_each_tile(Index m, Index n, Index depth, const Tile& tile) {
     const Index c0 = t % col_tiles * kTileCols;
     tile(MatmulTile{r0, std::min(kTileRows, m - r0), c0, std::min(kTileCols, n - c0)});
   };
-  const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(depth);
-  parallel_for(row_tiles * col_tiles, body,
-               work < static_cast<double>(kParallelWork) ? row_tiles * col_tiles + 1 : 2);
+  parallel_tasks(row_tiles * col_tiles, m, n, depth, body);
 }
 
 /// Where row r, column c of a row-major matrix is: the pointer arithmetic of every tile below.
@@ -183,9 +191,7 @@ void stream_product(const ConstRowRef<C>& x, const ConstRowRef<W>& w, RowRef<C>&
                             std::min(kStreamCols, n - c0)};
     stream_block(x, w, block, partials + b * m * plan.ld + c0, plan.ld);
   };
-  const Index tasks = plan.blocks * plan.strips;
-  const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(depth);
-  parallel_for(tasks, task, work < static_cast<double>(kParallelWork) ? tasks + 1 : 2);
+  parallel_tasks(plan.blocks * plan.strips, m, n, depth, task);
   using Row = Eigen::Map<Eigen::Array<C, 1, Eigen::Dynamic>>;
   using ConstRow = Eigen::Map<const Eigen::Array<C, 1, Eigen::Dynamic>>;
   for (Index r = 0; r < m; ++r) {
