@@ -128,7 +128,8 @@ inline std::string describe(const Shape& s) {
 inline std::string describe(const apex_test::MaskRule& r, const std::optional<Index>& query_offset,
                             Index key_offset = 0) {
   return "causal " + std::to_string(r.causal) + ", W " + std::to_string(r.window) + ", P " +
-         std::to_string(r.prefix) + ", query_offset " +
+         std::to_string(r.prefix) + ", C " + std::to_string(r.chunk) +
+         (r.documents != nullptr ? ", documents" : "") + ", query_offset " +
          (query_offset ? std::to_string(*query_offset) : std::string("bottom-right")) +
          ", key_offset " + std::to_string(key_offset);
 }
@@ -203,6 +204,8 @@ struct Problem {
     mask.positions.causal = rule.causal;
     if (rule.window > 0) mask.positions.window = rule.window;
     mask.positions.prefix = rule.prefix;
+    if (rule.chunk > 0) mask.positions.chunk = rule.chunk;
+    if (rule.documents != nullptr) mask.positions.documents = DocumentIds(*rule.documents);
     mask.positions.query_offset = query_offset;
     mask.positions.key_offset = key_offset;
     if (allowed_batch > 0) {
@@ -246,22 +249,31 @@ struct Problem {
   }
 
   /// The plain loops for batch b, query head h, which reads key/value head ⌊h / G⌋ (§8.2).
+  /// ALiBi is a bias of −slope·(qp − kp) added to the stored one; the sink goes to the loops.
   apex_test::AttentionResult expected(Index b, Index h) const {
     const Index kv = apex_test::kv_head_of(h, shape.q_heads, shape.kv_heads);
-    apex_test::MatrixD bias_d;
-    if (bias_batch > 0) {
-      bias_d.resize(shape.s_q, shape.s_k);
+    const bool biased = bias_batch > 0 || !params.alibi_slopes.empty();
+    apex_test::MatrixD bias_d = apex_test::MatrixD::Zero(shape.s_q, shape.s_k);
+    for (Index i = 0; i < shape.s_q && bias_batch > 0; ++i) {
+      bias_d.row(i) = bias.row(broadcast_row(b, h, i, bias_batch, bias_heads, shape.s_q))
+                          .template cast<double>();
+    }
+    if (!params.alibi_slopes.empty()) {
+      const double slope = params.alibi_slopes[std::size_t(h)];
       for (Index i = 0; i < shape.s_q; ++i) {
-        bias_d.row(i) = bias.row(broadcast_row(b, h, i, bias_batch, bias_heads, shape.s_q))
-                            .template cast<double>();
+        for (Index j = 0; j < shape.s_k; ++j) {
+          bias_d(i, j) -= slope * static_cast<double>((first_query() + i) - (key_offset + j));
+        }
       }
     }
     const double scale =
         params.scale ? *params.scale : 1.0 / std::sqrt(static_cast<double>(shape.d_qk));
+    const double sink = params.sinks.empty() ? -std::numeric_limits<double>::infinity()
+                                             : params.sinks[std::size_t(h)];
     return apex_test::attention(
         q.head(b, h), k.head(b, kv), v.head(b, kv),
-        [&](Index i, Index j) { return allows(b, h, i, j); }, bias_batch > 0 ? &bias_d : nullptr,
-        scale, params.softcap);
+        [&](Index i, Index j) { return allows(b, h, i, j); }, biased ? &bias_d : nullptr, scale,
+        params.softcap, sink);
   }
 
  private:

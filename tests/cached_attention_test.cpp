@@ -42,9 +42,11 @@ TYPED_TEST_SUITE(CachedAttentionTyped, Scalars, apex::testing::ScalarName);
 // tolerances.hpp. q, k, v are O(1), the softmax averages values, and the kernel reads the ring's
 // (at most two) runs and the chunk as key segments of one pass, over at most W + n = 17 keys of
 // width 5. A wrong key, position or segment moves outputs by O(0.1).
+// The history runs twice: plain, and with attention sinks and ALiBi (the sink of a row joins
+// once, however many segments its keys come from; ALiBi reads each segment's own positions).
 
-TYPED_TEST(CachedAttentionTyped, WindowCacheAttentionEqualsAttentionOverTheWholeHistory) {
-  using Scalar = TypeParam;
+template <class Scalar>
+void check_window_cache_history(bool sinks_and_alibi) {
   const Index batch = 2, h_q = 4, h_kv = 2, dim = 5, window = 6, prefix = 4, total = 40;
   const RowMatrix<Scalar> q_all = random_matrix<Scalar>(batch * total, h_q * dim, 11);
   const RowMatrix<Scalar> k_all = random_matrix<Scalar>(batch * total, h_kv * dim, 12);
@@ -52,6 +54,11 @@ TYPED_TEST(CachedAttentionTyped, WindowCacheAttentionEqualsAttentionOverTheWhole
   apex::PositionMask rule = apex::sliding_window_mask(window);
   rule.prefix = prefix;
   const apex_test::MaskRule plain{true, window, prefix};
+  apex::SdpaParams params;
+  if (sinks_and_alibi) {
+    params.sinks = {0.3, -0.5, 1.0, 2.0};
+    params.alibi_slopes = apex::alibi_slopes(h_q);
+  }
   SlidingWindowCache<Scalar> cache({batch, h_kv, dim, window});
   Index position = 0;
   for (const Index n : {Index{5}, Index{1}, Index{1}, Index{3}, Index{6}, Index{1}, Index{9},
@@ -61,7 +68,7 @@ TYPED_TEST(CachedAttentionTyped, WindowCacheAttentionEqualsAttentionOverTheWhole
     const RowMatrix<Scalar> v = chunk_of(v_all, batch, position, n);
     RowMatrix<Scalar> out(batch * n, h_q * dim);
     apex::sdpa_with_window_cache<Scalar>(
-        heads_of(q, batch, h_q), heads_of(k, batch, h_kv), heads_of(v, batch, h_kv), rule, {},
+        heads_of(q, batch, h_q), heads_of(k, batch, h_kv), heads_of(v, batch, h_kv), rule, params,
         cache, HeadsView<Scalar>::token_major(out.data(), {batch, h_q, n, dim}));
     for (Index b = 0; b < batch; ++b) {
       for (Index h = 0; h < h_q; ++h) {
@@ -72,10 +79,21 @@ TYPED_TEST(CachedAttentionTyped, WindowCacheAttentionEqualsAttentionOverTheWhole
             k_all.block(b * total, g * dim, position + n, dim).template cast<double>();
         const apex_test::MatrixD vd =
             v_all.block(b * total, g * dim, position + n, dim).template cast<double>();
+        // ALiBi as a dense bias −slope·(qp − kp), the sink as the loops' extra score.
+        apex_test::MatrixD alibi = apex_test::MatrixD::Zero(n, position + n);
+        double sink = -std::numeric_limits<double>::infinity();
+        if (sinks_and_alibi) {
+          for (Index i = 0; i < n; ++i) {
+            for (Index j = 0; j < position + n; ++j) {
+              alibi(i, j) = -params.alibi_slopes[std::size_t(h)] * double(position + i - j);
+            }
+          }
+          sink = params.sinks[std::size_t(h)];
+        }
         const auto expected = apex_test::attention(
             qd, kd, vd,
             [&](Index i, Index j) { return apex_test::rule_allows(plain, position + i, j); },
-            nullptr, 1.0 / std::sqrt(static_cast<double>(dim)), 0.0);
+            &alibi, 1.0 / std::sqrt(static_cast<double>(dim)), 0.0, sink);
         const auto actual = out.block(b * n, h * dim, n, dim).template cast<double>();
         EXPECT_LE(
             (actual - expected.out).cwiseAbs().maxCoeff(),
@@ -87,6 +105,13 @@ TYPED_TEST(CachedAttentionTyped, WindowCacheAttentionEqualsAttentionOverTheWhole
     position += n;
   }
   ASSERT_EQ(position, total);
+}
+
+TYPED_TEST(CachedAttentionTyped, WindowCacheAttentionEqualsAttentionOverTheWholeHistory) {
+  for (const bool sinks_and_alibi : {false, true}) {
+    SCOPED_TRACE(sinks_and_alibi ? "sinks and ALiBi" : "plain");
+    check_window_cache_history<TypeParam>(sinks_and_alibi);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

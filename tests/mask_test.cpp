@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -22,6 +24,7 @@ using apex::Index;
 using apex::LayerMaskParams;
 using apex::PositionMask;
 using apex::testing::expect_invalid;
+using apex_test::MaskRule;
 
 std::vector<std::string> split_lines(const std::string& text) {
   std::vector<std::string> lines;
@@ -281,6 +284,109 @@ TEST(Mask, ClassifyBlockAgreesWithPairRule) {
   EXPECT_EQ(apex::classify_block(prefixed, 20, 30, 0, 8), apex::BlockCoverage::kNone);
   EXPECT_EQ(apex::classify_block(apex::causal_mask(), 5, 9, 9, 12), apex::BlockCoverage::kNone);
   EXPECT_EQ(apex::classify_block(PositionMask{}, 5, 9, 9, 12), apex::BlockCoverage::kAll);
+}
+
+// Chunks and documents, alone and with the causal rule, windows and a prefix: on random
+// rectangles, the per-pair rule equals the independent formula, kAll and kNone are exact, and
+// visible_keys holds every key that some query of the rectangle may see.
+TEST(Mask, ChunksAndDocumentsClassifyExactlyAndBoundTheVisibleKeys) {
+  std::mt19937 rng(20261201);
+  const auto uniform = [&rng](Index lo, Index hi) {  // inclusive
+    return std::uniform_int_distribution<Index>(lo, hi)(rng);
+  };
+  int counts[3] = {0, 0, 0};
+  for (int trial = 0; trial < 20000; ++trial) {
+    std::vector<Index> ids;
+    for (Index id = 0; static_cast<Index>(ids.size()) < 80; id += uniform(1, 2)) {
+      ids.resize(std::min<std::size_t>(80, ids.size() + std::size_t(uniform(1, 20))), id);
+    }
+    PositionMask mask;
+    mask.causal = uniform(0, 3) != 0;
+    if (mask.causal && uniform(0, 1) != 0) mask.chunk = uniform(1, 24);
+    if (mask.causal && uniform(0, 2) == 0) mask.window = uniform(1, 30);
+    if (!mask.chunk || uniform(0, 1) == 0) mask.documents = apex::DocumentIds(ids);
+    mask.prefix = uniform(0, 2) == 0 ? uniform(1, 16) : 0;
+    const MaskRule rule{mask.causal, mask.window.value_or(0), mask.prefix, mask.chunk.value_or(0),
+                        mask.documents.empty() ? nullptr : &ids};
+    const Index q_begin = uniform(0, 70);
+    const Index q_end = std::min<Index>(80, q_begin + uniform(1, 10));
+    const Index k_begin = uniform(0, 70);
+    const Index k_end = std::min<Index>(80, k_begin + uniform(1, 10));
+    bool any = false;
+    bool all = true;
+    for (Index qp = q_begin; qp < q_end; ++qp) {
+      for (Index kp = k_begin; kp < k_end; ++kp) {
+        const bool allowed = mask.allows(qp, kp);
+        ASSERT_EQ(allowed, apex_test::rule_allows(rule, qp, kp)) << trial;
+        any = any || allowed;
+        all = all && allowed;
+      }
+    }
+    const apex::BlockCoverage coverage = apex::classify_block(mask, q_begin, q_end, k_begin, k_end);
+    ++counts[static_cast<int>(coverage)];
+    if (coverage == apex::BlockCoverage::kAll) {
+      ASSERT_TRUE(all) << trial;
+    }
+    if (coverage == apex::BlockCoverage::kNone) {
+      ASSERT_FALSE(any) << trial;
+    }
+    const apex::PositionRange visible = apex::visible_keys(mask, q_begin, q_end);
+    for (Index qp = q_begin; qp < q_end; ++qp) {
+      for (Index kp = 0; kp < 80; ++kp) {
+        if (mask.allows(qp, kp)) {
+          ASSERT_TRUE(visible.begin <= kp && kp < visible.end)
+              << "trial " << trial << ": key " << kp << " of query " << qp << " outside ["
+              << visible.begin << ", " << visible.end << ")";
+        }
+      }
+    }
+  }
+  // Each answer is reached often enough for the checks above to mean something.
+  EXPECT_GT(counts[0], 500);  // kNone
+  EXPECT_GT(counts[1], 500);  // kPartial
+  EXPECT_GT(counts[2], 500);  // kAll
+}
+
+// Chunked attention of C = 3 over 7 positions: each query sees the keys of its own chunk, up to
+// itself; queries before position 0 see nothing.
+TEST(Mask, ChunkedAttentionByHand) {
+  PositionMask mask = apex::causal_mask();
+  mask.chunk = 3;
+  BoolMatrix expected(7, 7);
+  expected << 1, 0, 0, 0, 0, 0, 0,  //
+      1, 1, 0, 0, 0, 0, 0,          //
+      1, 1, 1, 0, 0, 0, 0,          //
+      0, 0, 0, 1, 0, 0, 0,          //
+      0, 0, 0, 1, 1, 0, 0,          //
+      0, 0, 0, 1, 1, 1, 0,          //
+      0, 0, 0, 0, 0, 0, 1;
+  EXPECT_EQ(apex::build_mask(mask, 7, 7), expected);
+  EXPECT_EQ(mask.chunk_of(-1), -1);
+  EXPECT_EQ(mask.chunk_of(-3), -1);
+  EXPECT_EQ(mask.chunk_of(-4), -2);
+  EXPECT_EQ(apex::classify_block(mask, 3, 6, 0, 3), apex::BlockCoverage::kNone);
+  EXPECT_EQ(apex::classify_block(mask, 5, 6, 3, 6), apex::BlockCoverage::kAll);
+  const apex::PositionRange visible = apex::visible_keys(mask, 4, 7);
+  EXPECT_EQ(visible.begin, 3);
+  EXPECT_EQ(visible.end, 7);
+}
+
+// Documents [0, 0, 0, 5, 5, 9]: bidirectional inside each document, or causal inside each.
+TEST(Mask, DocumentMaskByHand) {
+  const std::vector<Index> ids{0, 0, 0, 5, 5, 9};
+  PositionMask mask;
+  mask.documents = apex::DocumentIds(ids);
+  BoolMatrix expected(6, 6);
+  expected << 1, 1, 1, 0, 0, 0,  //
+      1, 1, 1, 0, 0, 0,          //
+      1, 1, 1, 0, 0, 0,          //
+      0, 0, 0, 1, 1, 0,          //
+      0, 0, 0, 1, 1, 0,          //
+      0, 0, 0, 0, 0, 1;
+  EXPECT_EQ(apex::build_mask(mask, 6, 6), expected);
+  mask.causal = true;
+  EXPECT_EQ(apex::build_mask(mask, 6, 6), BoolMatrix(expected.triangularView<Eigen::Lower>()));
+  EXPECT_THROW(apex::build_mask(mask, 5, 5), std::invalid_argument);  // 6 ids for 5 positions
 }
 
 // S_q < S_k: by default the queries are the last S_q positions (bottom-right, as when decoding

@@ -156,8 +156,7 @@ void sdpa_with_window_cache(const ConstHeadsView<Scalar>& q, const ConstHeadsVie
   p.num_segments = static_cast<Index>(count);
   p.positions = rule;
   p.first_query = next;
-  p.scale = detail::softmax_scale(params, q.dim());
-  p.softcap = params.softcap;
+  detail::set_score_params(p, params, q.dim());
   p.group = q.heads() / k_new.heads();
   p.s_q = q.seq();
   p.s_k = cache.size() + k_new.seq();

@@ -13,15 +13,46 @@
 
 namespace apex {
 
+/// The document (segment) of every position of a packed sequence, for PositionMask::documents:
+/// ids[p] is the document of absolute position p, for p in [0, size). A document is a run of
+/// consecutive positions, so the ids are non-decreasing (checked by every attention entry
+/// point); their values are otherwise free. A non-owning view: the ids must outlive the calls
+/// that use them. Default-constructed: unset (no document rule).
+struct DocumentIds {
+  const Index* ids = nullptr;
+  Index size = 0;
+
+  DocumentIds() = default;
+  DocumentIds(const Index* data, Index count) : ids(data), size(count) {}
+  /// A view of a vector's ids (not a copy).
+  explicit DocumentIds(const std::vector<Index>& v)
+      : ids(v.data()), size(static_cast<Index>(v.size())) {}
+
+  bool empty() const { return ids == nullptr; }
+  /// The first position of the document of position `pos` (pos in [0, size)).
+  Index first_of(Index pos) const {
+    return static_cast<Index>(std::lower_bound(ids, ids + pos, ids[pos]) - ids);
+  }
+  /// One past the last position of the document of position `pos` (pos in [0, size)).
+  Index end_of(Index pos) const {
+    return static_cast<Index>(std::upper_bound(ids + pos, ids + size, ids[pos]) - ids);
+  }
+};
+
 /// Which (query, key) pairs may attend, decided from absolute positions alone, so that the fast
 /// kernels can skip whole blocks without reading a mask.
 ///
 /// Query row i has absolute position query_offset + i and key row j has key_offset + j. A pair
 /// (qp, kp) is allowed when
 ///   - both lie in the bidirectional prefix [0, P): 0 <= qp, kp < prefix (§11.1), or
-///   - the mask is not causal, or
-///   - it is causal and 0 <= qp - kp, and, with a window W, also qp - kp < W (§10.2: the query
-///     itself counts, so W = 1 sees only itself).
+///   - with documents set, both positions belong to the same document, and the mask is not
+///     causal, or it is causal and 0 <= qp - kp, and, with a window W, also qp - kp < W (§10.2:
+///     the query itself counts, so W = 1 sees only itself), and, with a chunk size C,
+///     ⌊qp / C⌋ = ⌊kp / C⌋ (chunked local attention, as Llama 4 uses: a query sees the keys of
+///     its own chunk of C positions, causally).
+/// The prefix rule comes first: prefix positions see each other whatever the other parts say.
+/// A document mask without causal is bidirectional inside each document; with causal it is
+/// causal inside each document (a packed batch of sequences).
 ///
 /// Causal alignment: by default (query_offset unset) the S_q queries are the last S_q of the
 /// key_offset + S_k positions, the convention of decoding with a KV cache (FlashAttention's
@@ -30,11 +61,15 @@ namespace apex {
 ///
 /// Range: the offsets are >= 0, and the end of each range of positions, key_offset + S_k and
 /// query_offset + S_q, must itself be an Index (at most 2^63 - 1); build_mask and the attention
-/// entry points reject offsets that would overflow there.
+/// entry points reject offsets that would overflow there. With documents, every query and key
+/// position has an id: the first query position is >= 0 and documents.size is the end of the
+/// last range, max(query end, key end).
 struct PositionMask {
   bool causal = false;                ///< key j visible only if kp <= qp; false: everything allowed
-  std::optional<Index> window;        ///< W >= 1; only meaningful with causal = true
+  std::optional<Index> window;        ///< W >= 1; requires causal = true
+  std::optional<Index> chunk;         ///< C >= 1: chunked local attention; requires causal = true
   Index prefix = 0;                   ///< P >= 0: positions [0, P) attend to each other freely
+  DocumentIds documents;              ///< unset: no document rule
   std::optional<Index> query_offset;  ///< position of query row 0; unset: key_offset + S_k - S_q
   Index key_offset = 0;               ///< absolute position of key row 0
 
@@ -47,16 +82,24 @@ struct PositionMask {
   /// before position 0 (bottom-right alignment with S_q > key_offset + S_k) is not in it.
   bool allows(Index query_pos, Index key_pos) const {
     if (in_prefix(query_pos) && in_prefix(key_pos)) return true;
+    if (!documents.empty() && documents.ids[query_pos] != documents.ids[key_pos]) return false;
     if (!causal) return true;
     const Index distance = query_pos - key_pos;
-    return distance >= 0 && (!window || distance < *window);
+    return distance >= 0 && (!window || distance < *window) &&
+           (!chunk || chunk_of(query_pos) == chunk_of(key_pos));
   }
 
-  /// True when no pair can be forbidden (no causal rule): the kernels then skip mask work.
-  bool allows_everything() const { return !causal; }
+  /// True when no pair can be forbidden: the kernels then skip mask work.
+  bool allows_everything() const { return !causal && documents.empty(); }
 
   /// Whether an absolute position lies in the bidirectional prefix [0, P).
   bool in_prefix(Index pos) const { return pos >= 0 && pos < prefix; }
+
+  /// ⌊pos / C⌋, rounding towards -inf (queries may sit before position 0). Needs a chunk.
+  Index chunk_of(Index pos) const {
+    const Index c = *chunk;
+    return pos >= 0 ? pos / c : -((-(pos + 1)) / c) - 1;
+  }
 };
 
 /// How a rectangle of (query, key) positions relates to a PositionMask.
@@ -66,24 +109,100 @@ enum class BlockCoverage {
   kAll       ///< every pair may attend: no mask work needed
 };
 
+namespace detail {
+
+/// What one part of a rule (causal distance, chunks, documents) says of a rectangle: every pair
+/// passes it, or none does (both false: some may).
+struct PartCoverage {
+  bool all = true;
+  bool none = false;
+};
+
+/// The causal part (with its window) on queries [qb, qe), keys [kb, ke).
+inline PartCoverage causal_coverage(const PositionMask& m, Index qb, Index qe, Index kb, Index ke) {
+  const Index min_distance = qb - (ke - 1);
+  const Index max_distance = (qe - 1) - kb;
+  return {min_distance >= 0 && (!m.window || max_distance < *m.window),
+          max_distance < 0 || (m.window && min_distance >= *m.window)};
+}
+
+/// The chunk part: all when both ranges lie in one chunk, none when their chunks are disjoint.
+inline PartCoverage chunk_coverage(const PositionMask& m, Index qb, Index qe, Index kb, Index ke) {
+  const Index q0 = m.chunk_of(qb), q1 = m.chunk_of(qe - 1);
+  const Index k0 = m.chunk_of(kb), k1 = m.chunk_of(ke - 1);
+  return {q0 == q1 && k0 == k1 && q0 == k0, q1 < k0 || k1 < q0};
+}
+
+/// The document part (ids non-decreasing): all when both ranges lie in one document, none when
+/// their ranges of ids are disjoint.
+inline PartCoverage document_coverage(const DocumentIds& d, Index qb, Index qe, Index kb,
+                                      Index ke) {
+  const Index q0 = d.ids[qb], q1 = d.ids[qe - 1];
+  const Index k0 = d.ids[kb], k1 = d.ids[ke - 1];
+  return {q0 == q1 && k0 == k1 && q0 == k0, q1 < k0 || k1 < q0};
+}
+
+}  // namespace detail
+
 /// Classifies queries [q_begin, q_end) against keys [k_begin, k_end) (absolute positions, both
-/// ranges non-empty). kNone and kAll are exact; kPartial means "check each pair" and is also the
-/// answer whenever the cheap interval test cannot decide.
+/// ranges non-empty and, with documents, inside [0, documents.size)). kNone and kAll are exact;
+/// kPartial means "check each pair" and is also the answer whenever the interval tests of the
+/// rule's parts (causal distance, chunks, documents: each decided on its own) cannot tell.
 inline BlockCoverage classify_block(const PositionMask& mask, Index q_begin, Index q_end,
                                     Index k_begin, Index k_end) {
   APEX_ASSERT(q_begin < q_end && k_begin < k_end);
-  if (!mask.causal) return BlockCoverage::kAll;
-  const Index min_distance = q_begin - (k_end - 1);
-  const Index max_distance = (q_end - 1) - k_begin;
-  const bool rule_all = min_distance >= 0 && (!mask.window || max_distance < *mask.window);
+  if (mask.allows_everything()) return BlockCoverage::kAll;
+  detail::PartCoverage rule;
+  const auto join = [&rule](const detail::PartCoverage& part) {
+    rule.all = rule.all && part.all;
+    rule.none = rule.none || part.none;
+  };
+  if (!mask.documents.empty()) {
+    join(detail::document_coverage(mask.documents, q_begin, q_end, k_begin, k_end));
+  }
+  if (mask.causal) join(detail::causal_coverage(mask, q_begin, q_end, k_begin, k_end));
+  if (mask.chunk) join(detail::chunk_coverage(mask, q_begin, q_end, k_begin, k_end));
   const bool inside_prefix =
       q_begin >= 0 && q_end <= mask.prefix && k_begin >= 0 && k_end <= mask.prefix;
-  if (rule_all || inside_prefix) return BlockCoverage::kAll;
-  const bool rule_none = max_distance < 0 || (mask.window && min_distance >= *mask.window);
+  if (rule.all || inside_prefix) return BlockCoverage::kAll;
   const bool touches_prefix =
       q_begin < mask.prefix && q_end > 0 && k_begin < mask.prefix && k_end > 0;
-  if (rule_none && !touches_prefix) return BlockCoverage::kNone;
+  if (rule.none && !touches_prefix) return BlockCoverage::kNone;
   return BlockCoverage::kPartial;
+}
+
+/// A range of absolute positions [begin, end).
+struct PositionRange {
+  Index begin, end;
+};
+
+/// The key positions that queries [q_begin, q_end) may see (a non-empty query range, inside the
+/// documents' ids where those are set): every key a query of the range may attend lies in the
+/// returned range, which the kernels visit instead of all the keys, so that keys outside it are
+/// never read. It is an interval hull: keys inside it may still be forbidden.
+inline PositionRange visible_keys(const PositionMask& mask, Index q_begin, Index q_end) {
+  constexpr Index kMin = std::numeric_limits<Index>::min();
+  constexpr Index kMax = std::numeric_limits<Index>::max();
+  PositionRange r{kMin, kMax};
+  if (mask.causal) r.end = q_end;
+  // Key positions are >= 0, so bounds below 0 need not be formed (they could overflow).
+  if (mask.window && q_begin >= *mask.window - 1) {
+    r.begin = std::max(r.begin, q_begin - (*mask.window - 1));
+  }
+  if (mask.chunk && q_begin >= 0) r.begin = std::max(r.begin, q_begin - q_begin % *mask.chunk);
+  if (mask.chunk && q_end > 0) {
+    const Index last_chunk = (q_end - 1) - (q_end - 1) % *mask.chunk;
+    if (last_chunk <= kMax - *mask.chunk) r.end = std::min(r.end, last_chunk + *mask.chunk);
+  }
+  if (!mask.documents.empty()) {
+    r.begin = std::max(r.begin, mask.documents.first_of(q_begin));
+    r.end = std::min(r.end, mask.documents.end_of(q_end - 1));
+  }
+  if (q_begin < mask.prefix && q_end > 0) {  // queries in the prefix see all of it
+    r.begin = std::min(r.begin, Index{0});
+    r.end = std::max(r.end, mask.prefix);
+  }
+  return r;
 }
 
 namespace detail {
@@ -94,11 +213,39 @@ inline void check_position_mask(const PositionMask& mask, const char* op) {
              "[" << op << "] window (" << *mask.window << ") must be at least 1");
   APEX_CHECK(!mask.window || mask.causal,
              "[" << op << "] window (" << *mask.window << ") requires causal = true");
+  APEX_CHECK(!mask.chunk || *mask.chunk >= 1,
+             "[" << op << "] chunk (" << *mask.chunk << ") must be at least 1");
+  APEX_CHECK(!mask.chunk || mask.causal,
+             "[" << op << "] chunk (" << *mask.chunk << ") requires causal = true");
+  APEX_CHECK(mask.documents.size >= 0 && (mask.documents.size == 0 || !mask.documents.empty()),
+             "[" << op << "] documents (" << mask.documents.size
+                 << " ids) must be a view of >= 0 ids with data");
   APEX_CHECK(mask.prefix >= 0, "[" << op << "] prefix (" << mask.prefix << ") must be >= 0");
   APEX_CHECK(!mask.query_offset || *mask.query_offset >= 0,
              "[" << op << "] query_offset (" << *mask.query_offset << ") must be >= 0");
   APEX_CHECK(mask.key_offset >= 0,
              "[" << op << "] key_offset (" << mask.key_offset << ") must be >= 0");
+}
+
+/// Preconditions on the document ids of a PositionMask for S_q queries against S_k keys: an id
+/// for every position [0, max(query end, key end)), no query before position 0, and
+/// non-decreasing ids (each document a run of consecutive positions). O(size).
+inline void check_documents(const PositionMask& mask, Index num_queries, Index num_keys,
+                            const char* op) {
+  const Index first = mask.first_query_position(num_queries, num_keys);
+  const Index end = std::max(first + num_queries, mask.key_offset + num_keys);
+  APEX_CHECK(num_queries == 0 || first >= 0,
+             "[" << op << "] documents need every query at a position >= 0 (the first query is at "
+                 << first << ")");
+  APEX_CHECK(mask.documents.size == end,
+             "[" << op << "] documents length (" << mask.documents.size
+                 << ") must be the end of the positions, max(query end, key end) = " << end);
+  const Index* ids = mask.documents.ids;
+  const Index* drop = std::is_sorted_until(ids, ids + mask.documents.size);
+  APEX_CHECK(drop == ids + mask.documents.size,
+             "[" << op << "] documents ids must be non-decreasing (one run of positions per "
+                 << "document): position " << (drop - ids) << " has id " << *drop << " after "
+                 << *(drop - 1));
 }
 
 /// Preconditions on a PositionMask applied to S_q queries against S_k keys: those above, and
@@ -118,6 +265,7 @@ inline void check_position_mask(const PositionMask& mask, Index num_queries, Ind
   APEX_CHECK(!mask.query_offset || num_queries <= kMax - *mask.query_offset,
              "[" << op << "] query_offset (" << *mask.query_offset << ") + S_q (" << num_queries
                  << ") must not exceed the largest position " << kMax);
+  if (!mask.documents.empty()) check_documents(mask, num_queries, num_keys, op);
 }
 
 }  // namespace detail

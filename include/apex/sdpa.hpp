@@ -11,7 +11,7 @@
 //     one, makes that row's out and lse NaN;
 //   - a NaN or ±inf value v_j reaches exactly the rows in which key j takes part, even where its
 //     weight underflows to 0: those rows' outputs are not finite in its columns;
-//   - a row in which no key takes part is zeros, with lse = -inf;
+//   - a row in which no key takes part is zeros, with lse = -inf (lse = the sink with one);
 //   - finite inputs whose scores (or outputs) overflow float are computed again in double: a
 //     float call returns the double reference's finite answer, rounded to float. The lse is
 //     rounded to the output type, so it may be ±inf there;
@@ -27,21 +27,65 @@
 #include <apex/tensor.hpp>
 
 #include <cmath>
+#include <cstddef>
 #include <initializer_list>
 #include <limits>
 #include <optional>
+#include <vector>
 
 namespace apex {
 
-/// Parameters of softmax(softcap(scale · Q Kᵀ) + mask) V.
+/// Parameters of softmax(softcap(scale · Q Kᵀ) + ALiBi + mask, sink) V.
+///
+/// The score of query row i (absolute position qp) of query head h against key j (position kp):
+///   s_ij = softcap(scale · q_i·k_j) + slope_h·(kp − qp) + bias_ij    (forbidden → -inf)
+/// and the output, with the head's sink (when set) as one more logit whose value is zero:
+///   out_i = Σ_j e^(s_ij) v_j / (e^(sink_h) + Σ_j e^(s_ij)).
+/// A parameter that float cannot represent makes a float call compute in double.
 struct SdpaParams {
   /// Multiplies Q Kᵀ. Unset: 1/√d_qk (§6.2), where d_qk is the width of Q and K. Any finite
-  /// value; one that float cannot represent makes a float call compute in double.
+  /// value.
   std::optional<double> scale;
-  /// c > 0 maps each scaled score x to c·tanh(x/c) (Gemma 2's logit soft-capping) before the
-  /// mask and the bias are applied, so a forbidden key stays forbidden. 0 turns it off.
+  /// c > 0 maps each scaled score x to c·tanh(x/c) (Gemma 2's logit soft-capping) before ALiBi,
+  /// the mask and the bias are applied, so a forbidden key stays forbidden. 0 turns it off.
   double softcap = 0.0;
+  /// Attention sinks (as gpt-oss uses them): one finite logit per query head, [H_q], that joins
+  /// every row's softmax denominator and contributes no value. Empty: none. The lse, max and
+  /// sum outputs then describe the row with its sink (lse = log(e^sink + Σ_j e^(s_j))), and a
+  /// row in which no key takes part is zeros with lse = sink. Merging such results would count
+  /// the sink twice: merge results computed without it and give it to the merge
+  /// (merge_attention_stats with a sink).
+  std::vector<double> sinks;
+  /// ALiBi (Press et al. 2022): one finite slope per query head, [H_q]; the score of a key kp
+  /// for a query qp gains −slope·(qp − kp), computed in the kernel from the positions (never
+  /// stored as a matrix). alibi_slopes(H) gives the standard geometric slopes. Empty: none.
+  /// Without a causal rule the keys after a query get a positive term.
+  std::vector<double> alibi_slopes;
 };
+
+/// The standard ALiBi slopes of H heads (Press et al. 2022): for H a power of two, the
+/// geometric sequence slope_h = 2^(−8(h + 1)/H), h = 0 .. H − 1; otherwise the slopes of the
+/// largest power of two n < H, followed by every other slope of 2n's sequence (the 1st, 3rd,
+/// ...) until there are H. Throws if H < 1. Allocates the result.
+inline std::vector<double> alibi_slopes(Index heads) {
+  APEX_CHECK(heads >= 1, "[alibi_slopes] heads (" << heads << ") must be >= 1");
+  const auto geometric = [](Index n) {
+    std::vector<double> slopes(static_cast<std::size_t>(n));
+    for (Index h = 0; h < n; ++h) {
+      slopes[static_cast<std::size_t>(h)] =
+          std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(n));
+    }
+    return slopes;
+  };
+  Index n = 1;
+  while (n * 2 <= heads) n *= 2;
+  std::vector<double> slopes = geometric(n);
+  const std::vector<double> finer = geometric(2 * n);
+  for (Index h = 0; static_cast<Index>(slopes.size()) < heads; h += 2) {
+    slopes.push_back(finer[static_cast<std::size_t>(h)]);
+  }
+  return slopes;
+}
 
 /// Everything that can forbid or bias a score. The parts combine: a pair is attended only if the
 /// position rule allows it and the dense mask (if any) is true; the bias (if any) is then added.
@@ -94,6 +138,20 @@ void check_row_output(const HeadsView<T>& view, const HeadsShape& q, const char*
                  << ", " << q.heads << ", " << q.seq << ", 1]");
 }
 
+/// Throws unless `values` (SdpaParams::sinks or alibi_slopes) is empty or holds H_q finite
+/// values.
+inline void check_head_values(const std::vector<double>& values, Index q_heads, const char* op,
+                              const char* name) {
+  if (values.empty()) return;
+  APEX_CHECK(static_cast<Index>(values.size()) == q_heads,
+             "[" << op << "] " << name << " length (" << values.size()
+                 << ") must be the number of query heads " << q_heads << " (or 0 for none)");
+  for (std::size_t h = 0; h < values.size(); ++h) {
+    APEX_CHECK(std::isfinite(values[h]),
+               "[" << op << "] " << name << "[" << h << "] (" << values[h] << ") must be finite");
+  }
+}
+
 /// Every precondition of sdpa on the shapes of [B, H, S, D] views; throws before anything is
 /// written. The views' memory is not looked at, so shape-only views may be checked. The element
 /// types are any (each view may be read-only or not).
@@ -130,6 +188,8 @@ void check_sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>
              "[" << op << "] scale (" << *params.scale << ") must be finite");
   APEX_CHECK(std::isfinite(params.softcap) && params.softcap >= 0.0,
              "[" << op << "] softcap (" << params.softcap << ") must be >= 0 (0 = off)");
+  check_head_values(params.sinks, q.heads(), op, "sinks");
+  check_head_values(params.alibi_slopes, q.heads(), op, "alibi_slopes");
   check_position_mask(mask.positions, q.seq(), k.seq(), op);
   if (!mask.allowed.empty()) {
     check_mask_view_shape(mask.allowed.shape(), q.shape(), k.seq(), op, "allowed mask");
@@ -150,15 +210,26 @@ inline double softmax_scale(const SdpaParams& params, Index d_qk) {
   return params.scale ? *params.scale : 1.0 / std::sqrt(static_cast<double>(d_qk));
 }
 
-/// One (query, key) score of the reference after scaling, soft-capping, masking and bias; -inf
-/// when forbidden.
-inline double masked_score(double scaled, double softcap, bool allowed, double bias) {
+/// The parameters of the scores that the kernel takes from SdpaParams: the scale (resolved),
+/// the soft-cap, and pointers to the sinks and ALiBi slopes (null when empty), which must
+/// outlive the problem.
+template <class P>
+void set_score_params(P& p, const SdpaParams& params, Index d_qk) {
+  p.scale = softmax_scale(params, d_qk);
+  p.softcap = params.softcap;
+  p.sinks = params.sinks.empty() ? nullptr : params.sinks.data();
+  p.alibi_slopes = params.alibi_slopes.empty() ? nullptr : params.alibi_slopes.data();
+}
+
+/// One (query, key) score of the reference after scaling, soft-capping, ALiBi (the term
+/// −slope·(qp − kp), 0 without it), masking and bias; -inf when forbidden.
+inline double masked_score(double scaled, double softcap, double alibi, bool allowed, double bias) {
   // A bias of -inf is a mask too: it forbids the key whatever the score (even NaN).
   if (!allowed || bias == -std::numeric_limits<double>::infinity()) {
     return -std::numeric_limits<double>::infinity();
   }
   if (softcap > 0.0) scaled = softcap * std::tanh(scaled / softcap);
-  return scaled + bias;
+  return scaled + alibi + bias;
 }
 
 /// Copies a [B, H, S, D] view into another of the same shape.
@@ -233,8 +304,7 @@ void flash_sdpa(const HeadsView<const TQ>& q, const HeadsView<const TK>& k,
   p.first_query = mask.positions.first_query_position(q.seq(), k.seq());
   p.allowed = mask.allowed;
   p.bias = mask.bias;
-  p.scale = softmax_scale(params, q.dim());
-  p.softcap = params.softcap;
+  set_score_params(p, params, q.dim());
   p.group = q.heads() / k.heads();
   p.s_q = q.seq();
   p.s_k = k.seq();
@@ -278,8 +348,9 @@ namespace reference {
 /// against. For each (batch, query head h) it uses key/value head h / (H_q / H_kv) (§8.2) and
 /// computes, one query row at a time and in double precision,
 ///   out[i] = Σ_j softmax_j(softcap(scale · q_i·k_j) + bias_ij, forbidden → -inf) v_j   (§6.2)
-/// following the non-finite policy at the top of this header (a row in which no key takes part
-/// gets zeros and a log-sum-exp of -inf).
+/// with ALiBi's term and the head's sink as SdpaParams describes them (the sink as one more
+/// score of zero value), following the non-finite policy at the top of this header (a row in
+/// which no key takes part gets zeros and a log-sum-exp of -inf, or of the sink).
 ///   q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v]
 ///   -> out: [B, H_q, S_q, d_v], lse (optional): [B, H_q, S_q, 1] (natural log of Σ_j exp score),
 ///      stats (optional): the max and sum of SoftmaxStatsView.
@@ -317,15 +388,20 @@ void sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
       const RowMatrix<double> vd = v.head(b, h / group).template cast<double>();
       auto out_head = out.head(b, h);
       Vector<double> scores(s_k);
+      // The sink: one more logit of every row of the head, with a zero value (-inf: none).
+      const double sink = params.sinks.empty() ? kNegInf : params.sinks[std::size_t(h)];
+      const double slope = params.alibi_slopes.empty() ? 0.0 : params.alibi_slopes[std::size_t(h)];
       for (Index i = 0; i < s_q; ++i) {
         double row_max = kNegInf;
         for (Index j = 0; j < s_k; ++j) {
-          const bool allowed =
-              mask.positions.allows(first_query + i, mask.positions.key_offset + j) &&
-              (mask.allowed.empty() || mask.allowed.head(b, h)(i, j));
+          const Index qp = first_query + i;
+          const Index kp = mask.positions.key_offset + j;
+          const bool allowed = mask.positions.allows(qp, kp) &&
+                               (mask.allowed.empty() || mask.allowed.head(b, h)(i, j));
           const double bias = mask.bias.empty() ? 0.0 : double(mask.bias.head(b, h)(i, j));
-          scores(j) =
-              detail::masked_score(scale * qd.row(i).dot(kd.row(j)), params.softcap, allowed, bias);
+          const double alibi = slope == 0.0 ? 0.0 : -slope * double(qp - kp);
+          scores(j) = detail::masked_score(scale * qd.row(i).dot(kd.row(j)), params.softcap, alibi,
+                                           allowed, bias);
           // A NaN score sticks (std::max would drop it).
           if (std::isnan(scores(j)) || scores(j) > row_max) row_max = scores(j);
         }
@@ -334,7 +410,8 @@ void sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
           write_stats(b, h, i, kNaN, kNaN);
           continue;
         }
-        if (row_max == kNegInf) {  // no key takes part
+        row_max = std::max(row_max, sink);
+        if (row_max == kNegInf) {  // no key takes part, and no sink
           out_head.row(i).setZero();
           write_stats(b, h, i, kNegInf, 0.0);
           continue;
@@ -343,7 +420,7 @@ void sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
         // their values hold (even NaN) cannot reach the output.
         Eigen::Matrix<double, 1, Eigen::Dynamic> acc =
             Eigen::Matrix<double, 1, Eigen::Dynamic>::Zero(vd.cols());
-        double total = 0.0;
+        double total = std::exp(sink - row_max);  // 0 without a sink
         for (Index j = 0; j < s_k; ++j) {
           if (scores(j) == kNegInf) continue;
           const double weight = std::exp(scores(j) - row_max);
@@ -389,8 +466,9 @@ RowMatrix<typename DQ::Scalar> sdpa(const Eigen::MatrixBase<DQ>& q, const Eigen:
 /// multi-head attention, 1 < H_kv < H_q grouped-query attention and H_kv = 1 multi-query
 /// attention. For each query row i,
 ///   out[i] = Σ_j softmax_j(softcap(scale · q_i·k_j) + bias_ij, forbidden → -inf) v_j
-/// with scale = 1/√d_qk unless SdpaParams says otherwise. Causality and windows are measured in
-/// absolute positions (see PositionMask for the alignment of S_q queries against S_k keys).
+/// with scale = 1/√d_qk unless SdpaParams says otherwise, and ALiBi and attention sinks where
+/// SdpaParams sets them. Causality, windows, chunks and documents are measured in absolute
+/// positions (see PositionMask for the alignment of S_q queries against S_k keys).
 /// Non-finite input and overflow follow the policy at the top of this header.
 ///   q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v]
 ///   -> out: [B, H_q, S_q, d_v], lse (optional): [B, H_q, S_q, 1], the natural-log
@@ -474,21 +552,23 @@ RowMatrix<typename DQ::Scalar> sdpa(const Eigen::MatrixBase<DQ>& q, const Eigen:
 
 namespace detail {
 
-/// n partial results of `rows` rows, merged row by row in double by merge_rows.
+/// n partial results of `rows` rows, merged row by row in double by merge_rows (with the sink
+/// of every row, -inf for none).
 ///   out_of(c, i) -> pointer to the d_v outputs of part c, row i; stats_of(c, i) -> its
 ///   SoftmaxStats<double>; write(i, stats) receives each merged row's statistics, whose outputs
 ///   go to out_row(i). Allocates n + d_v doubles.
 template <class Scalar, class OutOf, class StatsOf, class OutRow, class Write>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (parts, rows, width)
 void merge_parts(Index parts, Index rows, Index d_v, const OutOf& out_of, const StatsOf& stats_of,
-                 const OutRow& out_row, const Write& write) {
+                 const OutRow& out_row, const Write& write,
+                 double sink = -std::numeric_limits<double>::infinity()) {
   Vector<double> scratch(parts + d_v);
   for (Index i = 0; i < rows; ++i) {
     const auto part_at = [&](Index c) {
       return PartRow<Scalar, double>{out_of(c, i), stats_of(c, i)};
     };
     write(i, merge_rows<double>(parts, d_v, part_at, out_row(i), scratch.data(),
-                                scratch.data() + parts));
+                                scratch.data() + parts, sink));
   }
 }
 
@@ -511,6 +591,43 @@ inline void check_merge_shapes(const MergeShapes& m, const char* op, const char*
 
 }  // namespace detail
 
+namespace detail {
+
+/// The whole of merge_attention_stats, with the sink of every row (-inf: none).
+template <class DO, class DM, class DS>
+void merge_stats(const Eigen::MatrixBase<DO>& parts_out, const Eigen::MatrixBase<DM>& parts_max,
+                 const Eigen::MatrixBase<DS>& parts_sum, double sink,
+                 RowRef<typename DO::Scalar> out, VectorRef<typename DO::Scalar> max,
+                 VectorRef<typename DO::Scalar> sum, const char* op) {
+  using Scalar = typename DO::Scalar;
+  require_supported_scalar<Scalar>();
+  const ConstRowRef<Scalar> po(parts_out.derived());
+  const ConstRowRef<Scalar> pm(parts_max.derived());
+  const ConstRowRef<Scalar> ps(parts_sum.derived());
+  const Index parts = pm.rows();
+  const Index rows = pm.cols();
+  check_merge_shapes({po.rows(), po.cols(), parts, rows, out.rows(), out.cols()}, op, "parts_max");
+  APEX_CHECK(ps.rows() == parts && ps.cols() == rows,
+             "[" << op << "] parts_sum shape [" << ps.rows() << ", " << ps.cols()
+                 << "] must equal parts_max shape [" << parts << ", " << rows << "]");
+  APEX_CHECK(max.size() == rows && sum.size() == rows, "[" << op << "] max and sum lengths ("
+                                                           << max.size() << ", " << sum.size()
+                                                           << ") must equal S_q " << rows);
+  merge_parts<Scalar>(
+      parts, rows, po.cols(), [&](Index c, Index i) { return po.row(c * rows + i).data(); },
+      [&](Index c, Index i) {
+        return SoftmaxStats<double>{double(pm(c, i)), double(ps(c, i))};
+      },
+      [&](Index i) { return out.row(i).data(); },
+      [&](Index i, const SoftmaxStats<double>& s) {
+        max(i) = static_cast<Scalar>(s.max);
+        sum(i) = static_cast<Scalar>(s.sum);
+      },
+      sink);
+}
+
+}  // namespace detail
+
 /// Merges n attention results over disjoint key sets into the result over their union, exactly
 /// at any logit magnitude, from each part's softmax statistics (SoftmaxStatsView, as sdpa writes
 /// them; named apart from merge_attention, whose two-way form has as many arguments):
@@ -525,32 +642,25 @@ void merge_attention_stats(const Eigen::MatrixBase<DO>& parts_out,
                            const Eigen::MatrixBase<DM>& parts_max,
                            const Eigen::MatrixBase<DS>& parts_sum, RowRef<typename DO::Scalar> out,
                            VectorRef<typename DO::Scalar> max, VectorRef<typename DO::Scalar> sum) {
-  using Scalar = typename DO::Scalar;
-  detail::require_supported_scalar<Scalar>();
-  const ConstRowRef<Scalar> po(parts_out.derived());
-  const ConstRowRef<Scalar> pm(parts_max.derived());
-  const ConstRowRef<Scalar> ps(parts_sum.derived());
-  const Index parts = pm.rows();
-  const Index rows = pm.cols();
-  const char* op = "merge_attention_stats";
-  detail::check_merge_shapes({po.rows(), po.cols(), parts, rows, out.rows(), out.cols()}, op,
-                             "parts_max");
-  APEX_CHECK(ps.rows() == parts && ps.cols() == rows,
-             "[" << op << "] parts_sum shape [" << ps.rows() << ", " << ps.cols()
-                 << "] must equal parts_max shape [" << parts << ", " << rows << "]");
-  APEX_CHECK(max.size() == rows && sum.size() == rows, "[" << op << "] max and sum lengths ("
-                                                           << max.size() << ", " << sum.size()
-                                                           << ") must equal S_q " << rows);
-  detail::merge_parts<Scalar>(
-      parts, rows, po.cols(), [&](Index c, Index i) { return po.row(c * rows + i).data(); },
-      [&](Index c, Index i) {
-        return detail::SoftmaxStats<double>{double(pm(c, i)), double(ps(c, i))};
-      },
-      [&](Index i) { return out.row(i).data(); },
-      [&](Index i, const detail::SoftmaxStats<double>& s) {
-        max(i) = static_cast<Scalar>(s.max);
-        sum(i) = static_cast<Scalar>(s.sum);
-      });
+  detail::merge_stats(parts_out, parts_max, parts_sum, -std::numeric_limits<double>::infinity(),
+                      out, max, sum, "merge_attention_stats");
+}
+
+/// merge_attention_stats for rows with an attention sink (SdpaParams::sinks; one head's rows, so
+/// one sink): the parts, computed without the sink, are merged and the sink joins once, as one
+/// more logit of zero value (detail::with_sink): with M = max(max_c m_c, sink),
+///   out = Σ_c w_c·out_c / (e^(sink − M) + Σ_c w_c),  sum = e^(sink − M) + Σ_c w_c,
+/// the result of sdpa over all the keys with that sink. A row without keys gets zeros and the
+/// statistics (sink, 1). Throws if the sink is not finite. Shapes and allocation as above.
+template <class DO, class DM, class DS>
+void merge_attention_stats(const Eigen::MatrixBase<DO>& parts_out,
+                           const Eigen::MatrixBase<DM>& parts_max,
+                           const Eigen::MatrixBase<DS>& parts_sum, double sink,
+                           RowRef<typename DO::Scalar> out, VectorRef<typename DO::Scalar> max,
+                           VectorRef<typename DO::Scalar> sum) {
+  APEX_CHECK(std::isfinite(sink), "[merge_attention_stats] sink (" << sink << ") must be finite");
+  detail::merge_stats(parts_out, parts_max, parts_sum, sink, out, max, sum,
+                      "merge_attention_stats");
 }
 
 /// Merges n attention results over disjoint key sets from their log-sum-exps:

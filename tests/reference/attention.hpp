@@ -12,6 +12,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <vector>
 
 namespace apex_test {
 
@@ -36,7 +37,18 @@ struct MaskRule {
   bool causal = false;  ///< forbid keys after the query
   Index window = 0;     ///< 0: no window; otherwise keep only keys with i - j < window (§10.2)
   Index prefix = 0;     ///< positions [0, prefix) see each other in both directions (§11.1)
+  Index chunk = 0;      ///< 0: none; otherwise keep only keys of the query's chunk of `chunk`
+  /// null: no documents; otherwise (*documents)[p] is the document of position p, and a query
+  /// sees only keys of its own document.
+  const std::vector<Index>* documents = nullptr;
 };
+
+/// Which chunk of `size` positions holds position p: the largest c with c·size <= p.
+inline Index chunk_index(Index p, Index size) {
+  Index c = p / size;
+  if (c * size > p) --c;  // division truncates towards zero; p may be negative
+  return c;
+}
 
 /// Whether the query at absolute position i may attend to the key at absolute position j.
 inline bool rule_allows(const MaskRule& rule, Index i, Index j) {
@@ -44,9 +56,14 @@ inline bool rule_allows(const MaskRule& rule, Index i, Index j) {
   const bool query_in_prefix = 0 <= i && i < rule.prefix;
   const bool key_in_prefix = 0 <= j && j < rule.prefix;
   if (query_in_prefix && key_in_prefix) return true;
+  if (rule.documents != nullptr &&
+      (*rule.documents)[std::size_t(i)] != (*rule.documents)[std::size_t(j)]) {
+    return false;  // attention stays inside a document
+  }
   if (!rule.causal) return true;
   if (j > i) return false;                                    // causal: no key from the future
   if (rule.window > 0 && i - j >= rule.window) return false;  // §10.2: 0 <= i - j < W
+  if (rule.chunk > 0 && chunk_index(i, rule.chunk) != chunk_index(j, rule.chunk)) return false;
   return true;
 }
 
@@ -73,10 +90,14 @@ struct AttentionResult {
 ///   4. softmax over the remaining keys, subtracting the row maximum first,
 ///   5. out_i = Σ_j p_ij v_j over the remaining keys only (a dropped key's value is never read).
 /// A row with no remaining key (all forbidden, or every score -inf) is zeros with lse = -inf.
+/// A sink (gpt-oss), when finite, is one more score of every row whose value is zero: it joins
+/// the denominator of step 4 and the lse; a row with no remaining key is then zeros with
+/// lse = sink.
 ///   q: [S_q, d_qk], k: [S_k, d_qk], v: [S_k, d_v], bias: null or [S_q, S_k]
 inline AttentionResult attention(const MatrixD& q, const MatrixD& k, const MatrixD& v,
                                  const std::function<bool(Index, Index)>& allowed,
-                                 const MatrixD* bias, double scale, double softcap) {
+                                 const MatrixD* bias, double scale, double softcap,
+                                 double sink = -std::numeric_limits<double>::infinity()) {
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   const Index s_q = q.rows();
   const Index s_k = k.rows();
@@ -97,10 +118,10 @@ inline AttentionResult attention(const MatrixD& q, const MatrixD& k, const Matri
   }
   AttentionResult result{MatrixD::Zero(s_q, v.cols()), VectorD::Constant(s_q, kNegInf)};
   for (Index i = 0; i < s_q; ++i) {
-    double row_max = kNegInf;
+    double row_max = sink;
     for (Index j = 0; j < s_k; ++j) row_max = std::max(row_max, scores(i, j));
     if (row_max == kNegInf) continue;  // nothing to attend to: zeros, lse = -inf
-    double total = 0.0;
+    double total = std::exp(sink - row_max);
     for (Index j = 0; j < s_k; ++j) {
       if (scores(i, j) != kNegInf) total += std::exp(scores(i, j) - row_max);
     }

@@ -2,9 +2,11 @@
 // Tiled scaled dot-product attention with an online softmax: the fast path behind apex::sdpa.
 // apex::reference::sdpa (sdpa.hpp) is the plain version it is tested against.
 //
-// WHAT IT COMPUTES (§6.2, grouped heads §8.2, masks §10–§11): for every query row i
-//   out[i] = Σ_j softmax_j(softcap(scale · q_i·k_j) + bias_ij, forbidden → -inf) v_j
-//   lse[i] = log Σ_j exp(softcap(scale · q_i·k_j) + bias_ij)          (keys that take part)
+// WHAT IT COMPUTES (§6.2, grouped heads §8.2, masks §10–§11): for every query row i (position
+// qp) of query head h, with s_ij = softcap(scale · q_i·k_j) + slope_h·(kp_j − qp) + bias_ij
+// (forbidden → -inf; the ALiBi term only with slopes) and the head's sink (-inf without one),
+//   out[i] = Σ_j e^(s_ij) v_j / (e^(sink_h) + Σ_j e^(s_ij))
+//   lse[i] = log(e^(sink_h) + Σ_j e^(s_ij))                            (keys that take part)
 // without ever holding an S_q × S_k score matrix (FlashAttention: Dao et al. 2022, Algorithm 1).
 // The keys may come in several segments of consecutive positions (a sliding-window cache's ring
 // is two, plus the new chunk): one pass over them all, no merge.
@@ -24,10 +26,11 @@
 //
 // A tile folds in one key block at a time, in four named steps (AttentionTile::add_keys):
 //   score       S = Qs·K_jᵀ                       TileGemm (packed) or stream_scores
-//   mask        softcap, + bias, position rule, dense mask: forbidden → -inf
+//   mask        softcap, + ALiBi, + bias, position rule, dense mask: forbidden → -inf
 //   softmax     m, l and P = exp(S − m) per row    softmax_update (online_softmax.hpp)
 //   accumulate  acc = diag(α)·acc + P·V_j          TileGemm (packed) or stream_update
-// and finish_row() ends each row with softmax_finish: out = acc / l, lse = m + log l.
+// and finish_row() ends each row with softmax_finish: out = acc / l, lse = m + log l (with the
+// sink, which joins there once: THE SINK in online_softmax.hpp).
 //
 // INPUTS TYPED BY WHAT THEY STORE. Q, K, V (and the bias) are views of their storage types
 // (float, double, Eigen::half, Eigen::bfloat16); the kernel computes in C (float, or double).
@@ -35,22 +38,25 @@
 // path, which widens while it copies, with the vector conversions of widen.hpp) and read_rows
 // (the row reader of the streaming path, in place when the storage is C or a 16-bit type that
 // the streaming products widen packet by packet in registers, else widened a panel at a time by
-// load_rows). Q is widened
-// and scaled once per task (load_queries).
+// load_rows). Q is widened and scaled once per task (load_queries).
 //
 // COMPUTE TYPE. A call computes in double when any input is double. Otherwise it computes in
-// float, unless the softmax scale or the soft-cap is not a float (representable_in), or unless
-// the float pass meets a score, or produces an output, that is not finite (a finite q·k can
-// overflow float: q = k = 1e20); then the whole call is computed again in double, so that a
-// finite input always gets the finite answer of the double reference. (Inputs that hold NaN or
-// infinities therefore cost two passes.)
+// float, unless a parameter does not fit float (fits_float: the scale, the soft-cap, a sink, the
+// largest ALiBi term), or unless the float pass meets a score, or produces an output, that is not
+// finite (a finite q·k can overflow float: q = k = 1e20); then the whole call is computed again
+// in double, so that a finite input always gets the finite answer of the double reference.
+// (Inputs that hold NaN or infinities therefore cost two passes.)
 //
-// MASK-AWARE SKIPPING. Each (query block, key block) pair is classified on absolute positions
-// with classify_block: kNone skips the block (no product at all), kAll needs no mask work, and
-// kPartial applies PositionMask::allows element by element, evaluated once for the Bq × Bk tile
-// and shared by the G stacked heads. Causal attention thus costs about half of full attention,
-// and a sliding window about S·(W + Bq + Bk). Dense boolean masks and biases are applied to
-// every block that is not skipped.
+// MASK-AWARE SKIPPING. A query block visits only the keys its positions may see (visible_keys:
+// up to the block's last query when causal, from its window's, chunk's or document's first key,
+// and the prefix for prefix queries); the others are never read. Inside that range each (query
+// block, key block) pair is classified on absolute positions with classify_block: kNone skips
+// the block (no product at all), kAll needs no mask work, and kPartial applies
+// PositionMask::allows element by element, evaluated once for the Bq × Bk tile and shared by the
+// G stacked heads. Causal attention thus costs about half of full attention, a sliding window
+// about S·(W + Bq + Bk), chunks of C about S·(C + Bq + Bk)/2, documents the sum of their causal
+// triangles plus a block's edge each. Dense boolean masks and biases are applied to every block
+// that is not skipped; ALiBi needs mask work in every block (a term per score).
 //
 // NON-FINITE INPUT (the policy of apex::sdpa; PARTICIPATION in online_softmax.hpp). A forbidden
 // key never reaches the output: its score is selected to -inf after softcap and bias, and its
@@ -68,11 +74,12 @@
 // each key row, then each value row, is read once in memory order and used at once by every
 // stacked row.
 //
-// SCHEDULERS. prefill: one task per (b, kv head, query block), all keys in blocks. decode (split
-// keys, flash-decoding: Dao et al. 2023): when every query fits in one block and there are few
-// (b, kv head) pairs, the keys are cut into chunks, each (b, kv head, chunk) task writes a
-// partial result (out_c, m_c, l_c), and merge_rows combines them in chunk order. The chunks are
-// few enough that the partials are bounded whatever S_k (AttentionPlan).
+// SCHEDULERS. prefill: one task per (b, kv head, query block), its visible keys in blocks.
+// decode (split keys, flash-decoding: Dao et al. 2023): when every query fits in one block and
+// there are few (b, kv head) pairs, the visible keys are cut into chunks, each (b, kv head,
+// chunk) task writes a partial result (out_c, m_c, l_c) without the sink, and merge_rows
+// combines them in chunk order and adds the sink. The chunks are few enough that the partials
+// are bounded whatever S_k (AttentionPlan).
 //
 // THREADS AND DETERMINISM. Tasks run through detail::parallel_for. What a task computes depends
 // only on the shapes (the block sizes, the split and the choice of path are fixed, the key
@@ -169,8 +176,10 @@ struct AttentionProblem {
   HeadsView<const bool> allowed;  // empty: no dense mask
   HeadsView<const TB> bias;       // empty: no bias
   double scale = 1.0;
-  double softcap = 0.0;  // 0: off
-  Index group = 1;       // G = H_q / H_kv
+  double softcap = 0.0;                  // 0: off
+  const double* sinks = nullptr;         // [H_q] extra logits of zero value; null: none
+  const double* alibi_slopes = nullptr;  // [H_q] score += slope·(kp − qp); null: none
+  Index group = 1;                       // G = H_q / H_kv
   Index s_q = 0, s_k = 0, d_qk = 0, d_v = 0;
 };
 
@@ -240,22 +249,41 @@ struct KeyBlock {
   Index position() const { return segment->first_position + row; }
 };
 
-/// Calls f(KeyBlock) for the keys [begin, end) of the problem, in order, in blocks of at most
-/// `block` keys that never straddle two segments.
+/// The rows [begin, end) of a segment whose positions lie in `range` (empty: begin = end).
+template <class TK, class TV>
+std::pair<Index, Index> rows_in(const KeySegment<TK, TV>& segment, const PositionRange& range) {
+  const Index first = segment.first_position;  // >= 0: the differences below cannot overflow
+  const Index size = segment.k.seq();
+  const Index begin = range.begin <= first ? 0 : std::min(size, range.begin - first);
+  const Index end = range.end <= first ? 0 : std::min(size, range.end - first);
+  return {begin, std::max(begin, end)};
+}
+
+/// Calls f(KeyBlock) for the keys [begin, end) of the problem whose positions lie in `visible`
+/// (visible_keys), in order, in blocks of at most `block` keys that never straddle two segments
+/// and start at the first visible key of each segment. Keys outside `visible` are never read.
 template <class P, class F>
-void for_each_key_block(const P& p, Index begin, Index end, Index block, F&& f) {
+void for_each_key_block(const P& p, Index begin, Index end, const PositionRange& visible,
+                        Index block, F&& f) {
   Index first = 0;  // problem index of the segment's first key
   for (Index s = 0; s < p.num_segments; ++s) {
     const auto& segment = p.segments[s];
     const Index size = segment.k.seq();
-    const Index lo = std::max(begin, first);
-    const Index hi = std::min(end, first + size);
+    const auto [row_begin, row_end] = rows_in(segment, visible);
+    const Index lo = std::max(begin, first + row_begin);
+    const Index hi = std::min(end, first + row_end);
     for (Index k0 = lo; k0 < hi; k0 += block) {
       f(KeyBlock<typename P::Key, typename P::Value>{&segment, k0 - first, std::min(block, hi - k0),
                                                      k0});
     }
     first += size;
   }
+}
+
+/// The sink of query head h in C: an extra logit of every row of the head, or -inf (none).
+template <class C, class P>
+C sink_of(const P& p, Index h) {
+  return p.sinks != nullptr ? static_cast<C>(p.sinks[h]) : -std::numeric_limits<C>::infinity();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -301,7 +329,7 @@ class AttentionTile {
     const bool masked =
         coverage == BlockCoverage::kPartial || !p_.allowed.empty() || !p_.bias.empty();
     score(keys, masked);
-    if (masked || p_.softcap > 0.0) mask(keys, coverage);
+    if (masked || p_.softcap > 0.0 || p_.alibi_slopes != nullptr) mask(keys, coverage);
     const bool hidden = softmax(keys.n);
     // Unmasked, a key takes no part only when its raw score is -inf (see score()).
     if (!masked && hidden) non_finite_score_ = true;
@@ -309,10 +337,12 @@ class AttentionTile {
   }
 
   /// Ends stacked row r: writes its d_v outputs to `out` (rounded once to T) and returns its
-  /// statistics (softmax_finish).
+  /// statistics (softmax_finish), with the head's sink when `sink` is set (a whole row; a part
+  /// of a row that is merged later leaves the sink to the merge).
   template <class T>
-  SoftmaxStats<C> finish_row(Index r, T* out) const {
-    return softmax_finish(stats_[r], acc_ + r * ld_acc_, p_.d_v, out);
+  SoftmaxStats<C> finish_row(Index r, T* out, bool sink) const {
+    return softmax_finish(stats_[r], acc_ + r * ld_acc_, p_.d_v, out,
+                          sink ? sink_of<C>(p_, head_of(r)) : -std::numeric_limits<C>::infinity());
   }
 
   /// Whether the running state holds only finite numbers: every row's statistics (or those of
@@ -388,9 +418,9 @@ class AttentionTile {
     }
   }
 
-  /// mask: softcap(x) = c·tanh(x / c) on the scaled score, then the bias, then the position
-  /// rule and the dense mask, which select -inf rather than add, so that a forbidden key's score
-  /// is -inf whatever its key or bias held (NaN included).
+  /// mask: softcap(x) = c·tanh(x / c) on the scaled score, then ALiBi's slope·(kp − qp), then
+  /// the bias, then the position rule and the dense mask, which select -inf rather than add, so
+  /// that a forbidden key's score is -inf whatever its key or bias held (NaN included).
   void mask(const Block& keys, BlockCoverage coverage) {
     constexpr C kNegInf = -std::numeric_limits<C>::infinity();
     const Index n = keys.n;
@@ -401,6 +431,13 @@ class AttentionTile {
       const Index h = head_of(r);
       const Index i = query_of(r);
       if (softcap > C(0)) s = softcap * (s * (C(1) / softcap)).tanh();
+      if (p_.alibi_slopes != nullptr) {
+        // kp − qp for the block's keys as C (exact integers below 2^24 in float), times the
+        // head's slope (fits_float keeps the product finite in a float pass).
+        const C first = static_cast<C>(keys.position() - (p_.first_query + i));
+        s += static_cast<C>(p_.alibi_slopes[h]) *
+             Eigen::Array<C, 1, Eigen::Dynamic>::LinSpaced(n, first, first + C(n - 1));
+      }
       if (!p_.bias.empty()) {
         // A bias of -inf forbids the key even where the score is NaN (NaN + -inf is NaN).
         const auto bias =
@@ -531,7 +568,32 @@ struct AttentionPlan {
   bool split = false;      ///< split-key decoding
   Index chunk = 0;         ///< keys per chunk when split
   Index chunks = 0;        ///< chunks per (b, kv head) when split
+  Index first_key = 0;     ///< problem index of the first key of chunk 0 when split
 };
+
+/// The keys of queries [q0, q0 + bq) of a problem: visible_keys of their absolute positions.
+template <class P>
+PositionRange visible_keys_of(const P& p, Index q0, Index bq) {
+  return visible_keys(p.positions, p.first_query + q0, p.first_query + q0 + bq);
+}
+
+/// The problem indices [begin, end) that hold every key in `visible` (a hull: the segments may
+/// hold keys between them that are not visible; begin = end when none is).
+template <class P>
+std::pair<Index, Index> key_hull(const P& p, const PositionRange& visible) {
+  Index first = 0;
+  Index begin = p.s_k;
+  Index end = 0;
+  for (Index s = 0; s < p.num_segments; ++s) {
+    const auto [lo, hi] = rows_in(p.segments[s], visible);
+    if (lo < hi) {
+      begin = std::min(begin, first + lo);
+      end = std::max(end, first + hi);
+    }
+    first += p.segments[s].k.seq();
+  }
+  return {begin, std::max(begin, end)};
+}
 
 /// The key block of a tile, for the path it takes.
 inline Index key_block_for(bool streaming, const FlashBlocking& blocking, Index keys) {
@@ -544,7 +606,8 @@ inline Index key_block_for(bool streaming, const FlashBlocking& blocking, Index 
 /// two chunks per pair fit in partial_budget scalars: B·H_kv·chunks·M·(d_v + 2) <= budget, M =
 /// G·S_q. The chunks are as many as fit (each at least decode_chunk keys, a whole number of key
 /// blocks), so the partials are bounded whatever S_k, and a call with many query rows, whose
-/// tasks are compute-bound anyway, is not split.
+/// tasks are compute-bound anyway, is not split. Only the keys the queries may see are cut
+/// (key_hull of visible_keys): a window over a long cache splits its window, not the cache.
 template <class P>
 AttentionPlan plan_attention(const P& p, Index kv_heads, const FlashBlocking& blocking) {
   AttentionPlan plan;
@@ -552,16 +615,20 @@ AttentionPlan plan_attention(const P& p, Index kv_heads, const FlashBlocking& bl
   plan.query_blocks = (p.s_q + plan.query_block - 1) / plan.query_block;
   const Index pairs = p.q.batch() * kv_heads;
   const Index shortest = std::max<Index>(1, blocking.decode_chunk);
-  if (plan.query_blocks != 1 || pairs >= blocking.split_below || p.s_k < 2 * shortest) return plan;
+  if (plan.query_blocks != 1 || pairs >= blocking.split_below) return plan;
+  const auto [first, end] = key_hull(p, visible_keys_of(p, 0, p.s_q));
+  const Index keys = end - first;
+  if (keys < 2 * shortest) return plan;
   const Index record = p.group * p.s_q * (p.d_v + 2);  // scalars of one chunk's partial result
   const Index fit = blocking.partial_budget / std::max<Index>(1, pairs * record);
-  const Index wanted = std::min(fit, p.s_k / shortest);  // chunks per pair
+  const Index wanted = std::min(fit, keys / shortest);  // chunks per pair
   if (wanted < 2) return plan;
   const bool streaming = p.group * p.s_q <= blocking.stream_rows;
-  const Index block = key_block_for(streaming, blocking, p.s_k);
-  plan.chunk = (p.s_k + wanted - 1) / wanted;
+  const Index block = key_block_for(streaming, blocking, keys);
+  plan.chunk = (keys + wanted - 1) / wanted;
   if (plan.chunk > block) plan.chunk = (plan.chunk + block - 1) / block * block;
-  plan.chunks = (p.s_k + plan.chunk - 1) / plan.chunk;
+  plan.chunks = (keys + plan.chunk - 1) / plan.chunk;
+  plan.first_key = first;
   plan.split = plan.chunks >= 2;
   return plan;
 }
@@ -592,14 +659,15 @@ bool run_prefill(const P& p, Index kv_heads, const AttentionOutputs<TO>& o,
     const bool streaming = p.group * bq <= blocking.stream_rows;
     const Index key_block = key_block_for(streaming, blocking, p.s_k);
     AttentionTile<C, P> tile(p, b, pair - b * kv_heads, q0, bq, key_block, streaming);
-    for_each_key_block(p, 0, p.s_k, key_block, [&](const auto& keys) { tile.add_keys(keys); });
+    for_each_key_block(p, 0, p.s_k, visible_keys_of(p, q0, bq), key_block,
+                       [&](const auto& keys) { tile.add_keys(keys); });
     if (std::is_same_v<C, float> && (tile.saw_non_finite_score() || !tile.finite())) {
       finite = false;
     }
     for (Index r = 0; r < tile.rows(); ++r) {
       const Index h = tile.head_of(r);
       const Index i = tile.query_of(r);
-      write_row_stats<C>(o, b, h, i, tile.finish_row(r, o.out.head(b, h).row(i).data()));
+      write_row_stats<C>(o, b, h, i, tile.finish_row(r, o.out.head(b, h).row(i).data(), true));
     }
   });
   return finite;
@@ -619,21 +687,22 @@ bool run_decode(const P& p, Index kv_heads, const AttentionOutputs<TO>& o,
   const Index pairs = p.q.batch() * kv_heads;
   C* partials = ThreadScratch::local().get<C>(ScratchSlot::kDecodePartials,
                                               pairs * plan.chunks * rows * record);
+  const PositionRange visible = visible_keys_of(p, 0, p.s_q);
   std::atomic<bool> finite{true};
   parallel_for(pairs * plan.chunks, [&](Index task) {
     const Index pair = task / plan.chunks;
     const Index c = task - pair * plan.chunks;
     const Index b = pair / kv_heads;
     AttentionTile<C, P> tile(p, b, pair - b * kv_heads, 0, p.s_q, key_block, streaming);
-    const Index end = std::min(p.s_k, (c + 1) * plan.chunk);
-    for_each_key_block(p, c * plan.chunk, end, key_block,
+    const Index begin = plan.first_key + c * plan.chunk;
+    for_each_key_block(p, begin, std::min(p.s_k, begin + plan.chunk), visible, key_block,
                        [&](const auto& keys) { tile.add_keys(keys); });
     if (std::is_same_v<C, float> && (tile.saw_non_finite_score() || !tile.finite())) {
       finite = false;
     }
     C* partial = partials + task * rows * record;
     for (Index r = 0; r < rows; ++r) {
-      const SoftmaxStats<C> stats = tile.finish_row(r, partial + r * record);
+      const SoftmaxStats<C> stats = tile.finish_row(r, partial + r * record, false);
       partial[r * record + p.d_v] = stats.max;
       partial[r * record + p.d_v + 1] = stats.sum;
     }
@@ -652,8 +721,8 @@ bool run_decode(const P& p, Index kv_heads, const AttentionOutputs<TO>& o,
       const Index h = kv_head * p.group + r / p.s_q;
       const Index i = r % p.s_q;
       TO* out = o.out.head(b, h).row(i).data();
-      const SoftmaxStats<C> stats =
-          merge_rows<C>(plan.chunks, p.d_v, part_at, out, weights, weights + plan.chunks);
+      const SoftmaxStats<C> stats = merge_rows<C>(plan.chunks, p.d_v, part_at, out, weights,
+                                                  weights + plan.chunks, sink_of<C>(p, h));
       write_row_stats<C>(o, b, h, i, stats);
       // A merge can overflow (Σ_c w_c·o_c with w_c up to a chunk's length) where no part did:
       // the sum, left in C by merge_rows, is checked (an output type may overflow where C did
@@ -677,6 +746,32 @@ bool attend(const P& p, const AttentionOutputs<TO>& o, const FlashBlocking& bloc
                     : run_prefill<C>(p, kv_heads, o, plan, blocking);
 }
 
+/// Whether a float pass can hold the call's parameters: the scale, the soft-cap and the sinks
+/// are floats (representable_in), and ALiBi's largest term, the largest |slope| times the
+/// largest distance between a query and a key, does not overflow float.
+template <class P>
+bool fits_float(const P& p) {
+  if (!representable_in<float>(p.scale) || !representable_in<float>(p.softcap)) return false;
+  double slope = 0.0;
+  for (Index h = 0; h < p.q.heads(); ++h) {
+    if (p.sinks != nullptr && !representable_in<float>(p.sinks[h])) return false;
+    if (p.alibi_slopes != nullptr) {
+      if (!representable_in<float>(p.alibi_slopes[h])) return false;
+      slope = std::max(slope, std::abs(p.alibi_slopes[h]));
+    }
+  }
+  if (slope == 0.0) return true;
+  const double q_first = static_cast<double>(p.first_query);
+  const double q_last = q_first + static_cast<double>(p.s_q - 1);
+  double distance = 0.0;
+  for (Index s = 0; s < p.num_segments; ++s) {
+    const double k_first = static_cast<double>(p.segments[s].first_position);
+    const double k_last = k_first + static_cast<double>(p.segments[s].k.seq() - 1);
+    distance = std::max({distance, std::abs(q_last - k_first), std::abs(k_last - q_first)});
+  }
+  return slope * distance <= static_cast<double>(std::numeric_limits<float>::max());
+}
+
 /// Runs the kernel on a problem whose every precondition holds (apex::sdpa checks them):
 /// at least one segment, all of one [B, H_kv] shape; outputs as AttentionOutputs says, not
 /// overlapping the inputs. Picks the compute type (see COMPUTE TYPE above).
@@ -687,8 +782,7 @@ void flash_attention(const P& p, const AttentionOutputs<TO>& o, const FlashBlock
       std::is_same_v<typename P::Query, double> || std::is_same_v<typename P::Key, double> ||
       std::is_same_v<typename P::Value, double> || std::is_same_v<typename P::Bias, double>;
   if constexpr (!wide_input) {
-    if (representable_in<float>(p.scale) && representable_in<float>(p.softcap) &&
-        attend<float>(p, o, blocking)) {
+    if (fits_float(p) && attend<float>(p, o, blocking)) {
       return;
     }
   }

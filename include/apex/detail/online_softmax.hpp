@@ -77,22 +77,42 @@ APEX_ALWAYS_INLINE C softmax_update(SoftmaxStats<C>& row, C* s, Index n, bool& h
   return alpha;
 }
 
-/// The end of a row: out = acc / l, with the statistics returned. A NaN row is written as NaN, a
-/// row in which no key took part (l not > 0) as zeros with the default statistics.
-///   acc: the d_v running Σ_j exp(s_j − m)·v_j; out: d_v elements of type T (rounded once).
+/// THE SINK. An attention sink is one more logit of a row whose value is zero (gpt-oss): it
+/// joins the softmax's denominator and adds nothing to the output,
+///   out = Σ_j e^(s_j) v_j / (e^sink + Σ_j e^(s_j)).
+/// In statistics, the row (m, l) becomes M = max(m, sink), L = l·e^(m − M) + e^(sink − M), and
+/// lse = M + log L includes the sink. A row in which no key took part gets (sink, 1): its output
+/// is zeros. A sink of -inf is no sink (e^-inf = 0) and changes nothing, bit for bit. A sink is
+/// added once per row, at its end (softmax_finish) or at the end of the merge of its parts
+/// (merge_rows), never to a part.
+template <class C>
+SoftmaxStats<C> with_sink(const SoftmaxStats<C>& row, C sink) {
+  if (sink == -std::numeric_limits<C>::infinity()) return row;
+  if (!(row.sum > C(0))) return {sink, C(1)};
+  const C max = std::max(row.max, sink);
+  return {max, row.sum * std::exp(row.max - max) + std::exp(sink - max)};
+}
+
+/// The end of a row: out = acc·e^(m − M) / L for the statistics (M, L) of the row with its sink
+/// (with_sink; without one, out = acc / l), which are returned. A NaN row is written as NaN, a
+/// row in which no key took part (l not > 0) as zeros, with the default statistics or (sink, 1).
+///   acc: the d_v running Σ_j exp(s_j − m)·v_j; out: d_v elements of type T (rounded once);
+///   sink: -inf for none.
 template <class C, class T>
-SoftmaxStats<C> softmax_finish(const SoftmaxStats<C>& row, const C* acc, Index d_v, T* out) {
+SoftmaxStats<C> softmax_finish(const SoftmaxStats<C>& row, const C* acc, Index d_v, T* out,
+                               C sink = -std::numeric_limits<C>::infinity()) {
   if (std::isnan(row.max) || std::isnan(row.sum)) {
     std::fill(out, out + d_v, static_cast<T>(std::numeric_limits<C>::quiet_NaN()));
     return {std::numeric_limits<C>::quiet_NaN(), std::numeric_limits<C>::quiet_NaN()};
   }
+  const SoftmaxStats<C> total = with_sink(row, sink);
   if (!(row.sum > C(0))) {
     std::fill(out, out + d_v, T(0));
-    return {};
+    return total;
   }
-  const C inverse = C(1) / row.sum;
+  const C inverse = (total.max == row.max ? C(1) : std::exp(row.max - total.max)) / total.sum;
   for (Index c = 0; c < d_v; ++c) out[c] = round_to<T>(acc[c] * inverse);
-  return row;
+  return total;
 }
 
 /// lse = m + log l of a row's statistics (-inf for a row without keys, NaN for a NaN row),
@@ -130,13 +150,15 @@ using T_of = std::remove_const_t<
 ///   - if every part is skipped, no key took part: o = 0 and the default statistics;
 ///   - every other part is weighted, even by a w_c that underflows to 0, so that a NaN or ±inf
 ///     in o_c reaches the row exactly as it would in one pass over all the keys (PARTICIPATION).
+/// A sink (-inf: none) is the row's once: it joins as one more part of zero output with the
+/// statistics (sink, 1), after the NaN rule, so the parts themselves must not hold it.
 /// The parts are combined in the order given, into `acc` (d_v values of C), and only then written
 /// to `out`: out may be the output of any one part (in place). Where some part is weighted, acc
 /// keeps Σ_c w_c·o_c on return (the decode scheduler checks it for overflow).
 ///   part_at(c) -> PartRow<T, C>; out: d_v elements of type U; weights: room for `parts` values.
 template <class C, class PartAt, class U>
 SoftmaxStats<C> merge_rows(Index parts, Index d_v, const PartAt& part_at, U* out, C* weights,
-                           C* acc) {
+                           C* acc, C sink = -std::numeric_limits<C>::infinity()) {
   constexpr C kNegInf = -std::numeric_limits<C>::infinity();
   C max = kNegInf;
   for (Index c = 0; c < parts; ++c) {
@@ -147,11 +169,12 @@ SoftmaxStats<C> merge_rows(Index parts, Index d_v, const PartAt& part_at, U* out
     }
     max = std::max(max, m);
   }
+  max = std::max(max, sink);
   if (max == kNegInf) {
     std::fill(out, out + d_v, U(0));
     return {};
   }
-  C total = 0;
+  C total = sink == kNegInf ? C(0) : std::exp(sink - max);
   for (Index c = 0; c < parts; ++c) {
     const SoftmaxStats<C> s = part_at(c).stats;
     weights[c] = s.max == kNegInf ? C(0) : s.sum * std::exp(s.max - max);

@@ -1,0 +1,561 @@
+// SPDX-License-Identifier: MIT
+// The rules of apex::sdpa beyond causal, window and prefix: attention sinks, ALiBi, chunked local
+// attention and document masks. On random inputs each must equal
+//   - the plain loops of reference/attention.hpp, given the rule as their own per-pair test
+//     (apex_test::rule_allows), ALiBi as a dense bias and the sink as an extra score, and
+//   - apex::reference::sdpa,
+// on every path of the tiled kernel (the default blocks, small blocks, Eigen's GEMM kernel
+// everywhere, the streaming kernel everywhere, split-key decoding), for group sizes {1, 4, 16},
+// lengths that fill no block, float and double. Besides:
+//   - a sink is the "extra logit column": attention over one more key whose score is the sink
+//     and whose value is zero;
+//   - partial results merged with the sink count it once;
+//   - blocks a rule forbids are never read: the keys and values they hold sit in memory the
+//     process cannot read (mmap with PROT_NONE), and the kernel completes;
+//   - the result does not depend on the number of threads;
+//   - bad sinks, slopes, chunk sizes and document ids are rejected before anything is written.
+#include <apex/detail/flash_attention.hpp>
+#include <apex/mask.hpp>
+#include <apex/sdpa.hpp>
+#include <apex/tensor.hpp>
+
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "attention_case.hpp"
+#include "reference/attention.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using apex::Index;
+using apex::RowMatrix;
+using apex::Vector;
+using apex::detail::FlashBlocking;
+using apex::testing::expect_matches_loops;
+using apex::testing::expect_same_outputs;
+using apex::testing::Layout;
+using apex::testing::Outputs;
+using apex::testing::Problem;
+using apex::testing::Shape;
+using apex::testing::Values;
+using apex_test::MaskRule;
+
+template <class Scalar>
+class SdpaRules : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(SdpaRules, Scalars, apex::testing::ScalarName);
+
+/// The paths of the tiled kernel, each named.
+std::vector<std::pair<const char*, FlashBlocking>> paths() {
+  FlashBlocking small;  // many block boundaries and decode chunks
+  small.stacked_rows = 16;
+  small.key_block = 16;
+  small.stream_key_block = 8;
+  small.decode_chunk = 40;
+  FlashBlocking gemm;  // Eigen's GEMM kernel everywhere
+  gemm.stream_rows = 0;
+  FlashBlocking streaming;  // the streaming kernel everywhere
+  streaming.stream_rows = Index{1} << 20;
+  return {{"default blocks", FlashBlocking{}},
+          {"small blocks", small},
+          {"GEMM kernel", gemm},
+          {"streaming kernel", streaming}};
+}
+
+/// Document ids of `length` positions: documents of random lengths in [1, longest].
+std::vector<Index> random_documents(Index length, Index longest, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<Index> size(1, longest);
+  std::vector<Index> ids;
+  Index id = 0;
+  while (static_cast<Index>(ids.size()) < length) {
+    const Index n = size(rng);
+    for (Index i = 0; i < n && static_cast<Index>(ids.size()) < length; ++i) ids.push_back(id);
+    id += 3;  // ids need not be consecutive, only non-decreasing
+  }
+  return ids;
+}
+
+/// Random values for the H_q heads, uniform in [lo, hi).
+std::vector<double> random_heads(Index heads, double lo, double hi, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> uniform(lo, hi);
+  std::vector<double> values(static_cast<std::size_t>(heads));
+  for (double& v : values) v = uniform(rng);
+  return values;
+}
+
+/// One rule of the table: a position rule (documents built for the case's length), ALiBi
+/// slopes, sinks, soft-capping.
+struct Rule {
+  const char* name;
+  MaskRule rule;
+  Index longest_document = 0;  ///< 0: no documents; else documents of up to this many tokens
+  bool alibi = false;
+  bool sinks = false;
+  double softcap = 0.0;
+};
+
+std::vector<Rule> rules() {
+  // clang-format off
+  return {
+    //  name                     causal  W    P  chunk       docs  alibi  sinks  cap
+    {"chunk_13",               {true,    0,   0, 13},          0, false, false, 0.0},
+    {"chunk_64_window_40",     {true,   40,   0, 64},          0, false, false, 0.0},
+    {"chunk_prefix",           {true,    0,  20, 16},          0, false, false, 0.0},
+    {"documents_causal",       {true,    0,   0,  0},         60, false, false, 0.0},
+    {"documents_bidirectional",{false,   0,   0,  0},         60, false, false, 0.0},
+    {"documents_window",       {true,   17,   0,  0},         90, false, false, 2.0},
+    {"alibi_causal",           {true,    0,   0,  0},          0, true,  false, 0.0},
+    {"alibi_window_softcap",   {true,   30,   0,  0},          0, true,  false, 3.0},
+    {"alibi_bidirectional",    {false,   0,   0,  0},          0, true,  false, 0.0},
+    {"sinks_causal",           {true,    0,   0,  0},          0, false, true,  0.0},
+    {"sinks_none",             {false,   0,   0,  0},          0, false, true,  0.0},
+    {"everything",             {true,   50,   8, 32},         70, true,  true,  2.5},
+  };
+  // clang-format on
+}
+
+/// A problem with the rule applied (its document ids live in `ids`, which must outlive it).
+template <class Scalar>
+Problem<Scalar> make_problem(const Rule& r, const Shape& shape, std::uint32_t seed,
+                             std::vector<Index>& ids) {
+  Problem<Scalar> p(shape, Layout::kTokenMajor, seed, Values::kNormal);
+  p.rule = r.rule;
+  if (r.longest_document > 0) {
+    ids = random_documents(shape.s_k, r.longest_document, seed);
+    p.rule.documents = &ids;
+  }
+  if (r.alibi) p.params.alibi_slopes = apex::alibi_slopes(shape.q_heads);
+  if (r.sinks) p.params.sinks = random_heads(shape.q_heads, -1.0, 3.0, seed + 1);
+  p.params.softcap = r.softcap;
+  return p;
+}
+
+template <class Scalar>
+void check_rule(const Rule& r, const Shape& shape, std::uint32_t seed,
+                const FlashBlocking& blocking) {
+  std::vector<Index> ids;
+  const Problem<Scalar> p = make_problem<Scalar>(r, shape, seed, ids);
+  Outputs<Scalar> fast(shape, Layout::kTokenMajor);
+  Outputs<Scalar> ref(shape, Layout::kTokenMajor);
+  apex::detail::flash_sdpa<Scalar>(p.q.view(), p.k.view(), p.v.view(), p.attention_mask(), p.params,
+                                   fast.out.view(), fast.lse.view(), {}, blocking);
+  apex::reference::sdpa<Scalar>(p.q.view(), p.k.view(), p.v.view(), p.attention_mask(), p.params,
+                                ref.out.view(), ref.lse.view());
+  expect_same_outputs(fast, ref, r.name);
+  expect_matches_loops(p, fast, /*with_lse=*/true);
+}
+
+// Every rule, every path, G ∈ {1, 4, 16}, S = 150 (no multiple of any block), self-attention.
+TYPED_TEST(SdpaRules, EachRuleEqualsTheLoopsOnEveryPath) {
+  std::uint32_t seed = 1000;
+  for (const Rule& r : rules()) {
+    for (const Index group : {Index{1}, Index{4}, Index{16}}) {
+      const Shape shape{1, group, 1, 150, 150, 24, 16};
+      for (const auto& [path, blocking] : paths()) {
+        SCOPED_TRACE(std::string(r.name) + ", G = " + std::to_string(group) + ", " + path);
+        check_rule<TypeParam>(r, shape, ++seed, blocking);
+      }
+    }
+  }
+}
+
+// Decoding: S_q ∈ {1, 3} new queries against 2000 keys, GQA 8 / 2, split over key chunks and
+// merged (the sink joins once, at the merge).
+TYPED_TEST(SdpaRules, EachRuleEqualsTheLoopsWhenDecoding) {
+  std::uint32_t seed = 2000;
+  for (const Rule& r : rules()) {
+    if (!r.rule.causal) continue;  // decoding is causal
+    for (const Index s_q : {Index{1}, Index{3}}) {
+      const Shape shape{1, 8, 2, s_q, 2000, 32, 32};
+      for (const auto& [path, blocking] : paths()) {
+        SCOPED_TRACE(std::string(r.name) + ", S_q = " + std::to_string(s_q) + ", " + path);
+        check_rule<TypeParam>(r, shape, ++seed, blocking);
+      }
+    }
+  }
+}
+
+// The split-key plan cuts only the keys a window can see: a window of 300 over 20000 keys is
+// split over its window (each chunk does work) and equals the loops.
+TYPED_TEST(SdpaRules, DecodingAWindowSplitsOnlyTheWindow) {
+  using Scalar = TypeParam;
+  const Shape shape{1, 4, 1, 1, 20000, 16, 16};
+  Problem<Scalar> p(shape, Layout::kContiguous, 77, Values::kNormal);
+  p.rule = {true, 300, 0};
+  FlashBlocking blocking;
+  blocking.decode_chunk = 64;
+  apex::detail::AttentionProblem<Scalar, Scalar, Scalar, Scalar> problem;
+  const apex::detail::KeySegment<Scalar, Scalar> keys{p.k.view(), p.v.view(), 0};
+  problem.q = p.q.view();
+  problem.segments = &keys;
+  problem.num_segments = 1;
+  problem.positions = p.attention_mask().positions;
+  problem.first_query = shape.s_k - 1;
+  problem.group = 4;
+  problem.s_q = 1;
+  problem.s_k = shape.s_k;
+  problem.d_qk = problem.d_v = 16;
+  const apex::detail::AttentionPlan plan = apex::detail::plan_attention(problem, 1, blocking);
+  EXPECT_TRUE(plan.split);
+  EXPECT_EQ(plan.first_key, shape.s_k - 300);
+  EXPECT_LE(plan.chunk * plan.chunks, 300 + plan.chunk);
+  Outputs<Scalar> fast(shape);
+  apex::detail::flash_sdpa<Scalar>(p.q.view(), p.k.view(), p.v.view(), p.attention_mask(), p.params,
+                                   fast.out.view(), fast.lse.view(), {}, blocking);
+  expect_matches_loops(p, fast, /*with_lse=*/true);
+}
+
+// ---- sinks
+// ---------------------------------------------------------------------------------------
+
+// The sink is one more logit of zero value: attention with sinks equals attention over one more
+// key, allowed for every query, with k = 0, v = 0 and a bias equal to the head's sink. The
+// extra key makes the position rule a dense mask here.
+TYPED_TEST(SdpaRules, SinkEqualsAnExtraLogitColumn) {
+  using Scalar = TypeParam;
+  const Shape shape{1, 4, 2, 70, 90, 16, 12};
+  std::vector<Index> unused;
+  const Rule r{"sinks", {true, 25, 0}, 0, false, true, 0.0};
+  Problem<Scalar> p = make_problem<Scalar>(r, shape, 5, unused);
+  // The column stores the sinks as Scalar: give sdpa the same rounded values.
+  for (double& s : p.params.sinks) s = static_cast<double>(static_cast<Scalar>(s));
+  const Shape wide{1, 4, 2, 70, 91, 16, 12};
+  Problem<Scalar> column(wide, Layout::kContiguous, 6);
+  for (Index h = 0; h < 2; ++h) {
+    column.k.head_map(0, h).setZero();
+    column.v.head_map(0, h).setZero();
+    column.k.head_map(0, h).topRows(90) = p.k.view().head(0, h);
+    column.v.head_map(0, h).topRows(90) = p.v.view().head(0, h);
+  }
+  for (Index h = 0; h < 4; ++h) column.q.head_map(0, h) = p.q.view().head(0, h);
+  column.add_dense_mask(1, 4, 1.0);
+  column.add_bias(1, 4, 0.0);
+  for (Index h = 0; h < 4; ++h) {
+    column.bias_rows(0, h).setZero();
+    for (Index i = 0; i < 70; ++i) {
+      for (Index j = 0; j < 90; ++j) {
+        column.allowed_rows(0, h)(i, j) = apex_test::rule_allows(p.rule, 20 + i, j);
+      }
+      column.bias_rows(0, h)(i, 90) = static_cast<Scalar>(p.params.sinks[std::size_t(h)]);
+    }
+  }
+  Outputs<Scalar> with_sinks(shape, Layout::kTokenMajor);
+  Outputs<Scalar> with_column(wide, Layout::kContiguous);
+  apex::sdpa<Scalar>(p.q.view(), p.k.view(), p.v.view(), p.attention_mask(), p.params,
+                     with_sinks.out.view(), with_sinks.lse.view());
+  apex::reference::sdpa<Scalar>(column.q.view(), column.k.view(), column.v.view(),
+                                column.attention_mask(), column.params, with_column.out.view(),
+                                with_column.lse.view());
+  expect_same_outputs(with_sinks, with_column, "sink against an extra logit column");
+}
+
+// A row in which no key takes part gives zeros, and its lse is the sink (the denominator is
+// e^sink alone); on the decoding path too.
+TYPED_TEST(SdpaRules, FullyMaskedRowsWithASinkGiveZeros) {
+  using Scalar = TypeParam;
+  for (const Index s_k : {Index{40}, Index{3000}}) {
+    const Shape shape{1, 2, 1, 4, s_k, 16, 8};
+    Problem<Scalar> p(shape, Layout::kContiguous, 9, Values::kNormal);
+    p.rule = {true, 0, 0};
+    p.query_offset = 0;
+    p.key_offset = 10;  // every key after every query
+    p.params.sinks = {0.75, -2.0};
+    Outputs<Scalar> o(shape);
+    o.fill(Scalar(7));
+    apex::sdpa<Scalar>(p.q.view(), p.k.view(), p.v.view(), p.attention_mask(), p.params,
+                       o.out.view(), o.lse.view());
+    for (std::size_t i = 0; i < o.out.size(); ++i) ASSERT_EQ(o.out.at(i), Scalar(0));
+    for (Index h = 0; h < 2; ++h) {
+      for (Index i = 0; i < 4; ++i) {
+        EXPECT_EQ(o.lse.view().head(0, h)(i, 0), static_cast<Scalar>(p.params.sinks[h]));
+      }
+    }
+  }
+}
+
+// Two halves of the keys, each computed without the sink, merged with it, equal one call over
+// all the keys with the sink: the merge counts the sink once.
+TYPED_TEST(SdpaRules, MergedPartsCountTheSinkOnce) {
+  using Scalar = TypeParam;
+  const Index s_q = 9;
+  const Index s_k = 200;
+  std::mt19937 rng(13);
+  std::normal_distribution<double> normal;
+  const auto random = [&](Index rows, Index cols) {
+    RowMatrix<Scalar> m(rows, cols);
+    for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(normal(rng));
+    return m;
+  };
+  const RowMatrix<Scalar> q = random(s_q, 16), k = random(s_k, 16), v = random(s_k, 8);
+  // [rows, cols] of a matrix from row `first` on, as a one-batch, one-head view.
+  const auto in = [](const RowMatrix<Scalar>& m, Index first, Index rows) {
+    return apex::HeadsView<const Scalar>::contiguous(m.data() + first * m.cols(),
+                                                     {1, 1, rows, m.cols()});
+  };
+  const auto out = [](RowMatrix<Scalar>& m) {
+    return apex::HeadsView<Scalar>::contiguous(m.data(), {1, 1, m.rows(), m.cols()});
+  };
+  const double sink = 1.5;
+  apex::AttentionMask<Scalar> whole;
+  whole.positions = apex::causal_mask();
+  apex::SdpaParams with_sink;
+  with_sink.sinks = {sink};
+  RowMatrix<Scalar> expected(s_q, 8);
+  RowMatrix<Scalar> expected_lse(s_q, 1);
+  apex::sdpa<Scalar>(in(q, 0, s_q), in(k, 0, s_k), in(v, 0, s_k), whole, with_sink, out(expected),
+                     out(expected_lse));
+  // The halves: keys [0, 100) and [100, 200), at their own positions, without the sink.
+  RowMatrix<Scalar> parts_out(2 * s_q, 8);
+  RowMatrix<Scalar> parts_max(2, s_q);
+  RowMatrix<Scalar> parts_sum(2, s_q);
+  for (Index c = 0; c < 2; ++c) {
+    apex::AttentionMask<Scalar> half;
+    half.positions = apex::causal_mask();
+    half.positions.query_offset = s_k - s_q;
+    half.positions.key_offset = c * 100;
+    RowMatrix<Scalar> part(s_q, 8), max(s_q, 1), sum(s_q, 1);
+    apex::sdpa<Scalar>(in(q, 0, s_q), in(k, c * 100, 100), in(v, c * 100, 100), half, {}, out(part),
+                       {}, {out(max), out(sum)});
+    parts_out.middleRows(c * s_q, s_q) = part;
+    parts_max.row(c) = max.transpose();
+    parts_sum.row(c) = sum.transpose();
+  }
+  RowMatrix<Scalar> merged(s_q, 8);
+  Vector<Scalar> max(s_q), sum(s_q);
+  apex::merge_attention_stats(parts_out, parts_max, parts_sum, sink, merged, max, sum);
+  const double tol = apex::testing::Tolerances<Scalar>::kAttention;
+  EXPECT_LE((merged - expected).cwiseAbs().maxCoeff(), tol * expected.cwiseAbs().maxCoeff());
+  for (Index i = 0; i < s_q; ++i) {
+    EXPECT_NEAR(double(max(i)) + std::log(double(sum(i))), double(expected_lse(i, 0)),
+                tol * std::abs(double(expected_lse(i, 0))));
+  }
+  EXPECT_THROW(
+      apex::merge_attention_stats(parts_out, parts_max, parts_sum,
+                                  std::numeric_limits<double>::infinity(), merged, max, sum),
+      std::invalid_argument);
+}
+
+// ---- ALiBi
+// ---------------------------------------------------------------------------------------
+
+// The standard slopes: 2^(−8(h+1)/H) for H a power of two; for other H, those of the largest
+// power of two below it, then every other slope of twice that many heads.
+TEST(Alibi, StandardSlopes) {
+  const std::vector<double> eight = apex::alibi_slopes(8);
+  ASSERT_EQ(eight.size(), 8U);
+  for (std::size_t h = 0; h < 8; ++h) EXPECT_EQ(eight[h], std::ldexp(1.0, -int(h) - 1));
+  const std::vector<double> twelve = apex::alibi_slopes(12);
+  ASSERT_EQ(twelve.size(), 12U);
+  for (std::size_t h = 0; h < 8; ++h) EXPECT_EQ(twelve[h], eight[h]);
+  for (std::size_t h = 8; h < 12; ++h) {  // 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5
+    EXPECT_DOUBLE_EQ(twelve[h], std::pow(2.0, -0.5 - double(h - 8)));
+  }
+  EXPECT_EQ(apex::alibi_slopes(1), std::vector<double>{1.0 / 256.0});
+  EXPECT_THROW(apex::alibi_slopes(0), std::invalid_argument);
+}
+
+// ---- block skipping ----------------------------------------------------------------------------
+
+/// Memory for `count` values of T, laid out so that the values at [no_read_begin, no_read_end)
+/// can be made unreadable page by page (the pages wholly inside the range).
+template <class T>
+class GuardedBuffer {
+ public:
+  explicit GuardedBuffer(std::size_t count) : bytes_(round_up(count * sizeof(T))) {
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("mmap failed");
+    data_ = static_cast<T*>(p);
+  }
+  GuardedBuffer(const GuardedBuffer&) = delete;
+  GuardedBuffer& operator=(const GuardedBuffer&) = delete;
+  ~GuardedBuffer() { munmap(data_, bytes_); }
+  T* data() { return data_; }
+  /// Makes the whole pages inside [begin, end) (element indices) unreadable; returns how many.
+  std::size_t forbid(std::size_t begin, std::size_t end) {
+    const std::size_t page = page_size();
+    const std::size_t lo = (begin * sizeof(T) + page - 1) / page * page;
+    const std::size_t hi = end * sizeof(T) / page * page;
+    if (hi <= lo) return 0;
+    EXPECT_EQ(mprotect(reinterpret_cast<char*>(data_) + lo, hi - lo, PROT_NONE), 0);
+    return (hi - lo) / page;
+  }
+
+ private:
+  static std::size_t page_size() { return static_cast<std::size_t>(sysconf(_SC_PAGESIZE)); }
+  static std::size_t round_up(std::size_t n) {
+    return (n + page_size() - 1) / page_size() * page_size();
+  }
+  std::size_t bytes_;
+  T* data_ = nullptr;
+};
+
+// K and V of one key/value head, contiguous [S_k, d], in guarded memory; the keys that no query
+// may see are made unreadable, and sdpa must complete and equal the loops. Queries are the last
+// S_q positions (bottom-right), so the keys before the window, the chunk or the document of the
+// first query are forbidden for every query. Both the prefill path (S_q = 100) and the decoding
+// path (S_q = 1; with small blocks, split over chunks of 40 keys) run.
+TYPED_TEST(SdpaRules, ForbiddenKeysAreNeverRead) {
+  using Scalar = TypeParam;
+  const Index s_k = 6000;
+  const Index d = 64;
+  std::vector<Index> ids(static_cast<std::size_t>(s_k));
+  for (Index i = 0; i < s_k; ++i) ids[std::size_t(i)] = i < 3500 ? 0 : i < 5950 ? 1 : 2;
+  struct Guarded {
+    const char* name;
+    MaskRule rule;
+    bool documents;
+  };
+  const Guarded rules[] = {
+      {"window", {true, 700, 0}, false},
+      {"chunk", {true, 0, 0, 1024}, false},
+      {"documents", {true, 0, 0}, true},
+  };
+  for (const Index s_q : {Index{100}, Index{1}}) {
+    for (const Guarded& g : rules) {
+      SCOPED_TRACE(std::string(g.name) + ", S_q = " + std::to_string(s_q));
+      const Shape shape{1, 4, 1, s_q, s_k, d, d};
+      Problem<Scalar> p(shape, Layout::kContiguous, 21, Values::kNormal);
+      p.rule = g.rule;
+      if (g.documents) p.rule.documents = &ids;
+      GuardedBuffer<Scalar> k(std::size_t(s_k * d)), v(std::size_t(s_k * d));
+      std::memcpy(k.data(), p.k.data(), std::size_t(s_k * d) * sizeof(Scalar));
+      std::memcpy(v.data(), p.v.data(), std::size_t(s_k * d) * sizeof(Scalar));
+      const Index first_query = s_k - s_q;
+      Index first_visible = 0;  // the first key any query may see
+      while (!apex_test::rule_allows(p.rule, first_query, first_visible)) ++first_visible;
+      for (Index q = first_query; q < s_k; ++q) {
+        for (Index j = 0; j < first_visible; ++j)
+          ASSERT_FALSE(apex_test::rule_allows(p.rule, q, j));
+      }
+      ASSERT_GT(k.forbid(0, std::size_t(first_visible * d)), 0U);
+      ASSERT_GT(v.forbid(0, std::size_t(first_visible * d)), 0U);
+      const auto k_view = apex::HeadsView<const Scalar>::contiguous(k.data(), {1, 1, s_k, d});
+      const auto v_view = apex::HeadsView<const Scalar>::contiguous(v.data(), {1, 1, s_k, d});
+      for (const auto& [path, blocking] : paths()) {
+        SCOPED_TRACE(path);
+        Outputs<Scalar> o(shape);
+        apex::detail::flash_sdpa<Scalar>(p.q.view(), k_view, v_view, p.attention_mask(), p.params,
+                                         o.out.view(), o.lse.view(), {}, blocking);
+        expect_matches_loops(p, o, /*with_lse=*/true);
+      }
+    }
+  }
+}
+
+// ---- threads
+// -------------------------------------------------------------------------------------
+
+TYPED_TEST(SdpaRules, ThreadCountDoesNotChangeResults) {
+#ifndef _OPENMP
+  GTEST_SKIP() << "built without OpenMP: apex runs on one thread";
+#else
+  using Scalar = TypeParam;
+  const int saved = omp_get_max_threads();
+  const Rule everything = rules().back();
+  for (const Shape& shape : {Shape{1, 8, 2, 300, 300, 32, 32}, Shape{1, 8, 2, 1, 5000, 32, 32}}) {
+    std::vector<Index> ids;
+    const Problem<Scalar> p = make_problem<Scalar>(everything, shape, 3, ids);
+    Outputs<Scalar> one(shape), two(shape);
+    omp_set_num_threads(1);
+    apex::sdpa<Scalar>(p.q.view(), p.k.view(), p.v.view(), p.attention_mask(), p.params,
+                       one.out.view(), one.lse.view());
+    omp_set_num_threads(2);
+    apex::sdpa<Scalar>(p.q.view(), p.k.view(), p.v.view(), p.attention_mask(), p.params,
+                       two.out.view(), two.lse.view());
+    omp_set_num_threads(saved);
+    EXPECT_EQ(std::memcmp(one.out.data(), two.out.data(), one.out.size() * sizeof(Scalar)), 0);
+    EXPECT_EQ(std::memcmp(one.lse.data(), two.lse.data(), one.lse.size() * sizeof(Scalar)), 0);
+  }
+#endif
+}
+
+// ---- bad input
+// -----------------------------------------------------------------------------------
+
+// Each bad parameter throws std::invalid_argument naming it, and the outputs keep their values.
+TYPED_TEST(SdpaRules, RejectsBadRulesBeforeWriting) {
+  using Scalar = TypeParam;
+  const Shape shape{1, 4, 2, 8, 8, 16, 16};
+  const Problem<Scalar> base(shape, Layout::kContiguous, 12, Values::kNormal);
+  const std::vector<Index> short_ids(7, 0);
+  const std::vector<Index> unsorted_ids{0, 0, 1, 1, 0, 2, 2, 2};
+  struct Bad {
+    const char* expected;  ///< part of the message
+    std::function<void(apex::AttentionMask<Scalar>&, apex::SdpaParams&)> spoil;
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  const Bad bad[] = {
+      {"sinks length (3) must be the number of query heads 4",
+       [](auto&, auto& params) {
+         params.sinks = {0.0, 1.0, 2.0};
+       }},
+      {"sinks[2] (nan) must be finite",
+       [](auto&, auto& params) {
+         params.sinks = {0.0, 1.0, std::nan(""), 2.0};
+       }},
+      {"sinks[0] (inf) must be finite",
+       [inf](auto&, auto& params) {
+         params.sinks = {inf, 1.0, 1.0, 2.0};
+       }},
+      {"alibi_slopes length (5) must be the number of query heads 4",
+       [](auto&, auto& params) { params.alibi_slopes = apex::alibi_slopes(5); }},
+      {"alibi_slopes[1] (-inf) must be finite",
+       [inf](auto&, auto& params) {
+         params.alibi_slopes = {0.5, -inf, 0.1, 0.1};
+       }},
+      {"chunk (0) must be at least 1",
+       [](auto& mask, auto&) {
+         mask.positions = apex::causal_mask();
+         mask.positions.chunk = 0;
+       }},
+      {"chunk (4) requires causal = true", [](auto& mask, auto&) { mask.positions.chunk = 4; }},
+      {"documents length (7) must be the end of the positions, max(query end, key end) = 8",
+       [&short_ids](auto& mask, auto&) {
+         mask.positions.documents = apex::DocumentIds(short_ids);
+       }},
+      {"documents ids must be non-decreasing (one run of positions per document): position 4 has "
+       "id 0 after 1",
+       [&unsorted_ids](auto& mask, auto&) {
+         mask.positions.documents = apex::DocumentIds(unsorted_ids);
+       }},
+  };
+  for (const Bad& b : bad) {
+    apex::AttentionMask<Scalar> mask = base.attention_mask();
+    apex::SdpaParams params;
+    b.spoil(mask, params);
+    Outputs<Scalar> o(shape);
+    o.fill(Scalar(42));
+    try {
+      apex::sdpa<Scalar>(base.q.view(), base.k.view(), base.v.view(), mask, params, o.out.view(),
+                         o.lse.view());
+      ADD_FAILURE() << "expected std::invalid_argument: " << b.expected;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("[sdpa] ") + b.expected), std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(o.out.all_equal(Scalar(42))) << b.expected;
+    EXPECT_TRUE(o.lse.all_equal(Scalar(42))) << b.expected;
+  }
+}
+
+}  // namespace
