@@ -3,10 +3,16 @@
 // plain reference, read against the yardsticks of yardsticks.cpp in the same run:
 //   BM_Sdpa_*    prefill, S_q = S_k = S, H_q = 32, H_kv = 8, d_h = 128, B = 1, float. GFLOPS
 //                counts 4·d_h·H_q per allowed (query, key) pair: 4·S²·d_h·H_q for full
-//                attention, exactly half of it for causal, the allowed pairs of a window of 512
-//                (Σ_i min(i + 1, 512)) for window512. Compare with BM_Gemm.
-//                BM_Sdpa_Fast/causal/f16 and /bf16 store K and V in 16 bits (Q and the output
-//                in float). Compare with BM_Sdpa_Fast/causal at the same S.
+//                attention, exactly half of it for causal, the allowed pairs of the others:
+//                window512 (Σ_i min(i + 1, 512)), chunked4096 (chunked local attention in chunks
+//                of 4096, causal inside each: Σ_i (i mod 4096) + 1), documents16 (16 documents
+//                of random lengths packed into S, causal inside each: Σ_d L_d (L_d + 1) / 2);
+//                alibi is causal with ALiBi's standard slopes, user_causal causal attention
+//                written as a user rule with its block classifier (both the causal pairs). Compare
+//                with BM_Gemm, and each rule's GFLOPS with causal's at the same S: equal GFLOPS
+//                means a time in proportion to the allowed pairs. BM_Sdpa_Fast/causal/f16 and /bf16
+//                store K and V in 16 bits (Q and the output in float). Compare with
+//                BM_Sdpa_Fast/causal at the same S.
 //   BM_Decode_Fast/<precision>  one new token against a cache of S tokens, H_q = 32, H_kv = 8,
 //                d_h = 128, K and V stored as f32, f16 or bf16: GBps counts the K and V bytes
 //                as stored, which every call reads once. Compare with BM_MemRead.
@@ -32,9 +38,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <fstream>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "bench_util.hpp"
 
@@ -48,12 +56,46 @@ constexpr Index kQueryHeads = 32;
 constexpr Index kKvHeads = 8;
 constexpr Index kWindow = 512;
 
-enum class Mask { kCausal, kFull, kWindow512 };
+constexpr Index kChunk = 4096;
+constexpr Index kDocuments = 16;
 
-apex::PositionMask position_mask(Mask mask) {
+enum class Mask { kCausal, kFull, kWindow512, kChunked4096, kDocuments16, kAlibi, kUserCausal };
+
+/// Causal attention as a user rule (attention_rules.hpp) with its exact block classifier.
+auto user_causal_rule() {
+  return apex::mask_rule([](Index, Index, Index q, Index k) { return k <= q; },
+                         [](Index, Index, apex::PositionRange q, apex::PositionRange k) {
+                           if (k.begin > q.end - 1) return apex::BlockCoverage::kNone;
+                           if (k.end - 1 <= q.begin) return apex::BlockCoverage::kAll;
+                           return apex::BlockCoverage::kPartial;
+                         });
+}
+
+/// The document ids of kDocuments documents of random lengths (15 cut points drawn uniformly,
+/// fixed seed) packed into S positions.
+std::vector<Index> random_documents(Index s) {
+  std::mt19937_64 rng(16);
+  std::vector<Index> cuts{0, s};
+  std::uniform_int_distribution<Index> cut(1, s - 1);
+  while (static_cast<Index>(cuts.size()) < kDocuments + 1) {
+    const Index c = cut(rng);
+    if (std::find(cuts.begin(), cuts.end(), c) == cuts.end()) cuts.push_back(c);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  std::vector<Index> ids(static_cast<std::size_t>(s));
+  for (std::size_t d = 0; d + 1 < cuts.size(); ++d) {
+    std::fill(ids.begin() + cuts[d], ids.begin() + cuts[d + 1], static_cast<Index>(d));
+  }
+  return ids;
+}
+
+/// The rule of `mask` over S positions; documents16 views `ids`, which must outlive it.
+apex::PositionMask position_mask(Mask mask, const std::vector<Index>& ids) {
   apex::PositionMask m;
-  m.causal = mask != Mask::kFull;
+  m.causal = mask != Mask::kFull && mask != Mask::kUserCausal;
   if (mask == Mask::kWindow512) m.window = kWindow;
+  if (mask == Mask::kChunked4096) m.chunk = kChunk;
+  if (mask == Mask::kDocuments16) m.documents = apex::DocumentIds(ids);
   return m;
 }
 
@@ -61,9 +103,20 @@ apex::PositionMask position_mask(Mask mask) {
 double allowed_pairs(Mask mask, Index s) {
   const double n = static_cast<double>(s);
   if (mask == Mask::kFull) return n * n;
-  if (mask == Mask::kCausal) return n * n / 2.0;  // the convention of the GFLOPS counter
+  if (mask == Mask::kCausal || mask == Mask::kAlibi || mask == Mask::kUserCausal) {
+    return n * n / 2.0;  // the convention of the GFLOPS counter
+  }
+  const std::vector<Index> ids =
+      mask == Mask::kDocuments16 ? random_documents(s) : std::vector<Index>();
+  const apex::PositionMask rule = position_mask(mask, ids);
   double pairs = 0.0;
-  for (Index i = 0; i < s; ++i) pairs += static_cast<double>(std::min(i + 1, kWindow));
+  for (Index i = 0; i < s; ++i) {
+    Index first = 0;  // the first key of query i
+    if (rule.window) first = std::max<Index>(0, i - *rule.window + 1);
+    if (rule.chunk) first = i - i % *rule.chunk;
+    if (!rule.documents.empty()) first = rule.documents.first_of(i);
+    pairs += static_cast<double>(i - first + 1);
+  }
   return pairs;
 }
 
@@ -113,12 +166,18 @@ void run_prefill(benchmark::State& state, Mask mask, bool reference, Precision p
     const HeadsInput<T> k(kKvHeads, s, kHeadDim, 2);
     const HeadsInput<T> v(kKvHeads, s, kHeadDim, 3);
     HeadsOutput out(kQueryHeads, s, kHeadDim);
+    const std::vector<Index> ids =
+        mask == Mask::kDocuments16 ? random_documents(s) : std::vector<Index>();
     apex::AttentionMask<float> attention_mask;
-    attention_mask.positions = position_mask(mask);
-    const apex::SdpaParams params;
+    attention_mask.positions = position_mask(mask, ids);
+    apex::SdpaParams params;
+    if (mask == Mask::kAlibi) params.alibi_slopes = apex::alibi_slopes(kQueryHeads);
+    const auto rules = user_causal_rule();
     for (auto _ : state) {
       if (reference) {
         apex::reference::sdpa(q.view, k.view, v.view, attention_mask, params, out.view);
+      } else if (mask == Mask::kUserCausal) {
+        apex::sdpa(q.view, k.view, v.view, attention_mask, params, rules, out.view);
       } else {
         apex::sdpa(q.view, k.view, v.view, attention_mask, params, out.view);
       }
@@ -143,7 +202,7 @@ void run_decode(benchmark::State& state, Precision precision) {
     const HeadsInput<T> v(kKvHeads, s, kHeadDim, 6);
     HeadsOutput out(kQueryHeads, 1, kHeadDim);
     apex::AttentionMask<float> attention_mask;
-    attention_mask.positions = position_mask(Mask::kCausal);
+    attention_mask.positions = apex::causal_mask();
     const apex::SdpaParams params;
     for (auto _ : state) {
       apex::sdpa(q.view, k.view, v.view, attention_mask, params, out.view);
@@ -183,7 +242,7 @@ void run_peak_memory(benchmark::State& state) {
   const HeadsInput<> v(1, s, kHeadDim, 9);
   HeadsOutput out(1, s, kHeadDim);
   apex::AttentionMask<float> attention_mask;
-  attention_mask.positions = position_mask(Mask::kCausal);
+  attention_mask.positions = apex::causal_mask();
   const apex::SdpaParams params;
   double extra_kib = 0.0;
   for (auto _ : state) {
@@ -226,6 +285,10 @@ const bool kRegistered = [] {
   prefill("BM_Sdpa_Fast/causal", Mask::kCausal, false)->Arg(1024)->Arg(4096)->Arg(16384);
   prefill("BM_Sdpa_Fast/full", Mask::kFull, false)->Arg(4096)->Arg(16384);
   prefill("BM_Sdpa_Fast/window512", Mask::kWindow512, false)->Arg(4096)->Arg(16384);
+  prefill("BM_Sdpa_Fast/chunked4096", Mask::kChunked4096, false)->Arg(16384);
+  prefill("BM_Sdpa_Fast/documents16", Mask::kDocuments16, false)->Arg(16384);
+  prefill("BM_Sdpa_Fast/alibi", Mask::kAlibi, false)->Arg(4096);
+  prefill("BM_Sdpa_Fast/user_causal", Mask::kUserCausal, false)->Arg(4096);
   prefill("BM_Sdpa_Fast/causal/f16", Mask::kCausal, false, Precision::kF16)->Arg(4096);
   prefill("BM_Sdpa_Fast/causal/bf16", Mask::kCausal, false, Precision::kBF16)->Arg(4096);
   for (const auto& [name, precision] :

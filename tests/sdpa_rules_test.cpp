@@ -374,6 +374,135 @@ TEST(Alibi, StandardSlopes) {
   EXPECT_THROW(apex::alibi_slopes(0), std::invalid_argument);
 }
 
+// ---- user rules
+// ----------------------------------------------------------------------------------
+
+/// A user rule restating causal attention, with its exact block classifier.
+auto user_causal() {
+  return apex::mask_rule([](Index, Index, Index q, Index k) { return k <= q; },
+                         [](Index, Index, apex::PositionRange q, apex::PositionRange k) {
+                           if (k.begin > q.end - 1) return apex::BlockCoverage::kNone;
+                           if (k.end - 1 <= q.begin) return apex::BlockCoverage::kAll;
+                           return apex::BlockCoverage::kPartial;
+                         });
+}
+
+/// Runs the fast kernel on `p` with `rules` (or the reference with them), writing `o`.
+template <class Scalar, class Rules>
+void run_with_rules(const Problem<Scalar>& p, const Rules& rules, Outputs<Scalar>& o,
+                    const FlashBlocking& blocking, bool reference = false) {
+  if (reference) {
+    apex::reference::sdpa(p.q.view(), p.k.view(), p.v.view(), p.attention_mask(), p.params, rules,
+                          o.out.view(), o.lse.view());
+  } else {
+    apex::detail::flash_sdpa<Scalar, Scalar, Scalar, Scalar, Scalar>(
+        p.q.view(), p.k.view(), p.v.view(), p.attention_mask(), p.params, o.out.view(),
+        o.lse.view(), {}, blocking, rules);
+  }
+}
+
+/// The built-in rule of `builtin` and the same rule written by the user (`rules`, on a problem
+/// without the built-in part, `user`) give the same attention on every path, and the reference
+/// with the user's rules agrees.
+template <class Scalar, class Rules>
+void expect_user_rule_matches(const Problem<Scalar>& builtin, const Problem<Scalar>& user,
+                              const Rules& rules, const std::string& what) {
+  const Shape& shape = builtin.shape;
+  for (const auto& [path, blocking] : paths()) {
+    SCOPED_TRACE(what + ", " + path);
+    Outputs<Scalar> expected(shape, Layout::kTokenMajor);
+    Outputs<Scalar> actual(shape, Layout::kTokenMajor);
+    Outputs<Scalar> reference(shape, Layout::kTokenMajor);
+    apex::detail::flash_sdpa<Scalar>(builtin.q.view(), builtin.k.view(), builtin.v.view(),
+                                     builtin.attention_mask(), builtin.params, expected.out.view(),
+                                     expected.lse.view(), {}, blocking);
+    run_with_rules(user, rules, actual, blocking);
+    run_with_rules(user, rules, reference, blocking, /*reference=*/true);
+    expect_same_outputs(actual, expected, what + ": user rule against the built-in rule");
+    expect_same_outputs(reference, expected, what + ": reference with the user rule");
+  }
+}
+
+// Causal (with a classifier), a window (without), chunks, documents and ALiBi (a score rule),
+// written as user rules, equal the built-in rules, prefill and decode, G ∈ {1, 4, 16}.
+TYPED_TEST(SdpaRules, UserRulesEqualTheBuiltInRules) {
+  using Scalar = TypeParam;
+  std::uint32_t seed = 3000;
+  for (const Shape& shape : {Shape{1, 1, 1, 130, 130, 16, 8}, Shape{1, 4, 1, 130, 130, 16, 8},
+                             Shape{1, 16, 1, 70, 70, 16, 8}, Shape{1, 8, 2, 2, 1500, 16, 8}}) {
+    ++seed;
+    const std::string where = "H_q " + std::to_string(shape.q_heads) + ", S_q " +
+                              std::to_string(shape.s_q) + ", S_k " + std::to_string(shape.s_k);
+    const auto problem = [&](const MaskRule& rule) {
+      Problem<Scalar> p(shape, Layout::kTokenMajor, seed, Values::kNormal);
+      p.rule = rule;
+      return p;
+    };
+    const Problem<Scalar> none = problem({});
+    expect_user_rule_matches(problem({true, 0, 0}), none, user_causal(), "causal, " + where);
+    const Index w = 37;
+    expect_user_rule_matches(
+        problem({true, w, 0}), none,
+        apex::mask_rule([w](Index, Index, Index q, Index k) { return k <= q && q - k < w; }),
+        "window, " + where);
+    const Index c = 48;
+    expect_user_rule_matches(
+        problem({true, 0, 0, c}), none, apex::mask_rule([c](Index, Index, Index q, Index k) {
+          return k <= q && apex_test::chunk_index(q, c) == apex_test::chunk_index(k, c);
+        }),
+        "chunks, " + where);
+    const std::vector<Index> ids = random_documents(shape.s_k, 50, seed);
+    Problem<Scalar> documents = problem({true, 0, 0});
+    documents.rule.documents = &ids;
+    expect_user_rule_matches(documents, problem({true, 0, 0}),
+                             apex::mask_rule([&ids](Index, Index, Index q, Index k) {
+                               return ids[std::size_t(q)] == ids[std::size_t(k)];
+                             }),
+                             "documents, " + where);
+    const std::vector<double> slopes = apex::alibi_slopes(shape.q_heads);
+    Problem<Scalar> alibi = problem({true, 0, 0});
+    alibi.params.alibi_slopes = slopes;
+    expect_user_rule_matches(alibi, problem({true, 0, 0}),
+                             apex::score_rule([&slopes](Index, Index h, Index q, Index k, auto s) {
+                               return s - decltype(s)(slopes[std::size_t(h)] * double(q - k));
+                             }),
+                             "ALiBi, " + where);
+  }
+}
+
+// A rule that depends on the batch and the head: a window of 5 + 7·h + 11·b keys, with a
+// score rule that adds 0.25·h·b. Against the plain loops, head by head.
+TYPED_TEST(SdpaRules, UserRulesSeeTheBatchAndTheHead) {
+  using Scalar = TypeParam;
+  const Shape shape{2, 8, 2, 90, 90, 16, 16};
+  Problem<Scalar> p(shape, Layout::kContiguous, 41, Values::kNormal);
+  const auto window = [](Index b, Index h) { return 5 + 7 * h + 11 * b; };
+  const auto rules = apex::attention_rules(
+      [window](Index b, Index h, Index q, Index k) { return k <= q && q - k < window(b, h); },
+      apex::CheckEveryPair{},
+      [](Index b, Index h, Index, Index, auto s) { return s + decltype(s)(0.25 * double(h * b)); });
+  for (const auto& [path, blocking] : paths()) {
+    SCOPED_TRACE(path);
+    Outputs<Scalar> o(shape);
+    run_with_rules(p, rules, o, blocking);
+    double max_ref = 0.0, max_err = 0.0;
+    for (Index b = 0; b < 2; ++b) {
+      for (Index h = 0; h < 8; ++h) {
+        const Index kv = apex_test::kv_head_of(h, 8, 2);
+        const apex_test::MatrixD bias = apex_test::MatrixD::Constant(90, 90, 0.25 * double(h * b));
+        const apex_test::AttentionResult ref = apex_test::attention(
+            p.q.head(b, h), p.k.head(b, kv), p.v.head(b, kv),
+            [&](Index i, Index j) { return apex_test::sliding_window_allows(i, j, window(b, h)); },
+            &bias, 0.25, 0.0);
+        const apex_test::MatrixD out = o.out.head(b, h);
+        max_ref = std::max(max_ref, ref.out.cwiseAbs().maxCoeff());
+        max_err = std::max(max_err, (out - ref.out).cwiseAbs().maxCoeff());
+      }
+    }
+    EXPECT_LE(max_err, apex::testing::Tolerances<Scalar>::kAttention * max_ref);
+  }
+}
+
 // ---- block skipping ----------------------------------------------------------------------------
 
 /// Memory for `count` values of T, laid out so that the values at [no_read_begin, no_read_end)

@@ -18,6 +18,7 @@
 //   - other rows, heads and batches are unaffected.
 #pragma once
 
+#include <apex/attention_rules.hpp>
 #include <apex/config.hpp>
 #include <apex/detail/flash_attention.hpp>
 #include <apex/detail/online_softmax.hpp>
@@ -221,15 +222,14 @@ void set_score_params(P& p, const SdpaParams& params, Index d_qk) {
   p.alibi_slopes = params.alibi_slopes.empty() ? nullptr : params.alibi_slopes.data();
 }
 
-/// One (query, key) score of the reference after scaling, soft-capping, ALiBi (the term
-/// −slope·(qp − kp), 0 without it), masking and bias; -inf when forbidden.
-inline double masked_score(double scaled, double softcap, double alibi, bool allowed, double bias) {
+/// One (query, key) score of the reference: the score (after scaling, soft-capping, ALiBi and the
+/// score rule) plus the bias, or -inf when forbidden.
+inline double masked_score(double score, bool allowed, double bias) {
   // A bias of -inf is a mask too: it forbids the key whatever the score (even NaN).
   if (!allowed || bias == -std::numeric_limits<double>::infinity()) {
     return -std::numeric_limits<double>::infinity();
   }
-  if (softcap > 0.0) scaled = softcap * std::tanh(scaled / softcap);
-  return scaled + alibi + bias;
+  return score + bias;
 }
 
 /// Copies a [B, H, S, D] view into another of the same shape.
@@ -258,11 +258,12 @@ void check_outputs(std::initializer_list<HeadsView<Scalar>> outputs, const char*
 /// and fuzz targets may choose. Each input has its storage type (TQ, TK, TV, and TB for the
 /// bias); the outputs are TO. Outputs whose memory overlaps an input are computed into a
 /// temporary first (allocated: [B, H_q, S_q, d_v] and the per-row outputs), then copied.
-template <class TQ, class TK, class TV, class TB, class TO>
+template <class TQ, class TK, class TV, class TB, class TO, class Rules = NoRules>
 void flash_sdpa(const HeadsView<const TQ>& q, const HeadsView<const TK>& k,
                 const HeadsView<const TV>& v, const AttentionMask<TB>& mask,
                 const SdpaParams& params, const HeadsView<TO>& out, const HeadsView<TO>& lse,
-                const SoftmaxStatsView<TO>& stats, const FlashBlocking& blocking = {}) {
+                const SoftmaxStatsView<TO>& stats, const FlashBlocking& blocking = {},
+                const Rules& rules = {}) {
   require_storage_type<TQ>();
   require_storage_type<TK>();
   require_storage_type<TV>();
@@ -287,8 +288,8 @@ void flash_sdpa(const HeadsView<const TQ>& q, const HeadsView<const TK>& k,
       return o.empty() ? HeadsView<TO>() : t.view();
     };
     flash_sdpa<TQ, TK, TV, TB, TO>(q, k, v, mask, params, view_of(t_out, out), view_of(t_lse, lse),
-                                   {view_of(t_max, stats.max), view_of(t_sum, stats.sum)},
-                                   blocking);
+                                   {view_of(t_max, stats.max), view_of(t_sum, stats.sum)}, blocking,
+                                   rules);
     copy_heads<TO>(t_out.view(), out);
     copy_heads<TO>(t_lse.view(), lse);
     copy_heads<TO>(t_max.view(), stats.max);
@@ -296,7 +297,8 @@ void flash_sdpa(const HeadsView<const TQ>& q, const HeadsView<const TK>& k,
     return;
   }
   const KeySegment<TK, TV> keys{k, v, mask.positions.key_offset};
-  AttentionProblem<TQ, TK, TV, TB> p;
+  AttentionProblem<TQ, TK, TV, TB, Rules> p;
+  p.rules = &rules;
   p.q = q;
   p.segments = &keys;
   p.num_segments = 1;
@@ -339,6 +341,44 @@ void sdpa_on_matrices(Kernel&& kernel, const ConstRowRef<Scalar>& q, const Const
   kernel(view(q), view(k), view(v), mask, params, out_view, lse_view);
 }
 
+/// The softmax of one row of the reference, in double: `scores` holds s_j for the keys that take
+/// part and -inf for the others (whose values are then never read), `sink` the row's sink (-inf:
+/// none). Writes out (d_v values rounded once to TO) and returns the row's (max, sum), following
+/// the non-finite policy: NaN or +inf among the scores → NaN; no key and no sink → zeros.
+template <class TO, class OutRow>
+SoftmaxStats<double> reference_row(const Vector<double>& scores, double sink,
+                                   const RowMatrix<double>& vd, OutRow&& out) {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  double row_max = kNegInf;
+  for (Index j = 0; j < scores.size(); ++j) {
+    // A NaN score sticks (std::max would drop it).
+    if (std::isnan(scores(j)) || scores(j) > row_max) row_max = scores(j);
+  }
+  if (std::isnan(row_max) || row_max == std::numeric_limits<double>::infinity()) {
+    out.setConstant(std::numeric_limits<TO>::quiet_NaN());
+    return {kNaN, kNaN};
+  }
+  row_max = std::max(row_max, sink);
+  if (row_max == kNegInf) {  // no key takes part, and no sink
+    out.setZero();
+    return {};
+  }
+  // Keys that take no part are skipped rather than weighted by zero, so that whatever their
+  // values hold (even NaN) cannot reach the output.
+  Eigen::Matrix<double, 1, Eigen::Dynamic> acc =
+      Eigen::Matrix<double, 1, Eigen::Dynamic>::Zero(vd.cols());
+  double total = std::exp(sink - row_max);  // 0 without a sink
+  for (Index j = 0; j < scores.size(); ++j) {
+    if (scores(j) == kNegInf) continue;
+    const double weight = std::exp(scores(j) - row_max);
+    acc += weight * vd.row(j);
+    total += weight;
+  }
+  out = rounded<TO>((acc / total).array()).matrix();
+  return {row_max, total};
+}
+
 }  // namespace detail
 
 /// Plain, exact implementations that the fast paths are tested against.
@@ -346,21 +386,26 @@ namespace reference {
 
 /// Plain attention, written for clarity and exactness: the oracle every fast path is tested
 /// against. For each (batch, query head h) it uses key/value head h / (H_q / H_kv) (§8.2) and
-/// computes, one query row at a time and in double precision,
-///   out[i] = Σ_j softmax_j(softcap(scale · q_i·k_j) + bias_ij, forbidden → -inf) v_j   (§6.2)
-/// with ALiBi's term and the head's sink as SdpaParams describes them (the sink as one more
-/// score of zero value), following the non-finite policy at the top of this header (a row in
-/// which no key takes part gets zeros and a log-sum-exp of -inf, or of the sink).
+/// computes, one query row i (position qp) at a time and in double precision, for every key j
+/// (position kp)
+///   s_ij = softcap(scale · q_i·k_j) + ALiBi's −slope_h·(qp − kp), then the user's score rule,
+///          then + bias_ij; -inf unless the PositionMask, the dense mask and the user's mask
+///          rule all allow the pair (and the bias is not -inf)
+///   out[i] = Σ_j e^(s_ij) v_j / (e^(sink_h) + Σ_j e^(s_ij))      (§6.2; no sink: softmax)
+/// following the non-finite policy at the top of this header (a row in which no key takes part
+/// gets zeros and a log-sum-exp of -inf, or of the sink).
 ///   q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v]
-///   -> out: [B, H_q, S_q, d_v], lse (optional): [B, H_q, S_q, 1] (natural log of Σ_j exp score),
-///      stats (optional): the max and sum of SoftmaxStatsView.
+///   -> out: [B, H_q, S_q, d_v], lse (optional): [B, H_q, S_q, 1] (natural log of the row's
+///      denominator), stats (optional): the max and sum of SoftmaxStatsView.
 /// Each input may have its own storage type (float, double, half, bfloat16; read-only views or
 /// not; the bias TB) and the outputs theirs (TO): the elements are read as doubles and each result
 /// is rounded once to TO. Outputs must not overlap the inputs. Allocates O(S_k · (d_qk + d_v))
-/// doubles per head; never an S_q × S_k matrix.
-template <class Q, class K, class V, class TB, class TO>
+/// doubles per head; never an S_q × S_k matrix. `rules` (attention_rules.hpp) are called for
+/// every pair.
+template <class Q, class K, class V, class TB, class TO, class A, class C, class S>
 void sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-          const AttentionMask<TB>& mask, const SdpaParams& params, const HeadsView<TO>& out,
+          const AttentionMask<TB>& mask, const SdpaParams& params,
+          const AttentionRules<A, C, S>& rules, const HeadsView<TO>& out,
           const HeadsView<TO>& lse = {}, const SoftmaxStatsView<TO>& stats = {}) {
   detail::require_storage_type<std::remove_const_t<Q>>();
   detail::require_storage_type<std::remove_const_t<K>>();
@@ -368,70 +413,47 @@ void sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
   detail::require_storage_type<TB>();
   detail::require_storage_type<TO>();
   detail::check_sdpa(q, k, v, mask, params, out, lse, "sdpa", stats);
-  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-  const Index s_q = q.seq();
-  const Index s_k = k.seq();
   const Index group = q.heads() / k.heads();
   const double scale = detail::softmax_scale(params, q.dim());
-  const Index first_query = mask.positions.first_query_position(s_q, s_k);
-  const auto write_stats = [&](Index b, Index h, Index i, double max, double sum) {
-    const double row_lse = std::isnan(max) ? kNaN : max == kNegInf ? kNegInf : max + std::log(sum);
-    if (!lse.empty()) lse.head(b, h)(i, 0) = round_to<TO>(row_lse);
-    if (!stats.max.empty()) stats.max.head(b, h)(i, 0) = round_to<TO>(max);
-    if (!stats.sum.empty()) stats.sum.head(b, h)(i, 0) = round_to<TO>(sum);
+  const Index first_query = mask.positions.first_query_position(q.seq(), k.seq());
+  const auto score = [&](Index b, Index h, Index i, Index j, double dot) {
+    const Index qp = first_query + i;
+    const Index kp = mask.positions.key_offset + j;
+    double s = scale * dot;
+    if (params.softcap > 0.0) s = params.softcap * std::tanh(s / params.softcap);
+    if (!params.alibi_slopes.empty()) s -= params.alibi_slopes[std::size_t(h)] * double(qp - kp);
+    s = static_cast<double>(rules.score(b, h, qp, kp, s));
+    const bool allowed = mask.positions.allows(qp, kp) && rules.allows(b, h, qp, kp) &&
+                         (mask.allowed.empty() || mask.allowed.head(b, h)(i, j));
+    const double bias = mask.bias.empty() ? 0.0 : double(mask.bias.head(b, h)(i, j));
+    return detail::masked_score(s, allowed, bias);
   };
   for (Index b = 0; b < q.batch(); ++b) {
     for (Index h = 0; h < q.heads(); ++h) {
       const RowMatrix<double> qd = q.head(b, h).template cast<double>();
       const RowMatrix<double> kd = k.head(b, h / group).template cast<double>();
       const RowMatrix<double> vd = v.head(b, h / group).template cast<double>();
-      auto out_head = out.head(b, h);
-      Vector<double> scores(s_k);
-      // The sink: one more logit of every row of the head, with a zero value (-inf: none).
-      const double sink = params.sinks.empty() ? kNegInf : params.sinks[std::size_t(h)];
-      const double slope = params.alibi_slopes.empty() ? 0.0 : params.alibi_slopes[std::size_t(h)];
-      for (Index i = 0; i < s_q; ++i) {
-        double row_max = kNegInf;
-        for (Index j = 0; j < s_k; ++j) {
-          const Index qp = first_query + i;
-          const Index kp = mask.positions.key_offset + j;
-          const bool allowed = mask.positions.allows(qp, kp) &&
-                               (mask.allowed.empty() || mask.allowed.head(b, h)(i, j));
-          const double bias = mask.bias.empty() ? 0.0 : double(mask.bias.head(b, h)(i, j));
-          const double alibi = slope == 0.0 ? 0.0 : -slope * double(qp - kp);
-          scores(j) = detail::masked_score(scale * qd.row(i).dot(kd.row(j)), params.softcap, alibi,
-                                           allowed, bias);
-          // A NaN score sticks (std::max would drop it).
-          if (std::isnan(scores(j)) || scores(j) > row_max) row_max = scores(j);
-        }
-        if (std::isnan(row_max) || row_max == std::numeric_limits<double>::infinity()) {
-          out_head.row(i).setConstant(std::numeric_limits<TO>::quiet_NaN());
-          write_stats(b, h, i, kNaN, kNaN);
-          continue;
-        }
-        row_max = std::max(row_max, sink);
-        if (row_max == kNegInf) {  // no key takes part, and no sink
-          out_head.row(i).setZero();
-          write_stats(b, h, i, kNegInf, 0.0);
-          continue;
-        }
-        // Keys that take no part are skipped rather than weighted by zero, so that whatever
-        // their values hold (even NaN) cannot reach the output.
-        Eigen::Matrix<double, 1, Eigen::Dynamic> acc =
-            Eigen::Matrix<double, 1, Eigen::Dynamic>::Zero(vd.cols());
-        double total = std::exp(sink - row_max);  // 0 without a sink
-        for (Index j = 0; j < s_k; ++j) {
-          if (scores(j) == kNegInf) continue;
-          const double weight = std::exp(scores(j) - row_max);
-          acc += weight * vd.row(j);
-          total += weight;
-        }
-        out_head.row(i) = rounded<TO>((acc / total).array()).matrix();
-        write_stats(b, h, i, row_max, total);
+      const double sink = params.sinks.empty() ? -std::numeric_limits<double>::infinity()
+                                               : params.sinks[std::size_t(h)];
+      Vector<double> scores(k.seq());
+      for (Index i = 0; i < q.seq(); ++i) {
+        for (Index j = 0; j < k.seq(); ++j) scores(j) = score(b, h, i, j, qd.row(i).dot(kd.row(j)));
+        const detail::SoftmaxStats<double> row =
+            detail::reference_row<TO>(scores, sink, vd, out.head(b, h).row(i));
+        if (!lse.empty()) lse.head(b, h)(i, 0) = round_to<TO>(detail::log_sum_exp(row));
+        if (!stats.max.empty()) stats.max.head(b, h)(i, 0) = round_to<TO>(row.max);
+        if (!stats.sum.empty()) stats.sum.head(b, h)(i, 0) = round_to<TO>(row.sum);
       }
     }
   }
+}
+
+/// The reference without user rules (the PositionMask, the dense mask, the bias and SdpaParams).
+template <class Q, class K, class V, class TB, class TO>
+void sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+          const AttentionMask<TB>& mask, const SdpaParams& params, const HeadsView<TO>& out,
+          const HeadsView<TO>& lse = {}, const SoftmaxStatsView<TO>& stats = {}) {
+  reference::sdpa(q, k, v, mask, params, NoRules{}, out, lse, stats);
 }
 
 /// The reference with every input, the bias and the outputs of one type.
@@ -500,6 +522,21 @@ void sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
           const HeadsView<TO>& lse = {}, const SoftmaxStatsView<TO>& stats = {}) {
   detail::flash_sdpa<std::remove_const_t<Q>, std::remove_const_t<K>, std::remove_const_t<V>, TB,
                      TO>(q, k, v, mask, params, out, lse, stats);
+}
+
+/// sdpa with the user's rules (attention_rules.hpp) beside the mask and the parameters: a mask
+/// rule (with its block classifier, so that blocks it forbids are skipped unread) and a score
+/// rule, compiled into the kernel. A pair attends only if the PositionMask, the dense mask and the
+/// mask rule all allow it; the score rule applies to every score after the soft-cap and ALiBi,
+/// before the bias. Everything else (shapes, storage types, the non-finite policy, memory,
+/// threads and determinism) is as for sdpa without rules, given rules that are pure functions.
+template <class Q, class K, class V, class TB, class TO, class A, class C, class S>
+void sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+          const AttentionMask<TB>& mask, const SdpaParams& params,
+          const AttentionRules<A, C, S>& rules, const HeadsView<TO>& out,
+          const HeadsView<TO>& lse = {}, const SoftmaxStatsView<TO>& stats = {}) {
+  detail::flash_sdpa<std::remove_const_t<Q>, std::remove_const_t<K>, std::remove_const_t<V>, TB,
+                     TO>(q, k, v, mask, params, out, lse, stats, {}, rules);
 }
 
 /// sdpa with every input, the bias and the outputs of one type (float or double).

@@ -110,11 +110,13 @@
 //   Streaming path: M·d_qk + M·Bk + M·d_v + Bq·Bk + 3·M, plus 32·(d_qk + d_v) when K and V are
 //   widened before they are streamed (a panel of kStreamPanel = 32 keys at a time: a storage
 //   type the streaming products do not widen in registers themselves, kStreamsFrom).
+//   With ALiBi, both paths add G·Bk (the term of each head's first row).
 // Split-key decoding also keeps, on the calling thread, the partial results of every chunk,
 // at most partial_budget = 2^19 scalars (2 MiB of float) whatever S_k, and each merging thread
 // chunks + d_v scalars.
 #pragma once
 
+#include <apex/attention_rules.hpp>
 #include <apex/config.hpp>
 #include <apex/detail/eigen_adapter.hpp>
 #include <apex/detail/online_softmax.hpp>
@@ -161,13 +163,15 @@ struct KeySegment {
 
 /// Everything a task needs, resolved once per call. Keys are the segments in order; key j of
 /// the whole problem (a column of the dense masks) is row j − (keys before its segment) of its
-/// segment.
-template <class TQ, class TK, class TV, class TB>
+/// segment. R is the type of the user's AttentionRules (attention_rules.hpp), NoRules for none.
+template <class TQ, class TK, class TV, class TB, class R = NoRules>
 struct AttentionProblem {
   using Query = TQ;
   using Key = TK;
   using Value = TV;
   using Bias = TB;
+  using Rules = R;
+  const R* rules = nullptr;  // the user's rules; null only when R is NoRules
   HeadsView<const TQ> q;
   const KeySegment<TK, TV>* segments = nullptr;
   Index num_segments = 0;
@@ -323,13 +327,19 @@ class AttentionTile {
   /// Folds one block of keys into the running state: score, mask, softmax, accumulate.
   void add_keys(const Block& keys) {
     const Index query_pos = p_.first_query + q0_;
-    const BlockCoverage coverage = classify_block(p_.positions, query_pos, query_pos + bq_,
-                                                  keys.position(), keys.position() + keys.n);
+    const PositionRange q{query_pos, query_pos + bq_};
+    const PositionRange k{keys.position(), keys.position() + keys.n};
+    const BlockCoverage coverage = classify_block(p_.positions, q.begin, q.end, k.begin, k.end);
     if (coverage == BlockCoverage::kNone) return;
-    const bool masked =
-        coverage == BlockCoverage::kPartial || !p_.allowed.empty() || !p_.bias.empty();
+    const BlockCoverage user = user_coverage(p_.rules, b_, kv_head_ * p_.group, p_.group, q, k);
+    if (user == BlockCoverage::kNone) return;
+    // A score rule may return -inf: the raw scores are checked before it, as before a mask.
+    const bool masked = coverage == BlockCoverage::kPartial || user == BlockCoverage::kPartial ||
+                        !p_.allowed.empty() || !p_.bias.empty() || P::Rules::kScores;
     score(keys, masked);
-    if (masked || p_.softcap > 0.0 || p_.alibi_slopes != nullptr) mask(keys, coverage);
+    if (masked || p_.softcap > 0.0 || p_.alibi_slopes != nullptr || P::Rules::kScores) {
+      mask(keys, coverage, user);
+    }
     const bool hidden = softmax(keys.n);
     // Unmasked, a key takes no part only when its raw score is -inf (see score()).
     if (!masked && hidden) non_finite_score_ = true;
@@ -381,6 +391,7 @@ class AttentionTile {
     scores_ = get(ScratchSlot::kScores, rows_ * ld_s_);
     acc_ = get(ScratchSlot::kAcc, rows_ * ld_acc_);
     position_tile_ = get(ScratchSlot::kPositionTile, bq_ * ld_s_);
+    if (p_.alibi_slopes != nullptr) alibi_ = get(ScratchSlot::kAlibi, p_.group * ld_s_);
     stats_ = scratch.get<SoftmaxStats<C>>(ScratchSlot::kRowStats, rows_);
     alpha_ = get(ScratchSlot::kRowScale, rows_);
   }
@@ -418,41 +429,80 @@ class AttentionTile {
     }
   }
 
-  /// mask: softcap(x) = c·tanh(x / c) on the scaled score, then ALiBi's slope·(kp − qp), then
-  /// the bias, then the position rule and the dense mask, which select -inf rather than add, so
-  /// that a forbidden key's score is -inf whatever its key or bias held (NaN included).
-  void mask(const Block& keys, BlockCoverage coverage) {
+  /// mask: every row's scores are modified (modify_row), then the rules forbid keys
+  /// (forbid_row); `coverage` is what the PositionMask says of the block, `user` what the user's
+  /// mask rule says.
+  void mask(const Block& keys, BlockCoverage coverage, BlockCoverage user) {
+    if (coverage == BlockCoverage::kPartial) fill_position_tile(keys);
+    if (p_.alibi_slopes != nullptr) fill_alibi(keys);
+    for (Index r = 0; r < rows_; ++r) {
+      RowArray s(scores_ + r * ld_s_, keys.n);
+      modify_row(s, head_of(r), query_of(r), keys);
+      forbid_row(s, head_of(r), query_of(r), keys, coverage, user);
+    }
+  }
+
+  /// The terms of a row's scores, in order: softcap(x) = c·tanh(x / c) on the scaled score,
+  /// ALiBi's slope·(kp − qp), the user's score rule. Row i of query head h.
+  void modify_row(RowArray& s, Index h, Index i, const Block& keys) const {
+    const Index n = keys.n;
+    const C softcap = static_cast<C>(p_.softcap);
+    if (softcap > C(0)) s = softcap * (s * (C(1) / softcap)).tanh();
+    const Index qp = p_.first_query + i;
+    if (p_.alibi_slopes != nullptr) {
+      // slope·(kp − qp) = slope·(kp − qp0) − slope·(qp − qp0), qp0 the tile's first query.
+      const Index g = h - kv_head_ * p_.group;
+      const C slope = static_cast<C>(p_.alibi_slopes[h]);
+      s += RowArray(alibi_ + g * ld_s_, n) - slope * static_cast<C>(i - q0_);
+    }
+    if constexpr (P::Rules::kScores) {
+      for (Index j = 0; j < n; ++j) {
+        s[j] = static_cast<C>(p_.rules->score(b_, h, qp, keys.position() + j, s[j]));
+      }
+    }
+  }
+
+  /// The bias, then the position rule, the dense mask and the user's mask rule, which select
+  /// -inf rather than add, so that a forbidden key's score is -inf whatever its key or bias held
+  /// (NaN included). Row i of query head h.
+  void forbid_row(RowArray& s, Index h, Index i, const Block& keys, BlockCoverage coverage,
+                  BlockCoverage user) const {
     constexpr C kNegInf = -std::numeric_limits<C>::infinity();
     const Index n = keys.n;
-    if (coverage == BlockCoverage::kPartial) fill_position_tile(keys);
-    const C softcap = static_cast<C>(p_.softcap);
-    for (Index r = 0; r < rows_; ++r) {
-      RowArray s(scores_ + r * ld_s_, n);
-      const Index h = head_of(r);
-      const Index i = query_of(r);
-      if (softcap > C(0)) s = softcap * (s * (C(1) / softcap)).tanh();
-      if (p_.alibi_slopes != nullptr) {
-        // kp − qp for the block's keys as C (exact integers below 2^24 in float), times the
-        // head's slope (fits_float keeps the product finite in a float pass).
-        const C first = static_cast<C>(keys.position() - (p_.first_query + i));
-        s += static_cast<C>(p_.alibi_slopes[h]) *
-             Eigen::Array<C, 1, Eigen::Dynamic>::LinSpaced(n, first, first + C(n - 1));
+    if (!p_.bias.empty()) {
+      // A bias of -inf forbids the key even where the score is NaN (NaN + -inf is NaN).
+      const auto bias =
+          p_.bias.head(b_, h).row(i).segment(keys.index, n).array().template cast<C>();
+      s = (bias == kNegInf).select(kNegInf, s + bias);
+    }
+    if (coverage == BlockCoverage::kPartial) {
+      forbid_unless_positive(s.data(), position_tile_ + (i - q0_) * ld_s_, n);
+    }
+    if (!p_.allowed.empty()) {
+      const bool* allowed = p_.allowed.head(b_, h).row(i).data() + keys.index;
+      for (Index j = 0; j < n; ++j) {
+        if (!allowed[j]) s[j] = kNegInf;
       }
-      if (!p_.bias.empty()) {
-        // A bias of -inf forbids the key even where the score is NaN (NaN + -inf is NaN).
-        const auto bias =
-            p_.bias.head(b_, h).row(i).segment(keys.index, n).array().template cast<C>();
-        s = (bias == kNegInf).select(kNegInf, s + bias);
+    }
+    if constexpr (P::Rules::kMasks) {
+      if (user != BlockCoverage::kPartial) return;
+      const Index qp = p_.first_query + i;
+      for (Index j = 0; j < n; ++j) {
+        if (!p_.rules->allows(b_, h, qp, keys.position() + j)) s[j] = kNegInf;
       }
-      if (coverage == BlockCoverage::kPartial) {
-        forbid_unless_positive(s.data(), position_tile_ + (i - q0_) * ld_s_, n);
-      }
-      if (!p_.allowed.empty()) {
-        const bool* allowed = p_.allowed.head(b_, h).row(i).data() + keys.index;
-        for (Index j = 0; j < n; ++j) {
-          if (!allowed[j]) s[j] = kNegInf;
-        }
-      }
+    }
+  }
+
+  /// alibi(g, j) = slope·(kp_j − qp0) for the G stacked heads g and the block's keys, qp0 the
+  /// tile's first query position: the ALiBi term of its first row, formed once per block (kp −
+  /// qp0 as C, exact integers below 2^24 in float; fits_float keeps the products finite).
+  void fill_alibi(const Block& keys) {
+    const C first = static_cast<C>(keys.position() - (p_.first_query + q0_));
+    const auto distance =
+        Eigen::Array<C, 1, Eigen::Dynamic>::LinSpaced(keys.n, first, first + C(keys.n - 1));
+    for (Index g = 0; g < p_.group; ++g) {
+      RowArray(alibi_ + g * ld_s_, keys.n) =
+          static_cast<C>(p_.alibi_slopes[kv_head_ * p_.group + g]) * distance;
     }
   }
 
@@ -553,6 +603,7 @@ class AttentionTile {
   C* v_packed_ = nullptr;
   C* acc_ = nullptr;
   C* position_tile_ = nullptr;
+  C* alibi_ = nullptr;  // [G, ld_s]: the ALiBi term of the tile's first row, per head
   SoftmaxStats<C>* stats_ = nullptr;
   C* alpha_ = nullptr;
 };

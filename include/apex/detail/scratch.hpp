@@ -26,6 +26,7 @@ enum class ScratchSlot : int {
   kVPacked,
   kAcc,
   kPositionTile,
+  kAlibi,
   kRowStats,
   kRowScale,
   kDecodePartials,
