@@ -440,6 +440,77 @@ TYPED_TEST(Decode16Bit, LayersWith16BitWeightsMatchFloatLayersOnTheSameWeights) 
 // Absorbed = naive MLA on random weights, float and double, every folding
 // ---------------------------------------------------------------------------------------------
 
+// ---------------------------------------------------------------------------------------------
+// Attention sinks owned by the layers: every path counts each head's sink once
+// ---------------------------------------------------------------------------------------------
+
+// A layer whose weights hold sinks computes what the same layer without them computes when the
+// sinks are given per call (SdpaParams::sinks), and its cached paths (GQA with a full and a
+// window cache, MLA naive and absorbed, one token at a time, where the split-key decode merges
+// partial results) equal its forward pass. The sinks change the result (they are not ignored),
+// and a call that brings sinks of its own to a layer that owns some is rejected.
+TEST(Decode, LayersOwnTheirSinksOnEveryPath) {
+  const RowMatrix<float> x = random_matrix<float>(kBatch * kTokens, 16, 181);
+  const std::vector<double> sinks{0.5, -1.0, 2.0, 0.0};
+  const auto gqa_plain = GroupedQueryAttention<float>::random(GqaConfig{16, 4, 2, 6}, 182);
+  apex::GqaWeights<float> gqa_weights = gqa_plain.weights();
+  gqa_weights.sinks = sinks;
+  const GroupedQueryAttention<float> gqa(gqa_plain.config(), gqa_weights);
+  const auto setup = rope_setup<float>(false, 6, 6, apex::YarnTemperature::kInTables);
+  const PositionMask window = apex::sliding_window_mask(kWindow);
+  const RowMatrix<float> expected = forward_oracle(gqa, x, window, setup);
+  AttentionMask<float> mask;
+  mask.positions = window;
+  AttentionLayerParams<float> per_call = layer_params(setup, 0);
+  per_call.attention.sinks = sinks;
+  EXPECT_EQ(gqa_plain.forward(x, kBatch, mask, per_call), expected);
+  EXPECT_GT((forward_oracle(gqa_plain, x, window, setup) - expected).cwiseAbs().maxCoeff(), 1e-3);
+  KvCache<float> full = gqa.make_cache(kBatch, kTokens);
+  SlidingWindowCache<float> ring = gqa.make_window_cache(kBatch, kWindow);
+  const auto decode = [&](auto& cache) {
+    return run_in_chunks(x, kBatch, 1, {1}, [&](const RowMatrix<float>& c, Index p) {
+      return gqa.forward_cached(c, window, layer_params(setup, p), cache);
+    });
+  };
+  expect_rows_close(decode(full), expected, kTol<float>, "GQA full cache, sinks");
+  expect_rows_close(decode(ring), expected, kTol<float>, "GQA window cache, sinks");
+  expect_invalid([&] { (void)gqa.forward(x, kBatch, mask, per_call); },
+                 "[gqa] params.attention.sinks (4 values) must be empty: the layer owns its 4 "
+                 "sinks");
+  gqa_weights.sinks = {1.0, 2.0};
+  expect_invalid([&] { GroupedQueryAttention<float>(gqa_plain.config(), gqa_weights); },
+                 "[gqa] sinks length (2) must be the number of query heads 4");
+
+  const MlaConfig config = mla_config(1);
+  const auto mla_plain = MultiHeadLatentAttention<float>::random(config, 183);
+  apex::MlaWeights<float> mla_weights = mla_plain.weights();
+  mla_weights.sinks = std::vector<double>(std::size_t(config.num_q_heads), 0.75);
+  const MultiHeadLatentAttention<float> mla(config, mla_weights);
+  const apex::MlaAbsorbedWeights<float> absorbed = apex::absorb_mla_weights(mla);
+  const auto mla_setup =
+      rope_setup<float>(false, config.rope_dim, config.qk_dim(), apex::YarnTemperature::kInTables);
+  const PositionMask causal = apex::causal_mask();
+  const RowMatrix<float> mla_expected = forward_oracle(mla, x, causal, mla_setup);
+  EXPECT_GT((forward_oracle(mla_plain, x, causal, mla_setup) - mla_expected).cwiseAbs().maxCoeff(),
+            1e-3);
+  LatentCache<float> naive_cache = mla.make_cache(kBatch, kTokens);
+  LatentCache<float> absorbed_cache = mla.make_cache(kBatch, kTokens);
+  expect_rows_close(run_in_chunks(x, kBatch, 1, {1},
+                                  [&](const RowMatrix<float>& c, Index p) {
+                                    return mla.forward_cached(c, causal, layer_params(mla_setup, p),
+                                                              naive_cache);
+                                  }),
+                    mla_expected, kTol<float>, "MLA naive, sinks");
+  expect_rows_close(run_in_chunks(x, kBatch, 1, {1},
+                                  [&](const RowMatrix<float>& c, Index p) {
+                                    return mla.forward_absorbed(c, causal,
+                                                                layer_params(mla_setup, p),
+                                                                absorbed, absorbed_cache);
+                                  }),
+                    mla_expected, kTol<float>, "MLA absorbed, sinks");
+  EXPECT_EQ(mla.with_weights<Eigen::bfloat16>().weights().sinks, mla_weights.sinks);
+}
+
 template <class Scalar>
 class DecodeTyped : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;

@@ -306,7 +306,7 @@ TYPED_TEST(GqaTyped, GqaEqualsMhaOnRepeatedKvHeads) {
     const auto gqa = GroupedQueryAttention<Scalar>::random({d_model, h_q, h_kv, d_h}, 6);
     const GqaWeights<Scalar>& w = gqa.weights();
     GqaWeights<Scalar> repeated{w.w_q, RowMatrix<Scalar>(d_model, h_q * d_h),
-                                RowMatrix<Scalar>(d_model, h_q * d_h), w.w_o};
+                                RowMatrix<Scalar>(d_model, h_q * d_h), w.w_o, {}};
     for (Index h = 0; h < h_q; ++h) {
       const Index g = apex::kv_head_for({h_q, h_kv}, h);
       repeated.w_k.middleCols(h * d_h, d_h) = w.w_k.middleCols(g * d_h, d_h);

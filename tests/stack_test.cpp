@@ -376,6 +376,53 @@ TEST(Stack, DecodingOneTokenAtATimeMatchesForward) {
   }
 }
 
+// Attention sinks in every layer (owned by the layers' weights, as a checkpoint holds them):
+// decoding one token at a time, with both MLA paths, gives the logits of forward(), and the
+// sinks change them.
+TEST(Stack, LayersWithSinksDecodeAsForward) {
+  const apex::testing::OneThread one_thread;
+  const apex::StackConfig config = decode_config(false);
+  const auto plain = apex::AttentionStack<float>::random(config, 23);
+  std::vector<apex::AttentionStack<float>::Layer> layers;
+  for (Index l = 0; l < config.num_layers; ++l) {
+    std::visit(
+        [&](const auto& layer) {
+          using Kind = std::decay_t<decltype(layer)>;
+          auto weights = layer.weights();
+          weights.sinks.assign(std::size_t(layer.config().num_q_heads), 0.5 + 0.25 * double(l));
+          layers.emplace_back(Kind(layer.config(), weights));
+        },
+        plain.layer(l));
+  }
+  const apex::AttentionStack<float> stack(
+      config, plain.embedding(),
+      std::vector<apex::Vector<float>>(std::size_t(config.num_layers),
+                                       apex::Vector<float>::Ones(config.d_model)),
+      apex::Vector<float>::Ones(config.d_model), std::move(layers));
+  const Index batch = 2, prefix = 9;
+  const apex::TokenMatrix tokens = random_tokens(batch, kTokens, config.vocab_size, 24);
+  const apex::RowMatrix<float> expected = stack.forward(tokens, prefix);
+  EXPECT_GT((plain.forward(tokens, prefix) - expected).cwiseAbs().maxCoeff(), 1e-4);
+  for (const apex::MlaPath path : {apex::MlaPath::kNaive, apex::MlaPath::kAbsorbed}) {
+    apex::DecodeOptions options;
+    options.mla = path;
+    apex::StackCache<float> cache = stack.make_cache(batch, kTokens);
+    apex::RowMatrix<float> logits(batch * kTokens, config.vocab_size);
+    const apex::RowMatrix<float> prompt =
+        stack.prefill(tokens.leftCols(prefix), prefix, options, cache);
+    for (Index b = 0; b < batch; ++b) {
+      logits.middleRows(b * kTokens, prefix) = prompt.middleRows(b * prefix, prefix);
+    }
+    for (Index t = prefix; t < kTokens; ++t) {
+      const apex::RowMatrix<float> step =
+          stack.decode_step({tokens(0, t), tokens(1, t)}, options, cache);
+      for (Index b = 0; b < batch; ++b) logits.row(b * kTokens + t) = step.row(b);
+    }
+    expect_logits_close(logits, expected,
+                        path == apex::MlaPath::kNaive ? "sinks, naive MLA" : "sinks, absorbed MLA");
+  }
+}
+
 // 16-bit caches in every layer: the bytes that cache_memory<T> reports, half of float's, and
 // logits that differ from the float caches' by the rounding of the stored values only. Over
 // kTokens decoded tokens (prefix 9, default MLA path) the largest normwise difference of a row,

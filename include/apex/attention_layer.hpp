@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <random>
+#include <vector>
 
 namespace apex {
 
@@ -84,6 +85,21 @@ RowMatrix<Weight> random_weight(Index rows, Index cols, std::mt19937_64& rng) {
   RowMatrix<Weight> w(rows, cols);
   for (Index i = 0; i < w.size(); ++i) w.data()[i] = round_to<Weight>(normal(rng));
   return w;
+}
+
+/// The SdpaParams a layer's attention runs with: the caller's, with the sinks the layer owns
+/// (when it has any; the caller must then give none, so that no sink is counted twice).
+/// Allocates the copy of the parameters.
+inline SdpaParams with_layer_sinks(const SdpaParams& attention, const std::vector<double>& sinks,
+                                   const char* op) {
+  if (sinks.empty()) return attention;
+  APEX_CHECK(attention.sinks.empty(), "[" << op << "] params.attention.sinks ("
+                                          << attention.sinks.size()
+                                          << " values) must be empty: the layer owns its "
+                                          << sinks.size() << " sinks");
+  SdpaParams p = attention;
+  p.sinks = sinks;
+  return p;
 }
 
 /// The checks every layer forward makes on x, the batch and the RoPE positions.

@@ -29,6 +29,7 @@
 #include <random>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace apex {
 
@@ -112,12 +113,18 @@ struct GqaWeights {
   RowMatrix<Weight> w_k;  ///< [d, H_kv·d_h]
   RowMatrix<Weight> w_v;  ///< [d, H_kv·d_h]
   RowMatrix<Weight> w_o;  ///< [H_q·d_h, d]
+  /// Attention sinks (gpt-oss), one logit per query head [H_q], or empty for none: each joins
+  /// its head's softmax denominator in every attention of the layer (SdpaParams::sinks). Few
+  /// values, kept in double whatever Weight is.
+  std::vector<double> sinks;
 };
 
 /// The same weights stored as W: widened exactly, or rounded once to nearest even (converted).
+/// The sinks are copied as they are.
 template <class W, class Weight>
 GqaWeights<W> converted_weights(const GqaWeights<Weight>& w) {
-  return {converted<W>(w.w_q), converted<W>(w.w_k), converted<W>(w.w_v), converted<W>(w.w_o)};
+  return {converted<W>(w.w_q), converted<W>(w.w_k), converted<W>(w.w_v), converted<W>(w.w_o),
+          w.sinks};
 }
 
 namespace detail {
@@ -180,6 +187,7 @@ class GroupedQueryAttention {
                                "[d_model, num_kv_heads*head_dim]");
     detail::check_weight_shape(weights_.w_o, q_width, d, "gqa", "w_o",
                                "[num_q_heads*head_dim, d_model]");
+    detail::check_head_values(weights_.sinks, config.num_q_heads, "gqa", "sinks");
   }
 
   /// A layer with random weights for examples and tests: every entry of a [rows, cols] weight is
@@ -252,7 +260,7 @@ class GroupedQueryAttention {
     const ConstRowRef<Scalar> xr(x.derived());
     check_input(xr, batch, params);
     detail::attention_layer_forward<Scalar>(
-        xr, batch, attention_heads(), mask, params.attention,
+        xr, batch, attention_heads(), mask, attention_params(params),
         [&] { return project_checked(xr, batch, params); }, weights_.w_o, out, "gqa");
   }
 
@@ -317,8 +325,8 @@ class GroupedQueryAttention {
     AttentionMask<Scalar> positions;
     positions.positions = mask;
     positions.positions.query_offset = params.position_offset;
-    multi_head_attention(p.q_heads(), cache.keys(), cache.values(), positions, params.attention,
-                         weights_.w_o, out);
+    multi_head_attention(p.q_heads(), cache.keys(), cache.values(), positions,
+                         attention_params(params), weights_.w_o, out);
   }
 
   /// Decoding with a sliding-window cache (§10): as the KvCache form, but the cache holds only
@@ -344,7 +352,7 @@ class GroupedQueryAttention {
     const Index d_h = config().head_dim;
     RowMatrix<Scalar> concat(xr.rows(), h_q * d_h);
     sdpa_with_window_cache<Scalar, Storage>(
-        p.q_heads(), p.k_heads(), p.v_heads(), mask, params.attention, cache,
+        p.q_heads(), p.k_heads(), p.v_heads(), mask, attention_params(params), cache,
         HeadsView<Scalar>::token_major(concat.data(), {batch, h_q, n, d_h}));
     cache.append(p.k_heads(), p.v_heads(), params.position_offset);
     detail::matmul<Scalar>(concat, weights_.w_o, out);
@@ -368,6 +376,11 @@ class GroupedQueryAttention {
   /// Throws for an empty (default-constructed or moved-from) layer.
   void check_constructed() const {
     detail::check_constructed(config().d_model >= 1, "gqa", "layer");
+  }
+
+  /// The attention parameters of a call, with the layer's sinks.
+  SdpaParams attention_params(const AttentionLayerParams<Scalar>& params) const {
+    return detail::with_layer_sinks(params.attention, weights_.sinks, "gqa");
   }
 
   void check_input(const ConstRowRef<Scalar>& x, Index batch,
@@ -406,7 +419,7 @@ class GroupedQueryAttention {
         detail::shape_only_view<const Scalar>({batch, heads.num_q_heads, n, heads.qk_dim}),
         detail::shape_only_view<const Scalar>({batch, heads.num_kv_heads, held + n, heads.qk_dim}),
         detail::shape_only_view<const Scalar>({batch, heads.num_kv_heads, held + n, heads.v_dim}),
-        positions, params.attention,
+        positions, attention_params(params),
         detail::shape_only_view<Scalar>({batch, heads.num_q_heads, n, heads.v_dim}), {}, "gqa");
     APEX_CHECK(out.rows() == x.rows() && out.cols() == config().d_model,
                "[gqa] out shape [" << out.rows() << ", " << out.cols() << "] must be [B*n, d] = ["

@@ -210,13 +210,18 @@ struct MlaWeights {
   RowMatrix<Weight> w_qr;   ///< [d, H_q·d_r]
   RowMatrix<Weight> w_kr;   ///< [d, H_kr·d_r]
   RowMatrix<Weight> w_o;    ///< [H_q·d_h, d]
+  /// Attention sinks (gpt-oss), one logit per query head [H_q], or empty for none: each joins
+  /// its head's softmax denominator on every path (naive and absorbed, SdpaParams::sinks). Few
+  /// values, kept in double whatever Weight is.
+  std::vector<double> sinks;
 };
 
 /// The same weights stored as W: widened exactly, or rounded once to nearest even (converted).
 template <class W, class Weight>
 MlaWeights<W> converted_weights(const MlaWeights<Weight>& w) {
-  return {converted<W>(w.w_dkv), converted<W>(w.w_uk), converted<W>(w.w_uv), converted<W>(w.w_dq),
-          converted<W>(w.w_uq),  converted<W>(w.w_qr), converted<W>(w.w_kr), converted<W>(w.w_o)};
+  return {converted<W>(w.w_dkv), converted<W>(w.w_uk), converted<W>(w.w_uv),
+          converted<W>(w.w_dq),  converted<W>(w.w_uq), converted<W>(w.w_qr),
+          converted<W>(w.w_kr),  converted<W>(w.w_o),  w.sinks};
 }
 
 /// How absorb_mla_weights treats one side of the absorption.
@@ -316,6 +321,7 @@ class MultiHeadLatentAttention {
                  "[mla] " << table[i].name << " shape [" << w.rows() << ", " << w.cols()
                           << "] must be [" << table[i].rows << ", " << table[i].cols << "]");
     }
+    detail::check_head_values(weights_.sinks, config.num_q_heads, "mla", "sinks");
   }
 
   /// A layer with random weights for examples and tests: every entry of a [rows, cols] weight is
@@ -389,7 +395,7 @@ class MultiHeadLatentAttention {
     const ConstRowRef<Scalar> xr(x.derived());
     check_input(xr, batch, params);
     detail::attention_layer_forward<Scalar>(
-        xr, batch, attention_heads(), mask, params.attention,
+        xr, batch, attention_heads(), mask, attention_params(params),
         [&] { return decompress_checked(xr, batch, params); }, weights_.w_o, out, "mla");
   }
 
@@ -464,7 +470,7 @@ class MultiHeadLatentAttention {
         HeadsView<const Scalar>::token_major(q.data(), {batch, config().num_q_heads, n, d_qk}),
         HeadsView<const Scalar>::token_major(k.data(), {batch, h_kv, len, d_qk}),
         HeadsView<const Scalar>::token_major(v.data(), {batch, h_kv, len, d_h}), positions,
-        params.attention, weights_.w_o, out);
+        attention_params(params), weights_.w_o, out);
   }
 
   /// Absorbed decoding (§9 with W_UK folded into the query side and W_UV into the output side,
@@ -563,8 +569,7 @@ class MultiHeadLatentAttention {
     AttentionMask<Scalar> positions;
     positions.positions = mask;
     positions.positions.query_offset = params.position_offset;
-    SdpaParams attention = params.attention;
-    if (!attention.scale) attention.scale = mla_softmax_scale();
+    const SdpaParams attention = attention_params(params);
     detail::check_sdpa(
         detail::shape_only_view<const Scalar>({batch, config().num_q_heads, n, qk_dim}),
         detail::shape_only_view<const Scalar>({batch, kv_heads, keys, qk_dim}),
@@ -676,6 +681,14 @@ class MultiHeadLatentAttention {
   /// 1/√(d_h + d_r): the default softmax scale of the layer, whatever width its keys are read at.
   double mla_softmax_scale() const {
     return 1.0 / std::sqrt(static_cast<double>(config().qk_dim()));
+  }
+
+  /// The attention parameters of a call: the layer's sinks, and the scale 1/√(d_h + d_r) unless
+  /// params.attention sets one (the absorbed path reads keys of another width).
+  SdpaParams attention_params(const AttentionLayerParams<Scalar>& params) const {
+    SdpaParams attention = detail::with_layer_sinks(params.attention, weights_.sinks, "mla");
+    if (!attention.scale) attention.scale = mla_softmax_scale();
+    return attention;
   }
 
   /// Q_final = [c_q·W_UQ ‖ RoPE(x·W_QR)] per head: [B*n, H_q·(d_h + d_r)].
@@ -848,8 +861,7 @@ void MultiHeadLatentAttention<Scalar, Weight>::forward_absorbed(
   AttentionMask<Scalar> positions;
   positions.positions = mask;
   positions.positions.query_offset = params.position_offset;
-  SdpaParams attention = params.attention;
-  if (!attention.scale) attention.scale = mla_softmax_scale();
+  const SdpaParams attention = attention_params(params);
   sdpa(HeadsView<const Scalar>::token_major(q.data(), {batch, h_q, n, cache.row_width()}),
        cache.rows(), cache.latent(), positions, attention,
        HeadsView<Scalar>::token_major(o_latent.data(), {batch, h_q, n, d_kv}));
