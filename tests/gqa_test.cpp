@@ -305,8 +305,11 @@ TYPED_TEST(GqaTyped, GqaEqualsMhaOnRepeatedKvHeads) {
     SCOPED_TRACE("H_kv " + std::to_string(h_kv));
     const auto gqa = GroupedQueryAttention<Scalar>::random({d_model, h_q, h_kv, d_h}, 6);
     const GqaWeights<Scalar>& w = gqa.weights();
-    GqaWeights<Scalar> repeated{w.w_q, RowMatrix<Scalar>(d_model, h_q * d_h),
-                                RowMatrix<Scalar>(d_model, h_q * d_h), w.w_o, {}};
+    GqaWeights<Scalar> repeated{w.w_q,
+                                RowMatrix<Scalar>(d_model, h_q * d_h),
+                                RowMatrix<Scalar>(d_model, h_q * d_h),
+                                w.w_o,
+                                {}};
     for (Index h = 0; h < h_q; ++h) {
       const Index g = apex::kv_head_for({h_q, h_kv}, h);
       repeated.w_k.middleCols(h * d_h, d_h) = w.w_k.middleCols(g * d_h, d_h);

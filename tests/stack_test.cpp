@@ -72,6 +72,35 @@ apex::RowMatrix<double> attention_block(const Layer& layer, const apex::RowMatri
   return heads * layer.weights().w_o;
 }
 
+/// The logits of a stack composed by hand in double: embedding, then every block with its layer's
+/// RoPE table and attention parameters (local or global), the final norm and the tied LM head.
+struct KindRope {
+  const apex::RopeTable<double>& table;
+  apex::SdpaParams attention;
+};
+
+apex::RowMatrix<double> composed_logits(const apex::AttentionStack<double>& stack,
+                                        const apex::TokenMatrix& tokens, Index prefix,
+                                        const KindRope& local, const KindRope& global) {
+  const apex::StackConfig& config = stack.config();
+  const Index batch = tokens.rows();
+  const apex::RowMatrix<double>& table = stack.embedding();
+  const apex::Vector<double> ones = apex::Vector<double>::Ones(config.d_model);
+  apex::RowMatrix<double> x =
+      apex::reference::embed(table, tokens, std::sqrt(static_cast<double>(config.d_model)));
+  for (Index l = 0; l < config.num_layers; ++l) {
+    const apex::RowMatrix<double> h = apex::reference::rms_norm(x, ones, config.norm_eps);
+    const apex::AttentionMask<double> mask = stack.mask_for_layer(l, prefix);
+    if (const auto* mla = std::get_if<apex::MultiHeadLatentAttention<double>>(&stack.layer(l))) {
+      x += attention_block(*mla, h, batch, mask, global.table, global.attention);
+    } else {
+      const auto& gqa = std::get<apex::GroupedQueryAttention<double>>(stack.layer(l));
+      x += attention_block(gqa, h, batch, mask, local.table, local.attention);
+    }
+  }
+  return apex::reference::lm_head(apex::reference::rms_norm(x, ones, config.norm_eps), table);
+}
+
 TEST(Stack, ForwardEqualsTheComposedFormulas) {
   const apex::StackConfig config = small_config();
   const auto stack = apex::AttentionStack<double>::random(config, 11);
@@ -231,22 +260,8 @@ TEST(Stack, YarnForwardEqualsTheComposedFormulas) {
     apex::SdpaParams local_attention, global_attention;
     local_attention.scale = multiplier / std::sqrt(static_cast<double>(config.local.head_dim));
     global_attention.scale = multiplier / std::sqrt(static_cast<double>(config.global.qk_dim()));
-    const apex::RowMatrix<double>& table = stack.embedding();
-    const apex::Vector<double> ones = apex::Vector<double>::Ones(config.d_model);
-    apex::RowMatrix<double> x =
-        apex::reference::embed(table, tokens, std::sqrt(static_cast<double>(config.d_model)));
-    for (Index l = 0; l < config.num_layers; ++l) {
-      const apex::RowMatrix<double> h = apex::reference::rms_norm(x, ones, config.norm_eps);
-      const apex::AttentionMask<double> mask = stack.mask_for_layer(l, prefix);
-      if (const auto* mla = std::get_if<apex::MultiHeadLatentAttention<double>>(&stack.layer(l))) {
-        x += attention_block(*mla, h, batch, mask, global_rope, global_attention);
-      } else {
-        const auto& gqa = std::get<apex::GroupedQueryAttention<double>>(stack.layer(l));
-        x += attention_block(gqa, h, batch, mask, local_rope, local_attention);
-      }
-    }
-    const apex::RowMatrix<double> expected =
-        apex::reference::lm_head(apex::reference::rms_norm(x, ones, config.norm_eps), table);
+    const apex::RowMatrix<double> expected = composed_logits(
+        stack, tokens, prefix, {local_rope, local_attention}, {global_rope, global_attention});
     const apex::RowMatrix<double> logits = stack.forward(tokens, prefix);
     EXPECT_LE((logits - expected).cwiseAbs().maxCoeff(), 1e-12 * expected.cwiseAbs().maxCoeff());
     // YaRN changes the result (positions past L = 4 are rotated differently).
@@ -256,6 +271,65 @@ TEST(Stack, YarnForwardEqualsTheComposedFormulas) {
         apex::AttentionStack<double>::random(plain, 17).forward(tokens, prefix);
     EXPECT_GT((without - logits).cwiseAbs().maxCoeff(), 1e-3 * expected.cwiseAbs().maxCoeff());
   }
+}
+
+// Each kind of layer with its own RoPE: the local layers rotate the first 4 of their 6 features
+// with base 10 000 (partial rotary), the global layers all of their d_r = 4 with base 1 000 000
+// and YaRN (s = 4 over L = 4) that the local layers do not use. The stack equals the composition
+// with those tables, and each setting changes the logits.
+TEST(Stack, EachKindOfLayerTakesItsOwnRope) {
+  apex::StackConfig config = small_config();
+  config.rope.rotary_dim = 4;
+  apex::YarnParams yarn;
+  yarn.base = 1e6;
+  yarn.scale = 4.0;
+  yarn.original_context = 4;
+  yarn.temperature = apex::YarnTemperature::kSoftmaxScale;
+  apex::LayerRope global;
+  global.rope.base = 1e6;
+  global.yarn = yarn;
+  config.global_rope = global;
+  const auto stack = apex::AttentionStack<double>::random(config, 19);
+  const Index batch = 2, seq = 14, prefix = 3;
+  const apex::TokenMatrix tokens = prompt(batch, seq);
+  apex::RopeParams local_params;
+  local_params.rotary_dim = 4;
+  const apex::RopeTable<double> local_rope(config.max_positions, config.local.head_dim,
+                                           local_params);
+  const auto global_rope = apex::yarn_table<double>(config.max_positions, config.global.rope_dim, 0,
+                                                    apex::RopePairing::kInterleaved, yarn);
+  apex::SdpaParams global_attention;
+  global_attention.scale = apex::yarn_softmax_scale_multiplier(yarn) /
+                           std::sqrt(static_cast<double>(config.global.qk_dim()));
+  const apex::RowMatrix<double> expected =
+      composed_logits(stack, tokens, prefix, {local_rope, {}}, {global_rope, global_attention});
+  const apex::RowMatrix<double> logits = stack.forward(tokens, prefix);
+  EXPECT_LE((logits - expected).cwiseAbs().maxCoeff(), 1e-12 * expected.cwiseAbs().maxCoeff());
+  const auto changes = [&](apex::StackConfig other, const char* what) {
+    const apex::RowMatrix<double> without =
+        apex::AttentionStack<double>::random(other, 19).forward(tokens, prefix);
+    EXPECT_GT((without - logits).cwiseAbs().maxCoeff(), 1e-6 * expected.cwiseAbs().maxCoeff())
+        << what;
+  };
+  apex::StackConfig whole_heads = config;
+  whole_heads.rope.rotary_dim = 0;
+  changes(whole_heads, "partial rotary");
+  apex::StackConfig shared = config;
+  shared.global_rope.reset();
+  changes(shared, "the global layers' own RoPE");
+
+  apex::StackConfig bad = config;
+  bad.rope.rotary_dim = 8;
+  expect_invalid([&] { (void)apex::AttentionStack<double>::random(bad, 1); },
+                 "[stack] rope.rotary_dim (8) must be 0 (all) or even, in [2, 6]");
+  bad = config;
+  bad.global_rope->rope.rotary_dim = 2;
+  expect_invalid([&] { (void)apex::AttentionStack<double>::random(bad, 1); },
+                 "[stack] global_rope.rope.rotary_dim (2) must be 0 for the global layers");
+  bad = config;
+  bad.global_rope->yarn->base = 10000.0;
+  expect_invalid([&] { (void)apex::AttentionStack<double>::random(bad, 1); },
+                 "[stack] global_rope.yarn.base (10000) must equal global_rope.rope.base (1e+06)");
 }
 
 TEST(Stack, YarnConfigIsChecked) {

@@ -93,10 +93,9 @@ RowMatrix<Weight> random_weight(Index rows, Index cols, std::mt19937_64& rng) {
 inline SdpaParams with_layer_sinks(const SdpaParams& attention, const std::vector<double>& sinks,
                                    const char* op) {
   if (sinks.empty()) return attention;
-  APEX_CHECK(attention.sinks.empty(), "[" << op << "] params.attention.sinks ("
-                                          << attention.sinks.size()
-                                          << " values) must be empty: the layer owns its "
-                                          << sinks.size() << " sinks");
+  APEX_CHECK(attention.sinks.empty(),
+             "[" << op << "] params.attention.sinks (" << attention.sinks.size()
+                 << " values) must be empty: the layer owns its " << sinks.size() << " sinks");
   SdpaParams p = attention;
   p.sinks = sinks;
   return p;

@@ -21,9 +21,11 @@
 // once) and decode_step() with one token per sequence. Each returns the logits of its tokens,
 // equal to the rows forward() computes for the whole sequence.
 //
-// Long context. With StackConfig::yarn set, both RoPE tables are YaRN tables (§5) and the
+// Long context. With StackConfig::yarn set, the RoPE tables are YaRN tables (§5) and the
 // attention temperature goes where YarnParams::temperature says (tables, or the softmax scale),
-// so the stack runs past the trained context L up to s·L positions.
+// so the stack runs past the trained context L up to s·L positions. StackConfig::global_rope
+// gives the global layers a RoPE (and YaRN) of their own, as checkpoints with a larger base for
+// their global layers need.
 #pragma once
 
 #include <apex/cache_memory.hpp>
@@ -50,6 +52,13 @@
 
 namespace apex {
 
+/// The rotary position embedding of one kind of layer: RoPE's base, rotated features and pairing
+/// (§4), and YaRN (§5) when set.
+struct LayerRope {
+  RopeParams rope;
+  std::optional<YarnParams> yarn;
+};
+
 /// Shape of an APEX-1 attention stack.
 struct StackConfig {
   Index vocab_size = 0;     ///< V
@@ -60,12 +69,21 @@ struct StackConfig {
   GqaConfig local;          ///< local layers; local.d_model must equal d_model
   MlaConfig global;         ///< global layers; global.d_model must equal d_model
   Index max_positions = 0;  ///< longest sequence the RoPE tables cover
-  RopeParams rope;          ///< base and pairing of both tables (rotary_dim must stay 0)
-  double norm_eps = 1e-6;   ///< ε of every RMSNorm (§3.2)
-  /// YaRN (§5) for both RoPE tables: scale s, original context L, temperature placement. Unset:
+  /// Base, pairing and rotated features of the RoPE tables: the local layers' table rotates the
+  /// first rope.rotary_dim features of each head (0: all; partial rotary, even, at most d_h),
+  /// the global layers' table all d_r features of the decoupled RoPE (§9.3) whatever
+  /// rotary_dim says.
+  RopeParams rope;
+  double norm_eps = 1e-6;  ///< ε of every RMSNorm (§3.2)
+  /// YaRN (§5) for the RoPE tables: scale s, original context L, temperature placement. Unset:
   /// plain RoPE. When set, yarn->base must equal rope.base and max_positions must not exceed
   /// s·L (the context the YaRN frequencies are made for).
   std::optional<YarnParams> yarn;
+  /// The RoPE (and YaRN) of the global layers when it differs from the local layers' rope and
+  /// yarn: Gemma 3, for one, rotates its local layers with base 10 000 and its global ones with
+  /// base 1 000 000. Unset: the global layers use rope and yarn too. Its rope.rotary_dim must be
+  /// 0 (the decoupled RoPE rotates all of its d_r features).
+  std::optional<LayerRope> global_rope;
   /// How the global (MLA) layers' weights are folded for absorbed decoding, once, at
   /// construction (absorb_mla_weights).
   MlaAbsorbParams absorb;
@@ -257,7 +275,8 @@ class StackCache {
 /// head), one γ per block plus the final γ, and one attention layer per block, global layers
 /// MultiHeadLatentAttention and local layers GroupedQueryAttention. Built once at construction:
 /// both RoPE tables ([max_positions, d_h] for the local layers, [max_positions, d_r] for the
-/// decoupled RoPE of the global layers; YaRN tables when config.yarn is set) and the absorbed
+/// decoupled RoPE of the global layers; each from config.rope and config.yarn, or the global one
+/// from config.global_rope when set) and the absorbed
 /// weights of every global layer (absorb_mla_weights). Immutable after construction: forward,
 /// prefill, extend and decode_step are const and may run from several threads at once on
 /// different StackCaches.
@@ -293,9 +312,10 @@ class AttentionStack {
         norm_gammas_(std::move(norm_gammas)),
         final_gamma_(std::move(final_gamma)),
         layers_(std::move(layers)),
-        local_rope_(rope_table(config, config.local.head_dim)),
-        global_rope_(rope_table(config, config.global.rope_dim)),
-        softmax_multiplier_(config.yarn ? yarn_softmax_scale_multiplier(*config.yarn) : 1.0) {
+        local_rope_(rope_table(config, false)),
+        global_rope_(rope_table(config, true)),
+        local_multiplier_(softmax_multiplier(config, false)),
+        global_multiplier_(softmax_multiplier(config, true)) {
     const Index d = config.d_model;
     APEX_CHECK(embedding_.rows() == config.vocab_size && embedding_.cols() == d,
                "[stack] embedding shape [" << embedding_.rows() << ", " << embedding_.cols()
@@ -559,28 +579,50 @@ class AttentionStack {
                "[stack] local.d_model (" << c.local.d_model << ") and global.d_model ("
                                          << c.global.d_model << ") must equal d_model ("
                                          << c.d_model << ")");
-    APEX_CHECK(c.rope.rotary_dim == 0, "[stack] rope.rotary_dim ("
-                                           << c.rope.rotary_dim
-                                           << ") must be 0: each table rotates its whole head");
     // Every norm of every call uses it: a bad ε must fail here, not halfway through a call that
     // has already written some layers' caches.
     APEX_CHECK(std::isfinite(c.norm_eps) && c.norm_eps > 0.0,
                "[stack] norm_eps (" << c.norm_eps << ") must be positive and finite");
     detail::check_gqa_config(c.local);
     detail::check_mla_config(c.global);
-    if (c.yarn) {
-      const double factor = yarn_attention_factor(*c.yarn);  // checks the YaRN parameters
-      (void)factor;
-      APEX_CHECK(c.yarn->base == c.rope.base, "[stack] yarn.base (" << c.yarn->base
-                                                                    << ") must equal rope.base ("
-                                                                    << c.rope.base << ")");
-      const double reach = c.yarn->scale * static_cast<double>(c.yarn->original_context);
-      APEX_CHECK(static_cast<double>(c.max_positions) <= reach,
-                 "[stack] max_positions (" << c.max_positions
-                                           << ") must not exceed yarn.scale · original_context ("
-                                           << reach << ")");
-    }
+    check_rope(c, layer_rope(c, false), c.local.head_dim, "");
+    check_rope(c, layer_rope(c, true), c.global.rope_dim, "global_rope.");
+    APEX_CHECK(!c.global_rope || c.global_rope->rope.rotary_dim == 0,
+               "[stack] global_rope.rope.rotary_dim ("
+                   << c.global_rope->rope.rotary_dim
+                   << ") must be 0 for the global layers: their decoupled RoPE rotates all d_r "
+                   << "features");
     return c;
+  }
+
+  /// The RoPE of the local or the global layers (rope.rotary_dim is the local layers' only).
+  static LayerRope layer_rope(const StackConfig& c, bool global) {
+    if (!global) return {c.rope, c.yarn};
+    if (c.global_rope) return *c.global_rope;
+    LayerRope r{c.rope, c.yarn};
+    r.rope.rotary_dim = 0;
+    return r;
+  }
+
+  /// One kind's RoPE: rotary_dim within the head (0: all of it, else even and at most head_dim),
+  /// a positive base (RopeTable checks it) and YaRN's parameters, base and reach. `prefix`
+  /// names the field in messages.
+  static void check_rope(const StackConfig& c, const LayerRope& r, Index head_dim,
+                         const char* prefix) {
+    APEX_CHECK(r.rope.rotary_dim == 0 || (r.rope.rotary_dim >= 2 && r.rope.rotary_dim % 2 == 0 &&
+                                          r.rope.rotary_dim <= head_dim),
+               "[stack] " << prefix << "rope.rotary_dim (" << r.rope.rotary_dim
+                          << ") must be 0 (all) or even, in [2, " << head_dim << "]");
+    if (!r.yarn) return;
+    const double factor = yarn_attention_factor(*r.yarn);  // checks the YaRN parameters
+    (void)factor;
+    APEX_CHECK(r.yarn->base == r.rope.base, "[stack] " << prefix << "yarn.base (" << r.yarn->base
+                                                       << ") must equal " << prefix << "rope.base ("
+                                                       << r.rope.base << ")");
+    const double reach = r.yarn->scale * static_cast<double>(r.yarn->original_context);
+    APEX_CHECK(static_cast<double>(c.max_positions) <= reach,
+               "[stack] max_positions (" << c.max_positions << ") must not exceed " << prefix
+                                         << "yarn.scale · original_context (" << reach << ")");
   }
 
   /// Layer l must be of the kind the layer rule gives it, built with the stack's config for that
@@ -625,13 +667,27 @@ class AttentionStack {
     detail::check_constructed(config().vocab_size >= 1, "stack", "stack");
   }
 
-  static RopeTable<Scalar> rope_table(const StackConfig& c, Index head_dim) {
-    if (c.yarn) return yarn_table<Scalar>(c.max_positions, head_dim, 0, c.rope.pairing, *c.yarn);
-    return RopeTable<Scalar>(c.max_positions, head_dim, c.rope);
+  /// The RoPE table of the local (head_dim wide) or the global (d_r wide) layers.
+  static RopeTable<Scalar> rope_table(const StackConfig& c, bool global) {
+    const LayerRope r = layer_rope(c, global);
+    const Index head_dim = global ? c.global.rope_dim : c.local.head_dim;
+    if (r.yarn) {
+      return yarn_table<Scalar>(c.max_positions, head_dim, r.rope.rotary_dim, r.rope.pairing,
+                                *r.yarn);
+    }
+    return RopeTable<Scalar>(c.max_positions, head_dim, r.rope);
+  }
+
+  /// YaRN's softmax-scale multiplier of the local or the global layers (1 without YaRN).
+  static double softmax_multiplier(const StackConfig& c, bool global) {
+    const LayerRope r = layer_rope(c, global);
+    return r.yarn ? yarn_softmax_scale_multiplier(*r.yarn) : 1.0;
   }
 
   const RopeTable<Scalar>* rope_for(const Gqa&) const { return &local_rope_; }
   const RopeTable<Scalar>* rope_for(const Mla&) const { return &global_rope_; }
+  double multiplier_for(const Gqa&) const { return local_multiplier_; }
+  double multiplier_for(const Mla&) const { return global_multiplier_; }
   /// d_qk, the width the default softmax scale 1/√d_qk of a layer refers to.
   Index qk_dim(const Gqa&) const { return config().local.head_dim; }
   Index qk_dim(const Mla&) const { return config().global.qk_dim(); }
@@ -653,9 +709,9 @@ class AttentionStack {
     AttentionLayerParams<Scalar> params;
     params.rope = rope_for(attention);
     params.position_offset = position_offset;
-    if (softmax_multiplier_ != 1.0) {
-      params.attention.scale =
-          softmax_multiplier_ / std::sqrt(static_cast<double>(qk_dim(attention)));
+    const double multiplier = multiplier_for(attention);
+    if (multiplier != 1.0) {
+      params.attention.scale = multiplier / std::sqrt(static_cast<double>(qk_dim(attention)));
     }
     return params;
   }
@@ -762,7 +818,8 @@ class AttentionStack {
   std::vector<Layer> layers_;
   RopeTable<Scalar> local_rope_;
   RopeTable<Scalar> global_rope_;
-  double softmax_multiplier_ = 1.0;  ///< YaRN's softmax-scale multiplier (1 without YaRN)
+  double local_multiplier_ = 1.0;   ///< YaRN's softmax-scale multiplier (1 without YaRN)
+  double global_multiplier_ = 1.0;  ///< the same for the global layers
   detail::ResetOnMove<Index> global_layers_;
   std::vector<MlaAbsorbedWeights<Weight>> absorbed_;  ///< per layer; empty for local layers
 };
