@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "reference/attention.hpp"
+#include "reference/rms_norm.hpp"
 #include "reference/rope.hpp"
 #include "test_util.hpp"
 #include "tolerances.hpp"
@@ -305,11 +306,9 @@ TYPED_TEST(GqaTyped, GqaEqualsMhaOnRepeatedKvHeads) {
     SCOPED_TRACE("H_kv " + std::to_string(h_kv));
     const auto gqa = GroupedQueryAttention<Scalar>::random({d_model, h_q, h_kv, d_h}, 6);
     const GqaWeights<Scalar>& w = gqa.weights();
-    GqaWeights<Scalar> repeated{w.w_q,
-                                RowMatrix<Scalar>(d_model, h_q * d_h),
-                                RowMatrix<Scalar>(d_model, h_q * d_h),
-                                w.w_o,
-                                {}};
+    GqaWeights<Scalar> repeated = w;
+    repeated.w_k = RowMatrix<Scalar>(d_model, h_q * d_h);
+    repeated.w_v = RowMatrix<Scalar>(d_model, h_q * d_h);
     for (Index h = 0; h < h_q; ++h) {
       const Index g = apex::kv_head_for({h_q, h_kv}, h);
       repeated.w_k.middleCols(h * d_h, d_h) = w.w_k.middleCols(g * d_h, d_h);
@@ -351,6 +350,70 @@ TYPED_TEST(GqaTyped, DecodeStepWithACacheMatchesForward) {
   const RowMatrix<Scalar> row = apex::multi_head_attention(
       step.q_heads(), heads(k_cache), heads(v_cache), mask, {}, layer.weights().w_o);
   expect_close(row, full.bottomRows(1).template cast<double>(), Tolerances<Scalar>::kGqaLayer);
+}
+
+// QK-norm: every query and key head of the projections is RMS-normalised with its γ before
+// RoPE (the plain RMSNorm of reference/rms_norm.hpp on each head, then the layer's RoPE table),
+// V is untouched; decoding with a cache equals the forward pass, and a bad γ or ε is rejected.
+TYPED_TEST(GqaTyped, QkNormNormalisesEveryHeadBeforeRope) {
+  using Scalar = TypeParam;
+  const GqaConfig config{12, 6, 2, 4};
+  const Index seq = 9;
+  const auto plain = GroupedQueryAttention<Scalar>::random(config, 21);
+  GqaWeights<Scalar> weights = plain.weights();
+  apex::QkNorm<Scalar> norm;
+  norm.q_gamma = random_matrix<Scalar>(config.head_dim, 1, 22);
+  norm.k_gamma = random_matrix<Scalar>(config.head_dim, 1, 23);
+  norm.eps = 1e-5;
+  weights.qk_norm = norm;
+  const GroupedQueryAttention<Scalar> layer(config, weights);
+  const RowMatrix<Scalar> x = random_matrix<Scalar>(2 * seq, config.d_model, 24);
+  const RopeTable<Scalar> table(16, config.head_dim);
+  AttentionLayerParams<Scalar> params;
+  params.rope = &table;
+  params.position_offset = 3;
+  const apex::ProjectedQkv<Scalar> p = layer.project(x, 2, params);
+  const apex::ProjectedQkv<Scalar> raw = plain.project(x, 2);
+  const auto expected = [&](const RowMatrix<Scalar>& projected, const apex::Vector<Scalar>& gamma) {
+    const Index d_h = config.head_dim;
+    RowMatrix<Scalar> heads(projected.size() / d_h, d_h);
+    const apex::reference::RmsMatrix flat =
+        Eigen::Map<const RowMatrix<Scalar>>(projected.data(), heads.rows(), d_h)
+            .template cast<double>();
+    heads = apex::reference::rms_norm(flat, gamma.template cast<double>(), norm.eps)
+                .template cast<Scalar>();
+    RowMatrix<Scalar> rotated =
+        Eigen::Map<RowMatrix<Scalar>>(heads.data(), projected.rows(), projected.cols());
+    for (Index b = 0; b < 2; ++b) {
+      apex::apply_rope(table, 3, apex::RowRef<Scalar>(rotated.middleRows(b * seq, seq)));
+    }
+    return rotated;
+  };
+  expect_close(p.q, expected(raw.q, norm.q_gamma).template cast<double>(),
+               Tolerances<Scalar>::kGqaLayer);
+  expect_close(p.k, expected(raw.k, norm.k_gamma).template cast<double>(),
+               Tolerances<Scalar>::kGqaLayer);
+  EXPECT_EQ(p.v, raw.v);
+
+  params.position_offset = 0;
+  const AttentionMask<Scalar> mask = causal_if<Scalar>(true);
+  const RowMatrix<Scalar> full = layer.forward(x.topRows(seq), 1, mask, params);
+  auto cache = layer.make_cache(1, seq);
+  RowMatrix<Scalar> decoded(seq, config.d_model);
+  for (Index t = 0; t < seq; ++t) {
+    params.position_offset = t;
+    decoded.row(t) = layer.forward_cached(x.middleRows(t, 1), apex::causal_mask(), params, cache);
+  }
+  expect_close(decoded, full.template cast<double>(), Tolerances<Scalar>::kGqaLayer);
+  EXPECT_EQ(layer.template with_weights<Eigen::bfloat16>().weights().qk_norm->eps, norm.eps);
+
+  weights.qk_norm->k_gamma.resize(3);
+  expect_invalid([&] { GroupedQueryAttention<Scalar>(config, weights); },
+                 "[gqa] qk_norm gamma lengths (4, 3) must be head_dim 4");
+  weights.qk_norm = norm;
+  weights.qk_norm->eps = 0.0;
+  expect_invalid([&] { GroupedQueryAttention<Scalar>(config, weights); },
+                 "[gqa] qk_norm eps (0) must be positive and finite");
 }
 
 TYPED_TEST(GqaTyped, ValueOverloadAndInPlaceAgree) {

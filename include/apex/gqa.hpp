@@ -21,11 +21,14 @@
 #include <apex/kv_cache.hpp>
 #include <apex/mask.hpp>
 #include <apex/mha.hpp>
+#include <apex/rms_norm.hpp>
 #include <apex/rope.hpp>
 #include <apex/sdpa.hpp>
 #include <apex/tensor.hpp>
 
+#include <cmath>
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <type_traits>
 #include <utility>
@@ -105,8 +108,19 @@ inline std::int64_t gqa_parameter_count(const GqaConfig& config) {
                              config.head_dim);
 }
 
+/// QK-norm (as Qwen 3, OLMo 2 and Gemma 3 use it): an RMSNorm (§3.2) of every query head and
+/// every key head over its d_h features, after the projection and before RoPE, with one γ for
+/// all query heads and one for all key heads.
+template <class Weight>
+struct QkNorm {
+  Vector<Weight> q_gamma;  ///< [d_h]
+  Vector<Weight> k_gamma;  ///< [d_h]
+  double eps = 1e-6;       ///< ε of both norms
+};
+
 /// The projection matrices of a GroupedQueryAttention layer, applied as x·W (x on the left),
-/// stored as Weight (the layer's scalar type, Eigen::half or Eigen::bfloat16).
+/// stored as Weight (the layer's scalar type, Eigen::half or Eigen::bfloat16), with the layer's
+/// optional sinks and QK-norm.
 template <class Weight>
 struct GqaWeights {
   RowMatrix<Weight> w_q;  ///< [d, H_q·d_h]
@@ -117,14 +131,22 @@ struct GqaWeights {
   /// its head's softmax denominator in every attention of the layer (SdpaParams::sinks). Few
   /// values, kept in double whatever Weight is.
   std::vector<double> sinks;
+  /// QK-norm of the queries and keys, or unset for none.
+  std::optional<QkNorm<Weight>> qk_norm;
 };
 
 /// The same weights stored as W: widened exactly, or rounded once to nearest even (converted).
-/// The sinks are copied as they are.
+/// The sinks are copied as they are; the QK-norm's γ are converted like the matrices.
 template <class W, class Weight>
 GqaWeights<W> converted_weights(const GqaWeights<Weight>& w) {
-  return {converted<W>(w.w_q), converted<W>(w.w_k), converted<W>(w.w_v), converted<W>(w.w_o),
-          w.sinks};
+  std::optional<QkNorm<W>> qk_norm;
+  if (w.qk_norm) {
+    qk_norm = QkNorm<W>{converted<W>(w.qk_norm->q_gamma), converted<W>(w.qk_norm->k_gamma),
+                        w.qk_norm->eps};
+  }
+  return {
+      converted<W>(w.w_q), converted<W>(w.w_k), converted<W>(w.w_v), converted<W>(w.w_o), w.sinks,
+      std::move(qk_norm)};
 }
 
 namespace detail {
@@ -188,6 +210,14 @@ class GroupedQueryAttention {
     detail::check_weight_shape(weights_.w_o, q_width, d, "gqa", "w_o",
                                "[num_q_heads*head_dim, d_model]");
     detail::check_head_values(weights_.sinks, config.num_q_heads, "gqa", "sinks");
+    if (const auto& norm = weights_.qk_norm) {
+      APEX_CHECK(norm->q_gamma.size() == config.head_dim && norm->k_gamma.size() == config.head_dim,
+                 "[gqa] qk_norm gamma lengths (" << norm->q_gamma.size() << ", "
+                                                 << norm->k_gamma.size() << ") must be head_dim "
+                                                 << config.head_dim);
+      APEX_CHECK(std::isfinite(norm->eps) && norm->eps > 0.0,
+                 "[gqa] qk_norm eps (" << norm->eps << ") must be positive and finite");
+    }
   }
 
   /// A layer with random weights for examples and tests: every entry of a [rows, cols] weight is
@@ -230,7 +260,8 @@ class GroupedQueryAttention {
   }
 
   /// The projections of §8.2 with RoPE (§4) on Q and K when params.rope is set:
-  ///   Q = RoPE(x·W_Q), K = RoPE(x·W_K), V = x·W_V, row b*S + s at position offset + s.
+  ///   Q = RoPE(x·W_Q), K = RoPE(x·W_K), V = x·W_V, row b*S + s at position offset + s,
+  /// and, with a QK-norm, every head of Q and K RMS-normalised before RoPE.
   /// x: [B*S, d] (B blocks of S rows) -> q [B*S, H_q·d_h], k and v [B*S, H_kv·d_h], heads side
   /// by side. Allocates the three results.
   template <class Derived>
@@ -433,11 +464,22 @@ class GroupedQueryAttention {
     p.q = detail::matmul<Scalar>(x, weights_.w_q);
     p.k = detail::matmul<Scalar>(x, weights_.w_k);
     p.v = detail::matmul<Scalar>(x, weights_.w_v);
+    if (const auto& norm = weights_.qk_norm) {
+      normalize_heads(norm->q_gamma, norm->eps, p.q);
+      normalize_heads(norm->k_gamma, norm->eps, p.k);
+    }
     if (params.rope != nullptr) {
       detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, p.q);
       detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, p.k);
     }
     return p;
+  }
+
+  /// RMSNorm of every d_h-wide head of x [rows, H·d_h] (heads side by side), in place.
+  void normalize_heads(const Vector<Weight>& gamma, double eps, RowMatrix<Scalar>& x) const {
+    const Index d_h = config().head_dim;
+    Eigen::Map<RowMatrix<Scalar>> heads(x.data(), x.size() / d_h, d_h);
+    rms_norm(heads, gamma, RmsNormParams{eps}, heads);
   }
 
   detail::ResetOnMove<GqaConfig> config_;  // a moved-from layer is an empty one
