@@ -165,12 +165,12 @@ void check_rule(const Rule& r, const Shape& shape, std::uint32_t seed,
   expect_matches_loops(p, fast, /*with_lse=*/true);
 }
 
-// Every rule, every path, G ∈ {1, 4, 16}, S = 150 (no multiple of any block), self-attention.
+// Every rule, every path, G ∈ {1, 4, 16}, S = 100 (no multiple of any block), self-attention.
 TYPED_TEST(SdpaRules, EachRuleEqualsTheLoopsOnEveryPath) {
   std::uint32_t seed = 1000;
   for (const Rule& r : rules()) {
     for (const Index group : {Index{1}, Index{4}, Index{16}}) {
-      const Shape shape{1, group, 1, 150, 150, 24, 16};
+      const Shape shape{1, group, 1, 100, 100, 24, 16};
       for (const auto& [path, blocking] : paths()) {
         SCOPED_TRACE(std::string(r.name) + ", G = " + std::to_string(group) + ", " + path);
         check_rule<TypeParam>(r, shape, ++seed, blocking);
@@ -179,14 +179,14 @@ TYPED_TEST(SdpaRules, EachRuleEqualsTheLoopsOnEveryPath) {
   }
 }
 
-// Decoding: S_q ∈ {1, 3} new queries against 2000 keys, GQA 8 / 2, split over key chunks and
+// Decoding: S_q ∈ {1, 3} new queries against 1300 keys, GQA 8 / 2, split over key chunks and
 // merged (the sink joins once, at the merge).
 TYPED_TEST(SdpaRules, EachRuleEqualsTheLoopsWhenDecoding) {
   std::uint32_t seed = 2000;
   for (const Rule& r : rules()) {
     if (!r.rule.causal) continue;  // decoding is causal
     for (const Index s_q : {Index{1}, Index{3}}) {
-      const Shape shape{1, 8, 2, s_q, 2000, 32, 32};
+      const Shape shape{1, 8, 2, s_q, 1300, 32, 32};
       for (const auto& [path, blocking] : paths()) {
         SCOPED_TRACE(std::string(r.name) + ", S_q = " + std::to_string(s_q) + ", " + path);
         check_rule<TypeParam>(r, shape, ++seed, blocking);
@@ -541,25 +541,26 @@ class GuardedBuffer {
 // K and V of one key/value head, contiguous [S_k, d], in guarded memory; the keys that no query
 // may see are made unreadable, and sdpa must complete and equal the loops. Queries are the last
 // S_q positions (bottom-right), so the keys before the window, the chunk or the document of the
-// first query are forbidden for every query. Both the prefill path (S_q = 100) and the decoding
-// path (S_q = 1; with small blocks, split over chunks of 40 keys) run.
+// first query are forbidden for every query. Both the prefill path (S_q = 60) and the decoding
+// path (S_q = 1; with small blocks, split over chunks of 40 keys) run, with the default blocks
+// and small ones.
 TYPED_TEST(SdpaRules, ForbiddenKeysAreNeverRead) {
   using Scalar = TypeParam;
-  const Index s_k = 6000;
-  const Index d = 64;
+  const Index s_k = 3000;
+  const Index d = 32;
   std::vector<Index> ids(static_cast<std::size_t>(s_k));
-  for (Index i = 0; i < s_k; ++i) ids[std::size_t(i)] = i < 3500 ? 0 : i < 5950 ? 1 : 2;
+  for (Index i = 0; i < s_k; ++i) ids[std::size_t(i)] = i < 1700 ? 0 : i < 2970 ? 1 : 2;
   struct Guarded {
     const char* name;
     MaskRule rule;
     bool documents;
   };
   const Guarded rules[] = {
-      {"window", {true, 700, 0}, false},
-      {"chunk", {true, 0, 0, 1024}, false},
+      {"window", {true, 400, 0}, false},
+      {"chunk", {true, 0, 0, 512}, false},
       {"documents", {true, 0, 0}, true},
   };
-  for (const Index s_q : {Index{100}, Index{1}}) {
+  for (const Index s_q : {Index{60}, Index{1}}) {
     for (const Guarded& g : rules) {
       SCOPED_TRACE(std::string(g.name) + ", S_q = " + std::to_string(s_q));
       const Shape shape{1, 4, 1, s_q, s_k, d, d};
@@ -580,7 +581,7 @@ TYPED_TEST(SdpaRules, ForbiddenKeysAreNeverRead) {
       ASSERT_GT(v.forbid(0, std::size_t(first_visible * d)), 0U);
       const auto k_view = apex::HeadsView<const Scalar>::contiguous(k.data(), {1, 1, s_k, d});
       const auto v_view = apex::HeadsView<const Scalar>::contiguous(v.data(), {1, 1, s_k, d});
-      for (const auto& [path, blocking] : paths()) {
+      for (const auto& [path, blocking] : {paths()[0], paths()[1]}) {
         SCOPED_TRACE(path);
         Outputs<Scalar> o(shape);
         apex::detail::flash_sdpa<Scalar>(p.q.view(), k_view, v_view, p.attention_mask(), p.params,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <apex/attention_layer.hpp>
+#include <apex/attention_rules.hpp>
 #include <apex/cache_memory.hpp>
 #include <apex/cached_attention.hpp>
 #include <apex/config.hpp>
@@ -16,5 +17,6 @@
 #include <apex/rope.hpp>
 #include <apex/sdpa.hpp>
 #include <apex/stack.hpp>
+#include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 #include <apex/yarn.hpp>

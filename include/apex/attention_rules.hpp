@@ -114,6 +114,7 @@ namespace detail {
 /// tile): kNone if it says so for every head, kAll if for every head, else kPartial. kAll
 /// without a mask rule (then `rules` may be null).
 template <class Rules>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, one caller (the tile)
 BlockCoverage user_coverage(const Rules* rules, Index b, Index first_head, Index heads,
                             const PositionRange& q, const PositionRange& k) {
   if constexpr (!Rules::kMasks) {

@@ -109,6 +109,11 @@ enum class BlockCoverage {
   kAll       ///< every pair may attend: no mask work needed
 };
 
+/// A range of absolute positions [begin, end).
+struct PositionRange {
+  Index begin, end;
+};
+
 namespace detail {
 
 /// What one part of a rule (causal distance, chunks, documents) says of a rectangle: every pair
@@ -118,27 +123,21 @@ struct PartCoverage {
   bool none = false;
 };
 
-/// The causal part (with its window) on queries [qb, qe), keys [kb, ke).
-inline PartCoverage causal_coverage(const PositionMask& m, Index qb, Index qe, Index kb, Index ke) {
-  const Index min_distance = qb - (ke - 1);
-  const Index max_distance = (qe - 1) - kb;
+/// The causal part (with its window) on queries q, keys k.
+inline PartCoverage causal_coverage(const PositionMask& m, const PositionRange& q,
+                                    const PositionRange& k) {
+  const Index min_distance = q.begin - (k.end - 1);
+  const Index max_distance = (q.end - 1) - k.begin;
   return {min_distance >= 0 && (!m.window || max_distance < *m.window),
           max_distance < 0 || (m.window && min_distance >= *m.window)};
 }
 
-/// The chunk part: all when both ranges lie in one chunk, none when their chunks are disjoint.
-inline PartCoverage chunk_coverage(const PositionMask& m, Index qb, Index qe, Index kb, Index ke) {
-  const Index q0 = m.chunk_of(qb), q1 = m.chunk_of(qe - 1);
-  const Index k0 = m.chunk_of(kb), k1 = m.chunk_of(ke - 1);
-  return {q0 == q1 && k0 == k1 && q0 == k0, q1 < k0 || k1 < q0};
-}
-
-/// The document part (ids non-decreasing): all when both ranges lie in one document, none when
-/// their ranges of ids are disjoint.
-inline PartCoverage document_coverage(const DocumentIds& d, Index qb, Index qe, Index kb,
-                                      Index ke) {
-  const Index q0 = d.ids[qb], q1 = d.ids[qe - 1];
-  const Index k0 = d.ids[kb], k1 = d.ids[ke - 1];
+/// The part of a rule that groups positions (chunks, documents), given as group(pos): all when
+/// both ranges lie in one group, none when their (non-decreasing) groups are disjoint.
+template <class Group>
+PartCoverage group_coverage(const Group& group, const PositionRange& q, const PositionRange& k) {
+  const Index q0 = group(q.begin), q1 = group(q.end - 1);
+  const Index k0 = group(k.begin), k1 = group(k.end - 1);
   return {q0 == q1 && k0 == k1 && q0 == k0, q1 < k0 || k1 < q0};
 }
 
@@ -157,11 +156,13 @@ inline BlockCoverage classify_block(const PositionMask& mask, Index q_begin, Ind
     rule.all = rule.all && part.all;
     rule.none = rule.none || part.none;
   };
+  const PositionRange q{q_begin, q_end};
+  const PositionRange k{k_begin, k_end};
   if (!mask.documents.empty()) {
-    join(detail::document_coverage(mask.documents, q_begin, q_end, k_begin, k_end));
+    join(detail::group_coverage([&](Index p) { return mask.documents.ids[p]; }, q, k));
   }
-  if (mask.causal) join(detail::causal_coverage(mask, q_begin, q_end, k_begin, k_end));
-  if (mask.chunk) join(detail::chunk_coverage(mask, q_begin, q_end, k_begin, k_end));
+  if (mask.causal) join(detail::causal_coverage(mask, q, k));
+  if (mask.chunk) join(detail::group_coverage([&](Index p) { return mask.chunk_of(p); }, q, k));
   const bool inside_prefix =
       q_begin >= 0 && q_end <= mask.prefix && k_begin >= 0 && k_end <= mask.prefix;
   if (rule.all || inside_prefix) return BlockCoverage::kAll;
@@ -170,11 +171,6 @@ inline BlockCoverage classify_block(const PositionMask& mask, Index q_begin, Ind
   if (rule.none && !touches_prefix) return BlockCoverage::kNone;
   return BlockCoverage::kPartial;
 }
-
-/// A range of absolute positions [begin, end).
-struct PositionRange {
-  Index begin, end;
-};
 
 /// The key positions that queries [q_begin, q_end) may see (a non-empty query range, inside the
 /// documents' ids where those are set): every key a query of the range may attend lies in the

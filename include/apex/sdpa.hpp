@@ -416,6 +416,7 @@ void sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
   const Index group = q.heads() / k.heads();
   const double scale = detail::softmax_scale(params, q.dim());
   const Index first_query = mask.positions.first_query_position(q.seq(), k.seq());
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): (b, h, i, j) as everywhere here
   const auto score = [&](Index b, Index h, Index i, Index j, double dot) {
     const Index qp = first_query + i;
     const Index kp = mask.positions.key_offset + j;

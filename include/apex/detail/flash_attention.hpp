@@ -264,8 +264,9 @@ std::pair<Index, Index> rows_in(const KeySegment<TK, TV>& segment, const Positio
 }
 
 /// Calls f(KeyBlock) for the keys [begin, end) of the problem whose positions lie in `visible`
-/// (visible_keys), in order, in blocks of at most `block` keys that never straddle two segments
-/// and start at the first visible key of each segment. Keys outside `visible` are never read.
+/// (visible_keys), in order, in blocks of at most `block` keys that never straddle two segments.
+/// The blocks end on the segment's multiples of `block` (the first and last may be shorter), so
+/// that a causal diagonal falls on whole blocks. Keys outside `visible` are never read.
 template <class P, class F>
 void for_each_key_block(const P& p, Index begin, Index end, const PositionRange& visible,
                         Index block, F&& f) {
@@ -276,9 +277,10 @@ void for_each_key_block(const P& p, Index begin, Index end, const PositionRange&
     const auto [row_begin, row_end] = rows_in(segment, visible);
     const Index lo = std::max(begin, first + row_begin);
     const Index hi = std::min(end, first + row_end);
-    for (Index k0 = lo; k0 < hi; k0 += block) {
-      f(KeyBlock<typename P::Key, typename P::Value>{&segment, k0 - first, std::min(block, hi - k0),
-                                                     k0});
+    for (Index k0 = lo; k0 < hi;) {
+      const Index stop = std::min(hi, first + ((k0 - first) / block + 1) * block);
+      f(KeyBlock<typename P::Key, typename P::Value>{&segment, k0 - first, stop - k0, k0});
+      k0 = stop;
     }
     first += size;
   }
