@@ -48,11 +48,13 @@ namespace apex {
 
 /// The mask rule that allows every pair (no rule).
 struct AllowAll {
+  /// Every pair may attend.
   bool operator()(Index /*b*/, Index /*h*/, Index /*q_pos*/, Index /*k_pos*/) const { return true; }
 };
 
 /// A classifier that cannot tell: every block is checked pair by pair.
 struct CheckEveryPair {
+  /// kPartial for every rectangle.
   BlockCoverage operator()(Index /*b*/, Index /*h*/, PositionRange /*q*/,
                            PositionRange /*k*/) const {
     return BlockCoverage::kPartial;
@@ -61,6 +63,7 @@ struct CheckEveryPair {
 
 /// The score rule that leaves every score as it is (no rule).
 struct KeepScore {
+  /// The score, unchanged.
   template <class S>
   S operator()(Index /*b*/, Index /*h*/, Index /*q_pos*/, Index /*k_pos*/, S s) const {
     return s;
@@ -72,11 +75,13 @@ struct KeepScore {
 /// attention_rules.
 template <class Allows = AllowAll, class Classify = CheckEveryPair, class Score = KeepScore>
 struct AttentionRules {
-  Allows allows;
-  Classify classify;
-  Score score;
+  Allows allows;      ///< bool(b, h, q_pos, k_pos): true = may attend
+  Classify classify;  ///< BlockCoverage(b, h, q_range, k_range), exact for kNone and kAll
+  Score score;        ///< s'(b, h, q_pos, k_pos, s), s float or double
 
+  /// Whether there is a mask rule (the kernel compiles its calls in only then).
   static constexpr bool kMasks = !std::is_same_v<Allows, AllowAll>;
+  /// Whether there is a score rule.
   static constexpr bool kScores = !std::is_same_v<Score, KeepScore>;
 };
 

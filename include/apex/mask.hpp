@@ -19,15 +19,17 @@ namespace apex {
 /// point); their values are otherwise free. A non-owning view: the ids must outlive the calls
 /// that use them. Default-constructed: unset (no document rule).
 struct DocumentIds {
-  const Index* ids = nullptr;
-  Index size = 0;
+  const Index* ids = nullptr;  ///< ids[p]: the document of position p; null: unset
+  Index size = 0;              ///< positions with an id, [0, size)
 
   DocumentIds() = default;
+  /// A view of `count` ids at `data` (not a copy).
   DocumentIds(const Index* data, Index count) : ids(data), size(count) {}
   /// A view of a vector's ids (not a copy).
   explicit DocumentIds(const std::vector<Index>& v)
       : ids(v.data()), size(static_cast<Index>(v.size())) {}
 
+  /// Whether the view is unset (no document rule).
   bool empty() const { return ids == nullptr; }
   /// The first position of the document of position `pos` (pos in [0, size)).
   Index first_of(Index pos) const {
@@ -111,7 +113,8 @@ enum class BlockCoverage {
 
 /// A range of absolute positions [begin, end).
 struct PositionRange {
-  Index begin, end;
+  Index begin;  ///< first position
+  Index end;    ///< one past the last position
 };
 
 namespace detail {

@@ -55,8 +55,8 @@ namespace apex {
 /// The rotary position embedding of one kind of layer: RoPE's base, rotated features and pairing
 /// (§4), and YaRN (§5) when set.
 struct LayerRope {
-  RopeParams rope;
-  std::optional<YarnParams> yarn;
+  RopeParams rope;                 ///< base, rotated features and pairing
+  std::optional<YarnParams> yarn;  ///< YaRN, or unset for plain RoPE
 };
 
 /// Shape of an APEX-1 attention stack.
