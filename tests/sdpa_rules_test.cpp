@@ -287,7 +287,8 @@ TYPED_TEST(SdpaRules, FullyMaskedRowsWithASinkGiveZeros) {
     for (std::size_t i = 0; i < o.out.size(); ++i) ASSERT_EQ(o.out.at(i), Scalar(0));
     for (Index h = 0; h < 2; ++h) {
       for (Index i = 0; i < 4; ++i) {
-        EXPECT_EQ(o.lse.view().head(0, h)(i, 0), static_cast<Scalar>(p.params.sinks[h]));
+        EXPECT_EQ(o.lse.view().head(0, h)(i, 0),
+                  static_cast<Scalar>(p.params.sinks[std::size_t(h)]));
       }
     }
   }
@@ -440,14 +441,14 @@ TYPED_TEST(SdpaRules, UserRulesEqualTheBuiltInRules) {
     };
     const Problem<Scalar> none = problem({});
     expect_user_rule_matches(problem({true, 0, 0}), none, user_causal(), "causal, " + where);
-    const Index w = 37;
+    constexpr Index w = 37;
     expect_user_rule_matches(
         problem({true, w, 0}), none,
-        apex::mask_rule([w](Index, Index, Index q, Index k) { return k <= q && q - k < w; }),
+        apex::mask_rule([](Index, Index, Index q, Index k) { return k <= q && q - k < w; }),
         "window, " + where);
-    const Index c = 48;
+    constexpr Index c = 48;
     expect_user_rule_matches(
-        problem({true, 0, 0, c}), none, apex::mask_rule([c](Index, Index, Index q, Index k) {
+        problem({true, 0, 0, c}), none, apex::mask_rule([](Index, Index, Index q, Index k) {
           return k <= q && apex_test::chunk_index(q, c) == apex_test::chunk_index(k, c);
         }),
         "chunks, " + where);
