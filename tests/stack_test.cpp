@@ -109,22 +109,8 @@ TEST(Stack, ForwardEqualsTheComposedFormulas) {
 
   const apex::RopeTable<double> local_rope(config.max_positions, config.local.head_dim);
   const apex::RopeTable<double> global_rope(config.max_positions, config.global.rope_dim);
-  const apex::RowMatrix<double>& table = stack.embedding();
-  const apex::Vector<double> ones = apex::Vector<double>::Ones(config.d_model);
-  apex::RowMatrix<double> x =
-      apex::reference::embed(table, tokens, std::sqrt(static_cast<double>(config.d_model)));
-  for (Index l = 0; l < config.num_layers; ++l) {
-    const apex::RowMatrix<double> h = apex::reference::rms_norm(x, ones, config.norm_eps);
-    const apex::AttentionMask<double> mask = stack.mask_for_layer(l, prefix);
-    if (const auto* mla = std::get_if<apex::MultiHeadLatentAttention<double>>(&stack.layer(l))) {
-      x += attention_block(*mla, h, batch, mask, global_rope);
-    } else {
-      const auto& gqa = std::get<apex::GroupedQueryAttention<double>>(stack.layer(l));
-      x += attention_block(gqa, h, batch, mask, local_rope);
-    }
-  }
   const apex::RowMatrix<double> expected =
-      apex::reference::lm_head(apex::reference::rms_norm(x, ones, config.norm_eps), table);
+      composed_logits(stack, tokens, prefix, {local_rope, {}}, {global_rope, {}});
 
   const apex::RowMatrix<double> logits = stack.forward(tokens, prefix);
   ASSERT_EQ(logits.rows(), batch * seq);
