@@ -19,4 +19,5 @@
 #include <apex/stack.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
+#include <apex/varlen.hpp>
 #include <apex/yarn.hpp>

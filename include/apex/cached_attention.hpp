@@ -150,18 +150,9 @@ void sdpa_with_window_cache(const ConstHeadsView<Scalar>& q, const ConstHeadsVie
     if (run.keys.seq() > 0) segments[count++] = {run.keys, run.values, run.first_position};
   }
   segments[count++] = {k_chunk, v_chunk, next};
-  detail::AttentionProblem<Scalar, Storage, Storage, Scalar> p;
-  p.q = q;
-  p.segments = segments.data();
-  p.num_segments = static_cast<Index>(count);
-  p.positions = rule;
-  p.first_query = next;
-  detail::set_score_params(p, params, q.dim());
-  p.group = q.heads() / k_new.heads();
-  p.s_q = q.seq();
-  p.s_k = cache.size() + k_new.seq();
-  p.d_qk = q.dim();
-  p.d_v = v_new.dim();
+  const auto p = detail::attention_problem<Scalar, Storage, Storage>(
+      q, segments.data(), static_cast<Index>(count), cache.size() + k_new.seq(), rule, next,
+      params);
   detail::flash_attention(p, detail::AttentionOutputs<Scalar>{out, {}, {}, {}},
                           detail::FlashBlocking{});
 }

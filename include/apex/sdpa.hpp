@@ -222,6 +222,29 @@ void set_score_params(P& p, const SdpaParams& params, Index d_qk) {
   p.alibi_slopes = params.alibi_slopes.empty() ? nullptr : params.alibi_slopes.data();
 }
 
+/// The kernel's problem for queries q (first at absolute position first_query) against
+/// num_segments >= 1 key segments of one [B, H_kv] shape, s_k keys in all, under a rule and
+/// parameters that have passed sdpa's checks (the params and segments must outlive the
+/// problem). No dense mask, no bias and no user rules: the caller adds those it has.
+template <class TQ, class TK, class TV, class TB = TQ, class Rules = NoRules>
+AttentionProblem<TQ, TK, TV, TB, Rules> attention_problem(
+    const HeadsView<const TQ>& q, const KeySegment<TK, TV>* segments, Index num_segments, Index s_k,
+    const PositionMask& positions, Index first_query, const SdpaParams& params) {
+  AttentionProblem<TQ, TK, TV, TB, Rules> p;
+  p.q = q;
+  p.segments = segments;
+  p.num_segments = num_segments;
+  p.positions = positions;
+  p.first_query = first_query;
+  set_score_params(p, params, q.dim());
+  p.group = q.heads() / segments[0].k.heads();
+  p.s_q = q.seq();
+  p.s_k = s_k;
+  p.d_qk = q.dim();
+  p.d_v = segments[0].v.dim();
+  return p;
+}
+
 /// One (query, key) score of the reference: the score (after scaling, soft-capping, ALiBi and the
 /// score rule) plus the bias, or -inf when forbidden.
 inline double masked_score(double score, bool allowed, double bias) {
@@ -297,21 +320,12 @@ void flash_sdpa(const HeadsView<const TQ>& q, const HeadsView<const TK>& k,
     return;
   }
   const KeySegment<TK, TV> keys{k, v, mask.positions.key_offset};
-  AttentionProblem<TQ, TK, TV, TB, Rules> p;
+  auto p = attention_problem<TQ, TK, TV, TB, Rules>(
+      q, &keys, 1, k.seq(), mask.positions, mask.positions.first_query_position(q.seq(), k.seq()),
+      params);
   p.rules = &rules;
-  p.q = q;
-  p.segments = &keys;
-  p.num_segments = 1;
-  p.positions = mask.positions;
-  p.first_query = mask.positions.first_query_position(q.seq(), k.seq());
   p.allowed = mask.allowed;
   p.bias = mask.bias;
-  set_score_params(p, params, q.dim());
-  p.group = q.heads() / k.heads();
-  p.s_q = q.seq();
-  p.s_k = k.seq();
-  p.d_qk = q.dim();
-  p.d_v = v.dim();
   flash_attention(p, AttentionOutputs<TO>{out, lse, stats.max, stats.sum}, blocking);
 }
 

@@ -150,6 +150,18 @@ class HeadsView {
     return HeadsView(start, shape, strides_);
   }
 
+  /// Batches [first, first + count) of the view: the same view with batch = count, starting at
+  /// batch `first` (0 <= first, first + count <= batch(); unchecked). A view that broadcasts
+  /// over the batch axis (batch() == 1) gives itself with batch = count.
+  HeadsView middle_batches(Index first, Index count) const {
+    APEX_ASSERT(first >= 0 && count >= 0 && (shape_.batch == 1 || first + count <= shape_.batch));
+    HeadsShape shape = shape_;
+    shape.batch = count;
+    if (shape_.batch == 1) return HeadsView(data_, shape, {0, strides_.head, strides_.row});
+    T* const start = count == 0 || shape.has_no_elements() ? data_ : data_ + first * strides_.batch;
+    return HeadsView(start, shape, strides_);
+  }
+
  private:
   /// B·H·S·D for extents >= 0 whose product fits in 64 bits (so every stride the factories form
   /// does too); throws std::invalid_argument otherwise.

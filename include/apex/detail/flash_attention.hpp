@@ -74,12 +74,24 @@
 // each key row, then each value row, is read once in memory order and used at once by every
 // stacked row.
 //
-// SCHEDULERS. prefill: one task per (b, kv head, query block), its visible keys in blocks.
-// decode (split keys, flash-decoding: Dao et al. 2023): when every query fits in one block and
-// there are few (b, kv head) pairs, the visible keys are cut into chunks, each (b, kv head,
-// chunk) task writes a partial result (out_c, m_c, l_c) without the sink, and merge_rows
-// combines them in chunk order and adds the sink. The chunks are few enough that the partials
-// are bounded whatever S_k (AttentionPlan).
+// SCHEDULERS. A call of the kernel is a list of jobs, one problem each (an sdpa call, or one
+// sequence of a ragged batch, with its own positions, rule and keys), and every task of every
+// job runs in one parallel loop, so that a batch of short and long sequences keeps every thread
+// busy. prefill: one task per (b, kv head, query block), its visible keys in blocks. decode
+// (split keys, flash-decoding: Dao et al. 2023): when every query of a job fits in one block
+// and the job has few (b, kv head) pairs, its visible keys are cut into chunks, each (b, kv
+// head, chunk) task writes a partial result (out_c, m_c, l_c) without the sink, and merge_rows
+// combines them in chunk order and adds the sink. The chunks are few enough that one job's
+// partials are bounded whatever S_k (AttentionPlan), and the jobs run in waves whose partials
+// fit the same bound together. A job's plan depends on its own shapes alone, so a sequence of a
+// batch gets the bits of the same sequence in a call of its own.
+//
+// PAGED KEYS. A key segment may live in pages of a pool, addressed through a block table
+// (KeySegment): the loaders read it page by page (SegmentHead), the streaming panels end where
+// a page does, and the key blocks are the same as for the same keys stored contiguously. The
+// products add key after key whatever the panels (stream_update), so paged attention equals
+// contiguous attention bit for bit; only the fallback on Eigen's public API
+// (APEX_EIGEN_PUBLIC_ONLY), which sums a panel before adding it, differs by rounding.
 //
 // THREADS AND DETERMINISM. Tasks run through detail::parallel_for. What a task computes depends
 // only on the shapes (the block sizes, the split and the choice of path are fixed, the key
@@ -152,14 +164,75 @@ struct FlashBlocking {
   Index partial_budget = Index{1} << 19;  ///< most scalars of decode partials of one call
 };
 
-/// A run of keys with consecutive absolute positions [first_position, first_position + n):
-/// k [B, H_kv, n, d_qk] and v [B, H_kv, n, d_v].
+/// A run of keys with consecutive absolute positions [first_position, first_position + size()),
+/// stored in one of two ways:
+///   contiguous (pages null)  k [B, H_kv, n, d_qk] and v [B, H_kv, n, d_v]; size() = n;
+///   paged                    k [pool pages, H_kv, page, d_qk] and v [pool pages, H_kv, page, d_v]
+///                            are pools of pages (the views' batch axis is the page), and key
+///                            row j lives in row j mod page of page pages[j / page]; size() =
+///                            paged_rows, and the problem has one batch (b = 0).
+/// The kernel reads a paged segment through its block table, page by page, never gathering it.
 template <class TK, class TV>
 struct KeySegment {
   HeadsView<const TK> k;
   HeadsView<const TV> v;
   Index first_position = 0;
+  const Index* pages = nullptr;  // block table; null: contiguous
+  Index paged_rows = 0;          // rows of a paged segment
+
+  /// Keys in the segment.
+  Index size() const { return pages == nullptr ? k.seq() : paged_rows; }
 };
+
+/// Rows of T at `data`, row j at data + j·stride.
+template <class T>
+struct ConstRows {
+  const T* data;
+  Index stride;
+};
+
+/// One head of a segment's K or V, read row by row: a contiguous head is one run of evenly
+/// strided rows, a paged one a run per page.
+template <class T>
+class SegmentHead {
+ public:
+  /// Head (b, h) of `view` (a contiguous segment's K or V, or a pool of pages with `pages`).
+  SegmentHead(const HeadsView<const T>& view, const Index* pages, Index b, Index h)
+      : view_(view), pages_(pages), b_(b), h_(h) {}
+
+  /// Width of a row.
+  Index cols() const { return view_.dim(); }
+  /// Rows from `row` to the end of its run (its page, or the head).
+  Index run(Index row) const {
+    if (pages_ == nullptr) return view_.seq() - row;
+    return view_.seq() - row % view_.seq();
+  }
+  /// The rows of the run that starts at `row`.
+  ConstRows<T> rows(Index row) const {
+    if (pages_ == nullptr) {
+      const auto head = view_.head(b_, h_);
+      return {head.data() + row * head.outerStride(), head.outerStride()};
+    }
+    const Index page = view_.seq();
+    const auto head = view_.head(pages_[row / page], h_);
+    return {head.data() + row % page * head.outerStride(), head.outerStride()};
+  }
+
+ private:
+  HeadsView<const T> view_;
+  const Index* pages_;
+  Index b_, h_;
+};
+
+/// The K and V heads (b, kv head) of a segment.
+template <class TK, class TV>
+SegmentHead<TK> key_head(const KeySegment<TK, TV>& segment, Index b, Index kv_head) {
+  return {segment.k, segment.pages, b, kv_head};
+}
+template <class TK, class TV>
+SegmentHead<TV> value_head(const KeySegment<TK, TV>& segment, Index b, Index kv_head) {
+  return {segment.v, segment.pages, b, kv_head};
+}
 
 /// Everything a task needs, resolved once per call. Keys are the segments in order; key j of
 /// the whole problem (a column of the dense masks) is row j − (keys before its segment) of its
@@ -210,34 +283,35 @@ inline Index clamp_block(Index block, Index limit) {
 // Loaders: every read of K and V
 // ---------------------------------------------------------------------------------------------
 
-/// Rows of T at `data`, row j at data + j·stride.
-template <class T>
-struct ConstRows {
-  const T* data;
-  Index stride;
-};
-
 /// The block copy: rows [row, row + n) of one head, written contiguously (n × cols) to `dst`
-/// and widened from the storage type to C once per element, by widen() (vector conversions).
-template <class C, class HeadMap>
-void load_rows(const HeadMap& head, Index row, Index n, C* dst) {
+/// and widened from the storage type to C once per element, by widen() (vector conversions), one
+/// run (page) at a time.
+template <class C, class T>
+void load_rows(const SegmentHead<T>& head, Index row, Index n, C* dst) {
   const Index cols = head.cols();
-  const Index stride = head.outerStride();
-  if (stride == cols) {  // one contiguous range: a single pass
-    widen(head.data() + row * cols, dst, n * cols);
-    return;
+  while (n > 0) {
+    const Index m = std::min(n, head.run(row));
+    const ConstRows<T> src = head.rows(row);
+    if (src.stride == cols) {  // one contiguous range: a single pass
+      widen(src.data, dst, m * cols);
+    } else {
+      for (Index r = 0; r < m; ++r) widen(src.data + r * src.stride, dst + r * cols, cols);
+    }
+    row += m;
+    n -= m;
+    dst += m * cols;
   }
-  for (Index r = 0; r < n; ++r) widen(head.data() + (row + r) * stride, dst + r * cols, cols);
 }
 
-/// The row reader: rows [row, row + n) of one head, in place when the streaming products read
-/// the storage type directly (C itself, or a 16-bit type they widen in registers:
-/// kStreamsFrom), else widened into `buffer` (n × cols) by load_rows and read as C.
-template <class C, class HeadMap>
-auto read_rows(const HeadMap& head, Index row, Index n, C* buffer) {
-  using T = typename HeadMap::Scalar;
+/// The row reader: rows [row, row + n) of one head, inside one run (n <= head.run(row)), in place
+/// when the streaming products read the storage type directly (C itself, or a 16-bit type they
+/// widen in registers: kStreamsFrom), else widened into `buffer` (n × cols) by load_rows and read
+/// as C.
+template <class C, class T>
+auto read_rows(const SegmentHead<T>& head, Index row, Index n, C* buffer) {
+  APEX_ASSERT(n <= head.run(row));
   if constexpr (kStreamsFrom<C, T>) {
-    return ConstRows<T>{head.data() + row * head.outerStride(), head.outerStride()};
+    return head.rows(row);
   } else {
     load_rows(head, row, n, buffer);
     return ConstRows<C>{buffer, head.cols()};
@@ -257,7 +331,7 @@ struct KeyBlock {
 template <class TK, class TV>
 std::pair<Index, Index> rows_in(const KeySegment<TK, TV>& segment, const PositionRange& range) {
   const Index first = segment.first_position;  // >= 0: the differences below cannot overflow
-  const Index size = segment.k.seq();
+  const Index size = segment.size();
   const Index begin = range.begin <= first ? 0 : std::min(size, range.begin - first);
   const Index end = range.end <= first ? 0 : std::min(size, range.end - first);
   return {begin, std::max(begin, end)};
@@ -273,7 +347,7 @@ void for_each_key_block(const P& p, Index begin, Index end, const PositionRange&
   Index first = 0;  // problem index of the segment's first key
   for (Index s = 0; s < p.num_segments; ++s) {
     const auto& segment = p.segments[s];
-    const Index size = segment.k.seq();
+    const Index size = segment.size();
     const auto [row_begin, row_end] = rows_in(segment, visible);
     const Index lo = std::max(begin, first + row_begin);
     const Index hi = std::min(end, first + row_end);
@@ -413,9 +487,9 @@ class AttentionTile {
   /// row's result, and -inf, in a block nothing masks, as a key that takes no part (add_keys);
   /// a block that is masked checks its raw scores here, before the masks hide them.
   void score(const Block& keys, bool masked) {
-    const auto k_head = keys.segment->k.head(b_, kv_head_);
+    const auto k_head = key_head(*keys.segment, b_, kv_head_);
     if (streaming_) {
-      for_each_panel(keys.n, [&](Index j0, Index m) {
+      for_each_panel(k_head, keys, [&](Index j0, Index m) {
         const auto k = read_rows<C>(k_head, keys.row + j0, m, k_copy_);
         stream_scores(scores_ + j0, ld_s_, q_stacked_, rows_, k.data, k.stride, m, p_.d_qk);
       });
@@ -543,9 +617,9 @@ class AttentionTile {
   /// weight of -0.0 times NaN would be NaN).
   void accumulate(const Block& keys, bool hidden) {
     if (p_.d_v == 0) return;
-    const auto v_head = keys.segment->v.head(b_, kv_head_);
+    const auto v_head = value_head(*keys.segment, b_, kv_head_);
     if (streaming_) {
-      for_each_panel(keys.n, [&](Index j0, Index m) {
+      for_each_panel(v_head, keys, [&](Index j0, Index m) {
         const auto v = read_rows<C>(v_head, keys.row + j0, m, v_copy_);
         if (hidden && !all_finite(v.data, m, p_.d_v, v.stride)) {
           accumulate_visible(v, j0, m);
@@ -565,13 +639,18 @@ class AttentionTile {
     }
   }
 
-  /// Calls f(j0, m) for the panels [j0, j0 + m) of kStreamPanel keys of a streamed block, in
-  /// order. A 16-bit panel is widened just before it is used, so that reading memory and the
-  /// arithmetic overlap; the panels start at multiples of stream_update's groups of keys, so a
-  /// row's sums are formed in the same order whatever the storage type.
-  template <class F>
-  static void for_each_panel(Index n, F&& f) {
-    for (Index j0 = 0; j0 < n; j0 += kStreamPanel) f(j0, std::min(kStreamPanel, n - j0));
+  /// Calls f(j0, m) for the panels [j0, j0 + m) of a streamed block, in order: kStreamPanel keys
+  /// each, cut short where a page of `head` ends. A 16-bit panel is widened just before it is
+  /// used, so that reading memory and the arithmetic overlap; the panels start at multiples of
+  /// stream_update's groups of keys (pages of a multiple of 8 keys keep them there), so a row's
+  /// sums are formed in the same order whatever the storage type.
+  template <class T, class F>
+  static void for_each_panel(const SegmentHead<T>& head, const Block& keys, F&& f) {
+    for (Index j0 = 0; j0 < keys.n;) {
+      const Index m = std::min({kStreamPanel, keys.n - j0, head.run(keys.row + j0)});
+      f(j0, m);
+      j0 += m;
+    }
   }
 
   /// acc_r += Σ_j P(r, j0 + j) v_j for the n value rows of v, over the keys that take part
@@ -643,7 +722,7 @@ std::pair<Index, Index> key_hull(const P& p, const PositionRange& visible) {
       begin = std::min(begin, first + lo);
       end = std::max(end, first + hi);
     }
-    first += p.segments[s].k.seq();
+    first += p.segments[s].size();
   }
   return {begin, std::max(begin, end)};
 }
@@ -695,108 +774,203 @@ void write_row_stats(const AttentionOutputs<TO>& o, Index b, Index h, Index i,
   if (!o.sum.empty()) o.sum.head(b, h)(i, 0) = round_to<TO>(stats.sum);
 }
 
-/// The prefill scheduler: one task per (b, kv head, query block), every key in blocks. Returns
-/// whether everything was finite (see COMPUTE TYPE).
-template <class C, class P, class TO>
-bool run_prefill(const P& p, Index kv_heads, const AttentionOutputs<TO>& o,
-                 const AttentionPlan& plan, const FlashBlocking& blocking) {
-  std::atomic<bool> finite{true};
-  const Index blocks = plan.query_blocks;
-  parallel_for(p.q.batch() * kv_heads * blocks, [&](Index task) {
-    const Index pair = task / blocks;
-    const Index t = task - pair * blocks;
-    const Index block = t % 2 == 0 ? t / 2 : blocks - 1 - t / 2;
-    const Index b = pair / kv_heads;
-    const Index q0 = block * plan.query_block;
-    const Index bq = std::min(plan.query_block, p.s_q - q0);
-    const bool streaming = p.group * bq <= blocking.stream_rows;
-    const Index key_block = key_block_for(streaming, blocking, p.s_k);
-    AttentionTile<C, P> tile(p, b, pair - b * kv_heads, q0, bq, key_block, streaming);
-    for_each_key_block(p, 0, p.s_k, visible_keys_of(p, q0, bq), key_block,
-                       [&](const auto& keys) { tile.add_keys(keys); });
-    if (std::is_same_v<C, float> && (tile.saw_non_finite_score() || !tile.finite())) {
-      finite = false;
-    }
-    for (Index r = 0; r < tile.rows(); ++r) {
-      const Index h = tile.head_of(r);
-      const Index i = tile.query_of(r);
-      write_row_stats<C>(o, b, h, i, tile.finish_row(r, o.out.head(b, h).row(i).data(), true));
-    }
-  });
-  return finite;
+/// One problem of a call of the kernel and where its results go. A call is a list of jobs (one
+/// for sdpa, one per sequence of a ragged batch) whose tasks run side by side.
+template <class P, class TO>
+struct AttentionJob {
+  const P* problem = nullptr;
+  AttentionOutputs<TO> outputs;
+};
+
+/// A job's share of one wave of tasks: its plan, and where its tasks, its merges (split only)
+/// and its partial results (split only) lie in the wave's lists.
+struct JobTasks {
+  AttentionPlan plan;
+  Index kv_heads = 0;
+  Index pairs = 0;          ///< (b, kv head) pairs
+  Index rows = 0;           ///< stacked rows of a split task, G·S_q
+  Index first_task = 0;     ///< the wave's tasks [first_task, first_task + tasks) are the job's
+  Index tasks = 0;          ///< pairs · query blocks, or pairs · chunks when split
+  Index first_merge = 0;    ///< the wave's merges [first_merge, first_merge + pairs) (split)
+  Index first_partial = 0;  ///< offset of the job's partial results in the wave's (split)
+  Index partials = 0;       ///< scalars of them: pairs · chunks · rows · (d_v + 2)
+};
+
+/// The plan of a job and the size of its task lists (first_* are set by the wave).
+template <class P>
+JobTasks job_tasks(const P& p, const FlashBlocking& blocking) {
+  JobTasks t;
+  t.kv_heads = p.segments[0].k.heads();
+  t.plan = plan_attention(p, t.kv_heads, blocking);
+  t.pairs = p.q.batch() * t.kv_heads;
+  t.rows = p.group * p.s_q;
+  t.tasks = t.pairs * (t.plan.split ? t.plan.chunks : t.plan.query_blocks);
+  t.partials = t.plan.split ? t.pairs * t.plan.chunks * t.rows * (p.d_v + 2) : 0;
+  return t;
 }
 
-/// The decode scheduler (split keys): every (b, kv head, chunk) task writes the partial result
-/// of its keys for the M = G·S_q stacked rows, as M records of d_v + 2 scalars (normalised
-/// output, m, l), on the calling thread's scratch; then every (b, kv head) merges its chunks in
-/// order (merge_rows). Returns whether everything was finite.
+/// Whether a tile met a non-finite number that a float pass must redo in double.
+template <class C, class Tile>
+bool tile_finite(const Tile& tile) {
+  return !std::is_same_v<C, float> || (!tile.saw_non_finite_score() && tile.finite());
+}
+
+/// Prefill task `task` of a job: (b, kv head, query block), the block's visible keys in
+/// blocks; writes its rows. Within one (b, kv head) the query blocks are taken in the order 0,
+/// n−1, 1, n−2, … (see THREADS). Returns tile_finite.
 template <class C, class P, class TO>
-bool run_decode(const P& p, Index kv_heads, const AttentionOutputs<TO>& o,
-                const AttentionPlan& plan, const FlashBlocking& blocking) {
-  const Index rows = p.group * p.s_q;
-  const bool streaming = rows <= blocking.stream_rows;
-  const Index key_block = key_block_for(streaming, blocking, plan.chunk);
+bool prefill_task(const P& p, const JobTasks& t, const AttentionOutputs<TO>& o, Index task,
+                  const FlashBlocking& blocking) {
+  const Index blocks = t.plan.query_blocks;
+  const Index pair = task / blocks;
+  const Index n = task - pair * blocks;
+  const Index block = n % 2 == 0 ? n / 2 : blocks - 1 - n / 2;
+  const Index b = pair / t.kv_heads;
+  const Index q0 = block * t.plan.query_block;
+  const Index bq = std::min(t.plan.query_block, p.s_q - q0);
+  const bool streaming = p.group * bq <= blocking.stream_rows;
+  const Index key_block = key_block_for(streaming, blocking, p.s_k);
+  AttentionTile<C, P> tile(p, b, pair - b * t.kv_heads, q0, bq, key_block, streaming);
+  for_each_key_block(p, 0, p.s_k, visible_keys_of(p, q0, bq), key_block,
+                     [&](const auto& keys) { tile.add_keys(keys); });
+  for (Index r = 0; r < tile.rows(); ++r) {
+    const Index h = tile.head_of(r);
+    const Index i = tile.query_of(r);
+    write_row_stats<C>(o, b, h, i, tile.finish_row(r, o.out.head(b, h).row(i).data(), true));
+  }
+  return tile_finite<C>(tile);
+}
+
+/// Split-decode task `task` of a job: (b, kv head, key chunk); writes the partial result of
+/// its keys for the job's stacked rows, a record of d_v + 2 scalars each (normalised output, m,
+/// l, without the sink), to `partials` (the job's). Returns tile_finite.
+template <class C, class P>
+bool chunk_task(const P& p, const JobTasks& t, Index task, C* partials,
+                const FlashBlocking& blocking) {
+  const Index pair = task / t.plan.chunks;
+  const Index c = task - pair * t.plan.chunks;
+  const Index b = pair / t.kv_heads;
+  const bool streaming = t.rows <= blocking.stream_rows;
+  const Index key_block = key_block_for(streaming, blocking, t.plan.chunk);
+  AttentionTile<C, P> tile(p, b, pair - b * t.kv_heads, 0, p.s_q, key_block, streaming);
+  const Index begin = t.plan.first_key + c * t.plan.chunk;
+  for_each_key_block(p, begin, std::min(p.s_k, begin + t.plan.chunk), visible_keys_of(p, 0, p.s_q),
+                     key_block, [&](const auto& keys) { tile.add_keys(keys); });
   const Index record = p.d_v + 2;
-  const Index pairs = p.q.batch() * kv_heads;
-  C* partials = ThreadScratch::local().get<C>(ScratchSlot::kDecodePartials,
-                                              pairs * plan.chunks * rows * record);
-  const PositionRange visible = visible_keys_of(p, 0, p.s_q);
-  std::atomic<bool> finite{true};
-  parallel_for(pairs * plan.chunks, [&](Index task) {
-    const Index pair = task / plan.chunks;
-    const Index c = task - pair * plan.chunks;
-    const Index b = pair / kv_heads;
-    AttentionTile<C, P> tile(p, b, pair - b * kv_heads, 0, p.s_q, key_block, streaming);
-    const Index begin = plan.first_key + c * plan.chunk;
-    for_each_key_block(p, begin, std::min(p.s_k, begin + plan.chunk), visible, key_block,
-                       [&](const auto& keys) { tile.add_keys(keys); });
-    if (std::is_same_v<C, float> && (tile.saw_non_finite_score() || !tile.finite())) {
-      finite = false;
-    }
-    C* partial = partials + task * rows * record;
-    for (Index r = 0; r < rows; ++r) {
-      const SoftmaxStats<C> stats = tile.finish_row(r, partial + r * record, false);
-      partial[r * record + p.d_v] = stats.max;
-      partial[r * record + p.d_v + 1] = stats.sum;
-    }
-  });
-  parallel_for(pairs, [&](Index pair) {
-    const Index b = pair / kv_heads;
-    const Index kv_head = pair - b * kv_heads;
-    const C* first = partials + pair * plan.chunks * rows * record;
-    C* weights = ThreadScratch::local().get<C>(ScratchSlot::kMergeWeights, plan.chunks + p.d_v);
-    bool ok = true;
-    for (Index r = 0; r < rows; ++r) {
-      const auto part_at = [&](Index c) {
-        const C* rec = first + (c * rows + r) * record;
-        return PartRow<C, C>{rec, {rec[p.d_v], rec[p.d_v + 1]}};
-      };
-      const Index h = kv_head * p.group + r / p.s_q;
-      const Index i = r % p.s_q;
-      TO* out = o.out.head(b, h).row(i).data();
-      const SoftmaxStats<C> stats = merge_rows<C>(plan.chunks, p.d_v, part_at, out, weights,
-                                                  weights + plan.chunks, sink_of<C>(p, h));
-      write_row_stats<C>(o, b, h, i, stats);
-      // A merge can overflow (Σ_c w_c·o_c with w_c up to a chunk's length) where no part did:
-      // the sum, left in C by merge_rows, is checked (an output type may overflow where C did
-      // not, which no second pass would change).
-      if (std::is_same_v<C, float>) {
-        ok = ok && finite_stats(stats) &&
-             (!(stats.sum > C(0)) || all_finite(weights + plan.chunks, 1, p.d_v, p.d_v));
-      }
-    }
-    if (!ok) finite = false;
-  });
-  return finite;
+  C* partial = partials + task * t.rows * record;
+  for (Index r = 0; r < t.rows; ++r) {
+    const SoftmaxStats<C> stats = tile.finish_row(r, partial + r * record, false);
+    partial[r * record + p.d_v] = stats.max;
+    partial[r * record + p.d_v + 1] = stats.sum;
+  }
+  return tile_finite<C>(tile);
 }
 
-/// One pass of the kernel in the compute type C; returns whether everything was finite.
+/// Merge task `pair` of a split job: merges the chunks of (b, kv head) in order and adds the
+/// sink (merge_rows), writing the rows. Returns whether every merged row is finite (float).
 template <class C, class P, class TO>
-bool attend(const P& p, const AttentionOutputs<TO>& o, const FlashBlocking& blocking) {
-  const Index kv_heads = p.segments[0].k.heads();
-  const AttentionPlan plan = plan_attention(p, kv_heads, blocking);
-  return plan.split ? run_decode<C>(p, kv_heads, o, plan, blocking)
-                    : run_prefill<C>(p, kv_heads, o, plan, blocking);
+bool merge_task(const P& p, const JobTasks& t, const AttentionOutputs<TO>& o, Index pair,
+                const C* partials) {
+  const Index chunks = t.plan.chunks;
+  const Index b = pair / t.kv_heads;
+  const Index kv_head = pair - b * t.kv_heads;
+  const Index record = p.d_v + 2;
+  const C* first = partials + pair * chunks * t.rows * record;
+  C* weights = ThreadScratch::local().get<C>(ScratchSlot::kMergeWeights, chunks + p.d_v);
+  bool ok = true;
+  for (Index r = 0; r < t.rows; ++r) {
+    const auto part_at = [&](Index c) {
+      const C* rec = first + (c * t.rows + r) * record;
+      return PartRow<C, C>{rec, {rec[p.d_v], rec[p.d_v + 1]}};
+    };
+    const Index h = kv_head * p.group + r / p.s_q;
+    const Index i = r % p.s_q;
+    TO* out = o.out.head(b, h).row(i).data();
+    const SoftmaxStats<C> stats =
+        merge_rows<C>(chunks, p.d_v, part_at, out, weights, weights + chunks, sink_of<C>(p, h));
+    write_row_stats<C>(o, b, h, i, stats);
+    // A merge can overflow (Σ_c w_c·o_c with w_c up to a chunk's length) where no part did: the
+    // sum, left in C by merge_rows, is checked (an output type may overflow where C did not,
+    // which no second pass would change).
+    if (std::is_same_v<C, float>) {
+      ok = ok && finite_stats(stats) &&
+           (!(stats.sum > C(0)) || all_finite(weights + chunks, 1, p.d_v, p.d_v));
+    }
+  }
+  return ok;
+}
+
+/// The job whose range [first(t), first(t) + size(t)) of a wave's list holds `item`: the last
+/// job that starts at or before it (jobs with an empty range are passed over).
+template <class First>
+Index job_holding(const JobTasks* t, Index count, Index item, First&& first) {
+  const JobTasks* next = std::upper_bound(
+      t, t + count, item, [&](Index i, const JobTasks& job) { return i < first(job); });
+  return static_cast<Index>(next - t) - 1;
+}
+
+/// One wave: every task of `count` jobs in one parallel loop (prefill and split-decode tasks
+/// side by side), then every merge of the split ones; the split jobs' partial results, sized in
+/// t[*].partials, on the calling thread's scratch. Clears finite[j] where job j met a
+/// non-finite number (see COMPUTE TYPE).
+template <class C, class P, class TO>
+void run_wave(const AttentionJob<P, TO>* jobs, JobTasks* t, Index count, bool* finite,
+              const FlashBlocking& blocking) {
+  Index tasks = 0, merges = 0, partials = 0;
+  for (Index j = 0; j < count; ++j) {
+    t[j].first_task = tasks;
+    t[j].first_merge = merges;
+    t[j].first_partial = partials;
+    tasks += t[j].tasks;
+    merges += t[j].plan.split ? t[j].pairs : 0;
+    partials += t[j].partials;
+  }
+  ThreadScratch& scratch = ThreadScratch::local();
+  C* partial = scratch.get<C>(ScratchSlot::kDecodePartials, partials);
+  auto* ok = scratch.get<unsigned char>(ScratchSlot::kTaskFlags, tasks + merges);
+  parallel_for(tasks, [&](Index task) {
+    const Index j = job_holding(t, count, task, [](const JobTasks& x) { return x.first_task; });
+    const P& p = *jobs[j].problem;
+    const Index local = task - t[j].first_task;
+    ok[task] = t[j].plan.split
+                   ? chunk_task<C>(p, t[j], local, partial + t[j].first_partial, blocking)
+                   : prefill_task<C>(p, t[j], jobs[j].outputs, local, blocking);
+  });
+  parallel_for(merges, [&](Index merge) {
+    const Index j = job_holding(t, count, merge, [](const JobTasks& x) { return x.first_merge; });
+    ok[tasks + merge] = merge_task<C>(*jobs[j].problem, t[j], jobs[j].outputs,
+                                      merge - t[j].first_merge, partial + t[j].first_partial);
+  });
+  for (Index j = 0; j < count; ++j) {
+    const unsigned char* job_ok = ok + t[j].first_task;
+    bool all = std::all_of(job_ok, job_ok + t[j].tasks, [](unsigned char x) { return x != 0; });
+    if (t[j].plan.split) {
+      const unsigned char* merged = ok + tasks + t[j].first_merge;
+      all = all && std::all_of(merged, merged + t[j].pairs, [](unsigned char x) { return x != 0; });
+    }
+    finite[j] = finite[j] && all;
+  }
+}
+
+/// One pass of the kernel in the compute type C over the jobs whose `run` flag is set (t[j] is
+/// made here; a job not run gets no tasks): their tasks in waves of consecutive jobs whose
+/// split-decode partials fit partial_budget together (a job alone always does: plan_attention),
+/// so that the memory held stays bounded whatever the number of jobs. finite[j] is cleared
+/// where job j must be redone in double.
+template <class C, class P, class TO>
+void attend_jobs(const AttentionJob<P, TO>* jobs, Index count, const bool* run, JobTasks* t,
+                 bool* finite, const FlashBlocking& blocking) {
+  for (Index j = 0; j < count; ++j)
+    t[j] = run[j] ? job_tasks(*jobs[j].problem, blocking) : JobTasks{};
+  for (Index begin = 0; begin < count;) {
+    Index end = begin + 1;
+    Index held = t[begin].partials;
+    while (end < count && held + t[end].partials <= blocking.partial_budget) {
+      held += t[end++].partials;
+    }
+    run_wave<C>(jobs + begin, t + begin, end - begin, finite + begin, blocking);
+    begin = end;
+  }
 }
 
 /// Whether a float pass can hold the call's parameters: the scale, the soft-cap and the sinks
@@ -819,27 +993,55 @@ bool fits_float(const P& p) {
   double distance = 0.0;
   for (Index s = 0; s < p.num_segments; ++s) {
     const double k_first = static_cast<double>(p.segments[s].first_position);
-    const double k_last = k_first + static_cast<double>(p.segments[s].k.seq() - 1);
+    const double k_last = k_first + static_cast<double>(p.segments[s].size() - 1);
     distance = std::max({distance, std::abs(q_last - k_first), std::abs(k_last - q_first)});
   }
   return slope * distance <= static_cast<double>(std::numeric_limits<float>::max());
 }
 
-/// Runs the kernel on a problem whose every precondition holds (apex::sdpa checks them):
-/// at least one segment, all of one [B, H_kv] shape; outputs as AttentionOutputs says, not
-/// overlapping the inputs. Picks the compute type (see COMPUTE TYPE above).
+/// Whether a problem has any row to compute.
+template <class P>
+bool has_rows(const P& p) {
+  return p.q.batch() > 0 && p.q.heads() > 0 && p.s_q > 0;
+}
+
+/// Runs the kernel on `count` jobs whose every precondition holds (the entry points check
+/// them): each problem has at least one segment, all of one [B, H_kv] shape, and its outputs
+/// are as AttentionOutputs says, overlapping no input and no other job's outputs. Picks each
+/// job's compute type (see COMPUTE TYPE above): the jobs that fit float run in one float pass,
+/// and those that do not, or that meet a number float cannot carry, in one double pass after
+/// it. What a job computes does not depend on the other jobs. Memory: besides the tasks'
+/// scratch, a JobTasks record and two flags per job on the calling thread's scratch (none for
+/// one job).
 template <class P, class TO>
-void flash_attention(const P& p, const AttentionOutputs<TO>& o, const FlashBlocking& blocking) {
-  if (p.q.batch() == 0 || p.q.heads() == 0 || p.s_q == 0) return;
+void flash_attention(const AttentionJob<P, TO>* jobs, Index count, const FlashBlocking& blocking) {
   constexpr bool wide_input =
       std::is_same_v<typename P::Query, double> || std::is_same_v<typename P::Key, double> ||
       std::is_same_v<typename P::Value, double> || std::is_same_v<typename P::Bias, double>;
-  if constexpr (!wide_input) {
-    if (fits_float(p) && attend<float>(p, o, blocking)) {
-      return;
-    }
+  JobTasks one_job;
+  bool one_job_flags[2];
+  ThreadScratch& scratch = ThreadScratch::local();
+  JobTasks* t = count == 1 ? &one_job : scratch.get<JobTasks>(ScratchSlot::kJobTasks, count);
+  bool* run = count == 1 ? one_job_flags : scratch.get<bool>(ScratchSlot::kJobFlags, 2 * count);
+  bool* finite = run + count;
+  bool redo = false;
+  for (Index j = 0; j < count; ++j) {
+    run[j] = !wide_input && has_rows(*jobs[j].problem) && fits_float(*jobs[j].problem);
+    finite[j] = true;
   }
-  attend<double>(p, o, blocking);
+  if constexpr (!wide_input) attend_jobs<float>(jobs, count, run, t, finite, blocking);
+  for (Index j = 0; j < count; ++j) {
+    run[j] = has_rows(*jobs[j].problem) && (!run[j] || !finite[j]);
+    redo = redo || run[j];
+  }
+  if (redo) attend_jobs<double>(jobs, count, run, t, finite, blocking);
+}
+
+/// flash_attention of one problem.
+template <class P, class TO>
+void flash_attention(const P& p, const AttentionOutputs<TO>& o, const FlashBlocking& blocking) {
+  const AttentionJob<P, TO> job{&p, o};
+  flash_attention(&job, 1, blocking);
 }
 
 }  // namespace apex::detail

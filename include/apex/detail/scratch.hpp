@@ -33,6 +33,9 @@ enum class ScratchSlot : int {
   kMergeWeights,
   kWeightPanel,
   kWeightPartials,
+  kJobTasks,
+  kJobFlags,
+  kTaskFlags,
   kCount
 };
 
