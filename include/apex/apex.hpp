@@ -13,6 +13,7 @@
 #include <apex/mask.hpp>
 #include <apex/mha.hpp>
 #include <apex/mla.hpp>
+#include <apex/paged_cache.hpp>
 #include <apex/rms_norm.hpp>
 #include <apex/rope.hpp>
 #include <apex/sdpa.hpp>

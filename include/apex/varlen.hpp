@@ -87,13 +87,13 @@ inline void check_offsets(const std::vector<Index>& cu, Index sequences, Index r
                                     << "; expected the tensor's " << rows << " rows");
 }
 
-/// One sequence of a batch: its query, key and value rows, its rule and its outputs, as sdpa
-/// would take them for that sequence alone.
+/// One sequence of a batch: its query rows, its keys (one segment, contiguous or paged; the
+/// rule's key_offset is the segment's first position), its rule and its outputs, as sdpa would
+/// take them for that sequence alone.
 template <class TQ, class TK, class TV, class TO>
 struct SequenceViews {
   HeadsView<const TQ> q;
-  HeadsView<const TK> k;
-  HeadsView<const TV> v;
+  KeySegment<TK, TV> keys;
   PositionMask positions;
   HeadsView<TO> out, lse;
 };
@@ -148,10 +148,11 @@ void attend_sequences(const std::vector<SequenceViews<TQ, TK, TV, TO>>& sequence
   problems.reserve(sequences.size());
   jobs.reserve(sequences.size());
   for (const auto& s : sequences) {
-    keys.push_back({s.k, s.v, s.positions.key_offset});
-    problems.push_back(attention_problem<TQ, TK, TV>(
-        s.q, &keys.back(), 1, s.k.seq(), s.positions,
-        s.positions.first_query_position(s.q.seq(), s.k.seq()), params));
+    keys.push_back(s.keys);
+    const Index s_k = s.keys.size();
+    problems.push_back(
+        attention_problem<TQ, TK, TV>(s.q, &keys.back(), 1, s_k, s.positions,
+                                      s.positions.first_query_position(s.q.seq(), s_k), params));
     jobs.push_back({&problems.back(), {s.out, s.lse, {}, {}}});
   }
   flash_attention(jobs.data(), static_cast<Index>(jobs.size()), blocking);
@@ -184,10 +185,11 @@ void flash_sdpa_varlen(const HeadsView<const TQ>& q, const HeadsView<const TK>& 
     const Index k0 = batch.cu_seqlens_k[at], nk = batch.cu_seqlens_k[at + 1] - k0;
     const PositionMask& rule = rules[rules.size() == 1 ? 0 : at];
     check_sequence_rule(rule, nq, nk, "sequence", i, op);
-    sequences[at] = {
-        q.middle_rows(q0, nq),   k.middle_rows(k0, nk),
-        v.middle_rows(k0, nk),   rule,
-        out.middle_rows(q0, nq), lse.empty() ? HeadsView<TO>() : lse.middle_rows(q0, nq)};
+    sequences[at] = {q.middle_rows(q0, nq),
+                     {k.middle_rows(k0, nk), v.middle_rows(k0, nk), rule.key_offset},
+                     rule,
+                     out.middle_rows(q0, nq),
+                     lse.empty() ? HeadsView<TO>() : lse.middle_rows(q0, nq)};
   }
   attend_sequences(sequences, params, blocking);
 }
@@ -215,8 +217,8 @@ void flash_sdpa_nonpad_kv(const HeadsView<const TQ>& q, const HeadsView<const TK
                                                      << "], the keys the cache holds");
     check_sequence_rule(rule, q.seq(), length, "batch", b, op);
     sequences[at] = {q.middle_batches(b, 1),
-                     k.middle_batches(b, 1).middle_rows(0, length),
-                     v.middle_batches(b, 1).middle_rows(0, length),
+                     {k.middle_batches(b, 1).middle_rows(0, length),
+                      v.middle_batches(b, 1).middle_rows(0, length), rule.key_offset},
                      rule,
                      out.middle_batches(b, 1),
                      lse.empty() ? HeadsView<TO>() : lse.middle_batches(b, 1)};

@@ -1,0 +1,602 @@
+// SPDX-License-Identifier: MIT
+// Paged KV caches: many sequences of different lengths in one pool of fixed-size pages, each
+// sequence holding a block table of the pages its tokens live in (vLLM's PagedAttention). The
+// attention kernel reads K and V through the block table, page by page, without gathering them
+// (sdpa_paged; detail/flash_attention.hpp, PAGED KEYS).
+//
+//   pool (page = 4 tokens):  page 0 | page 1 | page 2 | page 3 | page 4 | ...
+//   sequence 7, 10 tokens:   table {3, 0, 4}: positions 0-3 in page 3, 4-7 in page 0, 8-9 in 4
+//   sequence 9 = fork of 7:  table {3, 0, 4} too (reference counts 2); its first append copies
+//                            page 4 (the shared, partly filled last page) to a page of its own
+//
+// Two caches share the page bookkeeping (detail::PagePool):
+//   PagedKvCache      K and V of H_kv heads of d_h (multi-head and grouped-query attention,
+//                     §7.4, §8.3): pools [pages, H_kv, page, d_h] of K and of V.
+//   PagedLatentCache  multi-head latent attention's rows [c_kv ‖ K_rope] (§9.4, as LatentCache):
+//                     a pool [pages, 1, page, d_kv + H_kr·d_r].
+//
+// Operations: add a sequence, append tokens, fork (the new sequence shares every page; a page is
+// copied only when a sequence writes into a page that another still holds: copy on write),
+// truncate, forget the tokens before a position (pages wholly before it go back to the pool: a
+// sliding window's cache stays O(W)), and free. Every check runs before anything changes, and a
+// failed call changes nothing. Sequences are named by SequenceId values that are never reused,
+// so an id of a freed sequence stays invalid.
+//
+// Memory: the pool is allocated (zeroed) at construction and never grows; bytes() is its exact
+// size; pages_in_use(), free_pages() and fragmentation() say how it is used. Each sequence also
+// holds its block table (one Index per page of its history). A default-constructed or moved-from
+// cache is empty: no pages, no sequences; every add throws.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/detail/checks.hpp>
+#include <apex/detail/flash_attention.hpp>
+#include <apex/storage.hpp>
+#include <apex/tensor.hpp>
+#include <apex/varlen.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace apex {
+
+/// The name of a sequence of a paged cache. Ids are handed out in increasing order and never
+/// reused.
+using SequenceId = Index;
+
+/// The shape of a PagedKvCache: a pool of num_pages pages of page_size tokens, each token H_kv
+/// heads of d_h keys and values.
+struct PagedKvCacheShape {
+  Index num_kv_heads = 0;  ///< H_kv
+  Index head_dim = 0;      ///< d_h
+  Index page_size = 0;     ///< tokens per page (e.g. 16 to 256)
+  Index num_pages = 0;     ///< pages in the pool
+};
+
+/// The shape of a PagedLatentCache: a pool of num_pages pages of page_size tokens, each token a
+/// row of d_kv latent values and H_kr rotated K_rope heads of d_r (as LatentCacheShape).
+struct PagedLatentCacheShape {
+  Index latent_dim = 0;  ///< d_kv
+  Index rope_heads = 0;  ///< H_kr
+  Index rope_dim = 0;    ///< d_r (even)
+  Index page_size = 0;   ///< tokens per page
+  Index num_pages = 0;   ///< pages in the pool
+};
+
+namespace detail {
+
+/// The page bookkeeping of a paged cache and its pools ("planes": K and V, or the latent rows),
+/// each a HeadsTensor [pages, H, page_size, width] whose batch axis is the page. A sequence
+/// holds its length and its block table; pages before `first_page` were forgotten (-1).
+template <class Storage>
+class PagePool {
+ public:
+  /// One live sequence.
+  struct Sequence {
+    std::vector<Index> pages;  // block table: page of positions [i·P, (i + 1)·P); -1: forgotten
+    Index length = 0;          // tokens: positions [0, length)
+    Index first_page = 0;      // index of the first page still held
+  };
+
+  PagePool() = default;
+  /// Allocates the pools: one per entry of `heads_and_widths` ({H, width}), num_pages pages of
+  /// page_size rows each. Throws unless every extent is >= 1 and the bytes fit in 64 bits.
+  PagePool(Index page_size, Index num_pages, const std::vector<std::pair<Index, Index>>& planes,
+           const char* op) {
+    require_storage_type<Storage>();
+    APEX_CHECK(page_size >= 1, "[" << op << "] page_size (" << page_size << ") must be >= 1");
+    APEX_CHECK(num_pages >= 1, "[" << op << "] num_pages (" << num_pages << ") must be >= 1");
+    for (const auto& [heads, width] : planes) {
+      APEX_CHECK(heads >= 1 && width >= 1,
+                 "[" << op << "] heads (" << heads << ") and width (" << width << ") must be >= 1");
+      heads_tensor_size<Storage>({num_pages, heads, page_size, width}, op);
+    }
+    for (const auto& [heads, width] : planes) {
+      planes_.emplace_back(HeadsShape{num_pages, heads, page_size, width});
+    }
+    page_size_ = page_size;
+    refs_.assign(static_cast<std::size_t>(num_pages), 0);
+    for (Index p = num_pages - 1; p >= 0; --p) free_.push_back(p);  // page 0 is taken first
+  }
+
+  Index page_size() const { return page_size_; }
+  Index num_pages() const { return static_cast<Index>(refs_.size()); }
+  Index free_pages() const { return static_cast<Index>(free_.size()); }
+  Index pages_in_use() const { return num_pages() - free_pages(); }
+  /// Bytes of every pool: exact, whatever is in use.
+  std::int64_t bytes() const {
+    std::int64_t total = 0;
+    for (const auto& plane : planes_) {
+      total +=
+          static_cast<std::int64_t>(plane.batch() * plane.heads() * plane.seq() * plane.dim()) *
+          static_cast<std::int64_t>(sizeof(Storage));
+    }
+    return total;
+  }
+  /// The live sequences, by id.
+  const std::map<SequenceId, Sequence>& sequences() const { return sequences_; }
+  /// How many sequences hold page p.
+  Index references(Index page) const { return refs_[static_cast<std::size_t>(page)]; }
+  /// Pool `plane`, [pages, H, page_size, width].
+  HeadsView<const Storage> plane(std::size_t i) const { return planes_[i].view(); }
+  HeadsView<Storage> plane(std::size_t i) { return planes_[i].view(); }
+
+  /// The sequence `id`; throws unless it is live.
+  const Sequence& sequence(SequenceId id, const char* op) const {
+    const auto it = sequences_.find(id);
+    APEX_CHECK(it != sequences_.end(),
+               "[" << op << "] sequence " << id << " does not exist (never added, or freed)");
+    return it->second;
+  }
+
+  /// A new, empty sequence. Throws on an empty pool.
+  SequenceId add(const char* op) {
+    APEX_CHECK(num_pages() > 0, "[" << op
+                                    << "] the cache is empty (default-constructed or moved "
+                                       "from): it has no pages");
+    sequences_.emplace(next_id_, Sequence{});
+    return next_id_++;
+  }
+
+  /// A new sequence holding the same tokens as `id` in the same pages (each page's reference
+  /// count grows by one; nothing is copied).
+  SequenceId fork(SequenceId id, const char* op) {
+    Sequence copy = sequence(id, op);
+    for (const Index page : held(copy)) ++refs_[static_cast<std::size_t>(page)];
+    sequences_.emplace(next_id_, std::move(copy));
+    return next_id_++;
+  }
+
+  /// Frees sequence `id`: its pages go back to the pool where no other sequence holds them.
+  void free(SequenceId id, const char* op) {
+    const Sequence& s = sequence(id, op);
+    for (const Index page : held(s)) release(page);
+    sequences_.erase(id);
+  }
+
+  /// Keeps the first new_length tokens of `id` (first held position <= new_length <= length);
+  /// the pages past them are released.
+  void truncate(SequenceId id, Index new_length, const char* op) {
+    Sequence& s = mutable_sequence(id, op);
+    const Index first = s.first_page * page_size_;
+    APEX_CHECK(new_length >= first && new_length <= s.length,
+               "[" << op << "] new length (" << new_length << ") must be in [" << first << ", "
+                   << s.length << "] (the held tokens of sequence " << id << ")");
+    const auto keep = static_cast<std::size_t>(pages_for(new_length));
+    for (std::size_t i = std::max(keep, static_cast<std::size_t>(s.first_page)); i < s.pages.size();
+         ++i) {
+      release(s.pages[i]);
+    }
+    s.pages.resize(std::max(keep, static_cast<std::size_t>(s.first_page)));
+    s.length = new_length;
+  }
+
+  /// Releases the pages of `id` that hold only positions before `position` (0 <= position <=
+  /// length): a sliding window's tokens that no later query sees.
+  void forget_before(SequenceId id, Index position, const char* op) {
+    Sequence& s = mutable_sequence(id, op);
+    APEX_CHECK(position >= 0 && position <= s.length,
+               "[" << op << "] position (" << position << ") must be in [0, " << s.length
+                   << "] (the tokens of sequence " << id << ")");
+    const Index whole = position / page_size_;  // pages [0, whole) end at or before position
+    for (; s.first_page < whole; ++s.first_page) {
+      release(s.pages[static_cast<std::size_t>(s.first_page)]);
+      s.pages[static_cast<std::size_t>(s.first_page)] = -1;
+    }
+  }
+
+  /// Pages an append of n tokens to `id` takes from the pool: a private copy of a shared, partly
+  /// filled last page, and the new pages.
+  Index pages_needed(const Sequence& s, Index n) const {
+    const Index used = s.length % page_size_;
+    const bool copy = n > 0 && used > 0 && references(s.pages.back()) > 1;
+    return pages_for(s.length + n) - pages_for(s.length) + (copy ? 1 : 0);
+  }
+
+  /// Throws unless n tokens can be appended to `id`: a live sequence, n >= 0, a length that
+  /// stays an Index, and enough free pages.
+  void check_grow(SequenceId id, Index n, const char* op) const {
+    const Sequence& s = sequence(id, op);
+    APEX_CHECK(n >= 0, "[" << op << "] token count (" << n << ") must be >= 0");
+    checked_sum(s.length, n, op, "length + n");
+    const Index needed = pages_needed(s, n);
+    APEX_CHECK(needed <= free_pages(), "[" << op << "] the pool is full: appending " << n
+                                           << " tokens to sequence " << id << " needs " << needed
+                                           << " pages, " << free_pages() << " of " << num_pages()
+                                           << " are free");
+  }
+
+  /// Makes room for n tokens after the checks of check_grow have passed: copies a shared last
+  /// page (copy on write) and takes new pages. Returns the old length; the new tokens go to
+  /// positions [old, old + n), each at slot(id, position).
+  Index grow(SequenceId id, Index n, const char* op) {
+    Sequence& s = mutable_sequence(id, op);
+    if (n == 0) return s.length;
+    if (s.length % page_size_ != 0 && references(s.pages.back()) > 1) {
+      const Index from = s.pages.back();
+      const Index to = take();
+      for (auto& plane : planes_) {
+        for (Index h = 0; h < plane.heads(); ++h) plane.head(to, h) = plane.head(from, h);
+      }
+      release(from);
+      s.pages.back() = to;
+    }
+    while (static_cast<Index>(s.pages.size()) < pages_for(s.length + n)) s.pages.push_back(take());
+    const Index old = s.length;
+    s.length += n;
+    return old;
+  }
+
+  /// (page, row) of position p of a sequence (a held position).
+  std::pair<Index, Index> slot(const Sequence& s, Index position) const {
+    return {s.pages[static_cast<std::size_t>(position / page_size_)], position % page_size_};
+  }
+
+  /// The fraction of the rows of the pages in use that hold no token (a page holds as many
+  /// tokens as the longest of the sequences that share it has in it). 0 when no page is used.
+  double fragmentation() const {
+    if (pages_in_use() == 0) return 0.0;
+    std::vector<Index> filled(refs_.size(), 0);
+    for (const auto& [id, s] : sequences_) {
+      for (Index i = s.first_page; i < static_cast<Index>(s.pages.size()); ++i) {
+        const Index rows = std::min<Index>(page_size_, s.length - i * page_size_);
+        Index& f = filled[static_cast<std::size_t>(s.pages[static_cast<std::size_t>(i)])];
+        f = std::max(f, rows);
+      }
+    }
+    Index used = 0;
+    for (const Index f : filled) used += f;
+    return 1.0 - static_cast<double>(used) / static_cast<double>(pages_in_use() * page_size_);
+  }
+
+ private:
+  Index pages_for(Index tokens) const { return (tokens + page_size_ - 1) / page_size_; }
+
+  /// The pages a sequence still holds.
+  static std::vector<Index> held(const Sequence& s) {
+    return {s.pages.begin() + s.first_page, s.pages.end()};
+  }
+
+  Sequence& mutable_sequence(SequenceId id, const char* op) {
+    sequence(id, op);
+    return sequences_.find(id)->second;
+  }
+
+  Index take() {
+    const Index page = free_.back();
+    free_.pop_back();
+    refs_[static_cast<std::size_t>(page)] = 1;
+    return page;
+  }
+
+  void release(Index page) {
+    APEX_ASSERT(page >= 0 && refs_[static_cast<std::size_t>(page)] > 0);
+    if (--refs_[static_cast<std::size_t>(page)] == 0) free_.push_back(page);
+  }
+
+  std::vector<HeadsTensor<Storage>> planes_;
+  ResetOnMove<Index> page_size_;
+  std::vector<Index> refs_;  // references of every page
+  std::vector<Index> free_;  // pages with no reference, the next one taken last
+  std::map<SequenceId, Sequence> sequences_;
+  SequenceId next_id_ = 0;
+};
+
+}  // namespace detail
+
+/// The paged K/V cache of one multi-head or grouped-query attention layer (§7.4, §8.3) for many
+/// sequences: pools of K and V pages, [num_pages, H_kv, page_size, d_h] each, shared by every
+/// sequence through its block table (see the top of this header). Scalar is the type of the
+/// appended tokens, Storage the type held (Eigen::half or Eigen::bfloat16 halve the bytes; each
+/// element is rounded once as it is written). Memory: 2·num_pages·H_kv·page_size·d_h elements of
+/// Storage, allocated (zeroed) at construction, plus a block table per sequence.
+template <class Scalar, class Storage = Scalar>
+class PagedKvCache {
+ public:
+  /// The type of the appended tokens, and of the attention computed over them.
+  using ScalarType = Scalar;
+  /// The type of the cached elements.
+  using StorageType = Storage;
+
+  /// An empty cache: no pages (every add throws).
+  PagedKvCache() = default;
+  /// Allocates the pools. Throws unless every extent is >= 1 and the bytes fit in 64 bits.
+  explicit PagedKvCache(const PagedKvCacheShape& shape)
+      : pool_(shape.page_size, shape.num_pages,
+              {{shape.num_kv_heads, shape.head_dim}, {shape.num_kv_heads, shape.head_dim}},
+              "paged_kv_cache") {
+    detail::require_supported_scalar<Scalar>();
+  }
+
+  /// H_kv.
+  Index num_kv_heads() const { return pool_.num_pages() == 0 ? 0 : pool_.plane(0).heads(); }
+  /// d_h, the width of keys and values.
+  Index head_dim() const { return pool_.num_pages() == 0 ? 0 : pool_.plane(0).dim(); }
+  /// Width of a key as attention reads it: d_h.
+  Index key_dim() const { return head_dim(); }
+  /// Width of a value as attention reads it: d_h.
+  Index value_dim() const { return head_dim(); }
+  /// Tokens per page.
+  Index page_size() const { return pool_.page_size(); }
+  /// Pages of the pool.
+  Index num_pages() const { return pool_.num_pages(); }
+  /// Pages no sequence holds.
+  Index free_pages() const { return pool_.free_pages(); }
+  /// Pages some sequence holds (a shared page counts once).
+  Index pages_in_use() const { return pool_.pages_in_use(); }
+  /// How many sequences hold page p (0 <= p < num_pages()).
+  Index references(Index page) const { return pool_.references(page); }
+  /// Exact bytes of the pools: 2·num_pages·H_kv·page_size·d_h·sizeof(Storage).
+  std::int64_t bytes() const { return pool_.bytes(); }
+  /// The fraction of the rows of the pages in use that hold no token.
+  double fragmentation() const { return pool_.fragmentation(); }
+  /// Number of live sequences.
+  Index sequences() const { return static_cast<Index>(pool_.sequences().size()); }
+  /// Tokens of sequence id (positions [0, length)); throws unless it is live.
+  Index length(SequenceId id) const { return pool_.sequence(id, "paged_kv_cache").length; }
+  /// Absolute position of the first token still held (0 unless forget_before released pages).
+  Index first_position(SequenceId id) const {
+    return pool_.sequence(id, "paged_kv_cache").first_page * page_size();
+  }
+  /// The block table of sequence id: the page of positions [i·page, (i + 1)·page), or -1 for a
+  /// page forgotten by forget_before. Valid until the sequence changes.
+  const std::vector<Index>& block_table(SequenceId id) const {
+    return pool_.sequence(id, "paged_kv_cache").pages;
+  }
+
+  /// Adds an empty sequence and returns its id. Throws on an empty cache.
+  SequenceId add() { return pool_.add("paged_kv_cache"); }
+  /// Adds a sequence holding the tokens of `id` in the same pages (copy on write; see the top
+  /// of this header) and returns its id. Throws unless `id` is live.
+  SequenceId fork(SequenceId id) { return pool_.fork(id, "paged_kv_cache"); }
+  /// Frees sequence `id` (its id is then invalid). Throws unless it is live.
+  void free(SequenceId id) { pool_.free(id, "paged_kv_cache"); }
+  /// Keeps the first new_length tokens of `id`, first_position(id) <= new_length <= length(id).
+  void truncate(SequenceId id, Index new_length) {
+    pool_.truncate(id, new_length, "paged_kv_cache");
+  }
+  /// Releases the pages of `id` that hold only positions before `position` (0 <= position <=
+  /// length(id)): for a sliding window of W, position = length − W + 1 before the next token
+  /// (no later query sees them).
+  void forget_before(SequenceId id, Index position) {
+    pool_.forget_before(id, position, "paged_kv_cache");
+  }
+
+  /// Appends n tokens to sequence id, at positions [length, length + n): k, v [1, H_kv, n, d_h]
+  /// views of any layout. Checks everything first (a live id, the shapes, room in the pool) and
+  /// changes nothing when one fails; k and v must not overlap the pools. Allocates only the
+  /// block table's growth.
+  void append(SequenceId id, const ConstHeadsView<Scalar>& k, const ConstHeadsView<Scalar>& v) {
+    check_append(id, k, v);
+    const Index first = pool_.grow(id, k.seq(), "paged_kv_cache");
+    const auto& s = pool_.sequence(id, "paged_kv_cache");
+    for (Index t = 0; t < k.seq(); ++t) {
+      const auto [page, row] = pool_.slot(s, first + t);
+      for (Index h = 0; h < k.heads(); ++h) {
+        pool_.plane(0).head(page, h).row(row) = k.head(0, h).row(t).template cast<Storage>();
+        pool_.plane(1).head(page, h).row(row) = v.head(0, h).row(t).template cast<Storage>();
+      }
+    }
+  }
+
+  /// Everything append checks, without appending.
+  void check_append(SequenceId id, const ConstHeadsView<Scalar>& k,
+                    const ConstHeadsView<Scalar>& v) const {
+    const char* op = "paged_kv_cache";
+    pool_.sequence(id, op);
+    const HeadsShape want{1, num_kv_heads(), k.seq(), head_dim()};
+    APEX_CHECK(k.shape() == want && v.shape() == want,
+               "[" << op << "] k and v must be [1, H_kv, n, d_h] = [1, " << num_kv_heads() << ", "
+                   << k.seq() << ", " << head_dim() << "]; got k [" << k.batch() << ", "
+                   << k.heads() << ", " << k.seq() << ", " << k.dim() << "], v [" << v.batch()
+                   << ", " << v.heads() << ", " << v.seq() << ", " << v.dim() << "]");
+    for (std::size_t p = 0; p < 2; ++p) {
+      const auto pool = detail::byte_range(pool_.plane(p));
+      APEX_CHECK(!pool.overlaps(detail::byte_range(k)) && !pool.overlaps(detail::byte_range(v)),
+                 "[" << op << "] k and v must not overlap the cache");
+    }
+    pool_.check_grow(id, k.seq(), op);
+  }
+
+  /// The keys of sequence id as a paged key segment of the kernel (its held positions), valid
+  /// until the sequence changes.
+  detail::KeySegment<Storage, Storage> segment(SequenceId id) const {
+    const auto& s = pool_.sequence(id, "paged_kv_cache");
+    const Index first = s.first_page * page_size();
+    return {pool_.plane(0), pool_.plane(1), first, s.pages.data() + s.first_page, s.length - first};
+  }
+
+ private:
+  detail::PagePool<Storage> pool_;
+};
+
+/// The paged cache of one multi-head latent attention layer (§9.4) for many sequences: per
+/// token one row [c_kv ‖ K_rope] of d_kv + H_kr·d_r values (LatentCache's row), in a pool
+/// [num_pages, 1, page_size, d_kv + H_kr·d_r] shared through block tables. Attention reads it as
+/// absorbed MLA does (mla.hpp): the keys are whole rows, the values their first d_kv columns, one
+/// key/value head. Scalar and Storage as for PagedKvCache. Memory: num_pages·page_size·(d_kv +
+/// H_kr·d_r) elements of Storage, allocated (zeroed) at construction, plus a block table per
+/// sequence.
+template <class Scalar, class Storage = Scalar>
+class PagedLatentCache {
+ public:
+  /// The type of the appended rows, and of the attention computed over them.
+  using ScalarType = Scalar;
+  /// The type of the cached elements.
+  using StorageType = Storage;
+
+  /// An empty cache: no pages (every add throws).
+  PagedLatentCache() = default;
+  /// Allocates the pool. Throws unless every extent is >= 1, rope_dim is even and the bytes fit
+  /// in 64 bits.
+  explicit PagedLatentCache(const PagedLatentCacheShape& shape)
+      : pool_(shape.page_size, shape.num_pages, {{1, row_width(shape)}}, "paged_latent_cache"),
+        latent_dim_(shape.latent_dim) {
+    detail::require_supported_scalar<Scalar>();
+  }
+
+  /// d_kv: the first d_kv values of every row, and the width of a value.
+  Index latent_dim() const { return latent_dim_; }
+  /// d_kv + H_kr·d_r: the values cached per token, and the width of a key.
+  Index row_dim() const { return pool_.num_pages() == 0 ? 0 : pool_.plane(0).dim(); }
+  /// One key/value head (the latent is shared by every query head).
+  Index num_kv_heads() const { return pool_.num_pages() == 0 ? 0 : 1; }
+  /// Width of a key as attention reads it: d_kv + H_kr·d_r.
+  Index key_dim() const { return row_dim(); }
+  /// Width of a value as attention reads it: d_kv.
+  Index value_dim() const { return latent_dim(); }
+  /// Tokens per page.
+  Index page_size() const { return pool_.page_size(); }
+  /// Pages of the pool.
+  Index num_pages() const { return pool_.num_pages(); }
+  /// Pages no sequence holds.
+  Index free_pages() const { return pool_.free_pages(); }
+  /// Pages some sequence holds (a shared page counts once).
+  Index pages_in_use() const { return pool_.pages_in_use(); }
+  /// How many sequences hold page p (0 <= p < num_pages()).
+  Index references(Index page) const { return pool_.references(page); }
+  /// Exact bytes of the pool: num_pages·page_size·(d_kv + H_kr·d_r)·sizeof(Storage).
+  std::int64_t bytes() const { return pool_.bytes(); }
+  /// The fraction of the rows of the pages in use that hold no token.
+  double fragmentation() const { return pool_.fragmentation(); }
+  /// Number of live sequences.
+  Index sequences() const { return static_cast<Index>(pool_.sequences().size()); }
+  /// Tokens of sequence id; throws unless it is live.
+  Index length(SequenceId id) const { return pool_.sequence(id, kOp).length; }
+  /// Absolute position of the first token still held.
+  Index first_position(SequenceId id) const {
+    return pool_.sequence(id, kOp).first_page * page_size();
+  }
+  /// The block table of sequence id (-1: a forgotten page). Valid until the sequence changes.
+  const std::vector<Index>& block_table(SequenceId id) const {
+    return pool_.sequence(id, kOp).pages;
+  }
+
+  /// Adds an empty sequence and returns its id. Throws on an empty cache.
+  SequenceId add() { return pool_.add(kOp); }
+  /// Adds a sequence sharing the pages of `id` (copy on write) and returns its id.
+  SequenceId fork(SequenceId id) { return pool_.fork(id, kOp); }
+  /// Frees sequence `id` (its id is then invalid).
+  void free(SequenceId id) { pool_.free(id, kOp); }
+  /// Keeps the first new_length tokens of `id`, first_position(id) <= new_length <= length(id).
+  void truncate(SequenceId id, Index new_length) { pool_.truncate(id, new_length, kOp); }
+  /// Releases the pages of `id` that hold only positions before `position`.
+  void forget_before(SequenceId id, Index position) { pool_.forget_before(id, position, kOp); }
+
+  /// Appends n tokens from their rows [n, d_kv + H_kr·d_r] = [c_kv ‖ K_rope] (the layout of
+  /// LatentCache::rows()). Checks everything first and changes nothing when one fails.
+  void append(SequenceId id, const ConstRowRef<Scalar>& rows) {
+    pool_.sequence(id, kOp);
+    APEX_CHECK(rows.cols() == row_dim(),
+               "[" << kOp << "] rows have " << rows.cols()
+                   << " columns; expected d_kv + H_kr·d_r = " << row_dim());
+    pool_.check_grow(id, rows.rows(), kOp);
+    const Index first = pool_.grow(id, rows.rows(), kOp);
+    const auto& s = pool_.sequence(id, kOp);
+    for (Index t = 0; t < rows.rows(); ++t) {
+      const auto [page, row] = pool_.slot(s, first + t);
+      pool_.plane(0).head(page, 0).row(row) = rows.row(t).template cast<Storage>();
+    }
+  }
+
+  /// The rows of sequence id as a paged key segment of the kernel: keys the whole rows, values
+  /// their first d_kv columns. Valid until the sequence changes.
+  detail::KeySegment<Storage, Storage> segment(SequenceId id) const {
+    const auto& s = pool_.sequence(id, kOp);
+    const Index first = s.first_page * page_size();
+    const HeadsView<const Storage> rows = pool_.plane(0);
+    HeadsShape latent = rows.shape();
+    latent.dim = latent_dim_;
+    return {rows, HeadsView<const Storage>(rows.data(), latent, rows.strides()), first,
+            s.pages.data() + s.first_page, s.length - first};
+  }
+
+ private:
+  static constexpr const char* kOp = "paged_latent_cache";
+
+  static Index row_width(const PagedLatentCacheShape& shape) {
+    APEX_CHECK(shape.latent_dim >= 1 && shape.rope_heads >= 1 && shape.rope_dim >= 1 &&
+                   shape.rope_dim % 2 == 0,
+               "[" << kOp << "] latent_dim (" << shape.latent_dim << ") and rope_heads ("
+                   << shape.rope_heads << ") must be >= 1 and rope_dim (" << shape.rope_dim
+                   << ") even and >= 2");
+    return shape.latent_dim +
+           detail::checked_product(shape.rope_heads, shape.rope_dim, kOp, "H_kr·d_r");
+  }
+
+  detail::PagePool<Storage> pool_;
+  detail::ResetOnMove<Index> latent_dim_;
+};
+
+namespace detail {
+
+/// Throws unless `rule` leaves the positions to the cache (no query_offset, key_offset 0).
+inline void check_cache_rule(const PositionMask& rule, Index i, const char* op) {
+  APEX_CHECK(!rule.query_offset && rule.key_offset == 0,
+             "[" << op << "] rules[" << i
+                 << "] sets query_offset or key_offset; over a paged cache "
+                 << "the positions are the sequence's own (its queries are its last S_q tokens)");
+}
+
+}  // namespace detail
+
+/// Attention of many sequences of a paged cache (PagedKvCache, or PagedLatentCache for absorbed
+/// MLA), each over its own held tokens, read through its block table (§6.2, §8.2 per sequence):
+/// the queries of sequence ids[i] are rows [cu_seqlens_q[i], cu_seqlens_q[i + 1]) of q and are
+/// its last S_q tokens, already appended (so a decoding step is: append each sequence's new
+/// token, then one sdpa_paged over all of them). rules[i] (or rules[0] for all) is applied on
+/// the sequence's absolute positions; its query_offset and key_offset must be unset: the cache
+/// gives them. Equals sdpa over the same tokens stored contiguously, bit for bit (except with
+/// APEX_EIGEN_PUBLIC_ONLY: to rounding), for any number of threads.
+///   q: [1, H_q, total_q, d_qk] (d_qk = cache.key_dim(); H_q a multiple of cache.num_kv_heads())
+///   -> out: [1, H_q, total_q, d_v] (d_v = cache.value_dim()), lse (optional): [1, H_q, total_q,
+///   1].
+/// Every check runs first (offsets, live ids, S_q <= the sequence's length, each rule, shapes,
+/// outputs that must not share memory with q or the pool) and a failed call changes nothing.
+/// Allocates a few records per sequence; scratch as for sdpa_varlen. An id may appear more than
+/// once.
+template <class Q, class Cache, class TO>
+void sdpa_paged(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q, const Cache& cache,
+                const std::vector<SequenceId>& ids, const std::vector<PositionMask>& rules,
+                const SdpaParams& params, const HeadsView<TO>& out, const HeadsView<TO>& lse = {}) {
+  using TQ = std::remove_const_t<Q>;
+  using Storage = typename Cache::StorageType;
+  const char* op = "sdpa_paged";
+  const auto n = static_cast<Index>(ids.size());
+  APEX_CHECK(q.batch() == 1, "[" << op << "] q batch (" << q.batch()
+                                 << ") must be 1: the sequences are packed along the rows");
+  const HeadsView<const Storage> k_shape(nullptr, {1, cache.num_kv_heads(), 0, cache.key_dim()},
+                                         {});
+  const HeadsView<const Storage> v_shape(nullptr, {1, cache.num_kv_heads(), 0, cache.value_dim()},
+                                         {});
+  detail::check_sdpa(q, k_shape, v_shape, AttentionMask<TO>{}, params, out, lse, op);
+  detail::check_offsets(cu_seqlens_q, n, q.seq(), op, "cu_seqlens_q");
+  APEX_CHECK(rules.size() == 1 || static_cast<Index>(rules.size()) == n,
+             "[" << op << "] rules holds " << rules.size()
+                 << " position masks; expected 1 (shared) or one per sequence (" << n << ")");
+  std::vector<detail::SequenceViews<TQ, Storage, Storage, TO>> sequences(
+      static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i) {
+    const auto at = static_cast<std::size_t>(i);
+    const Index q0 = cu_seqlens_q[at], nq = cu_seqlens_q[at + 1] - q0;
+    const Index length = cache.length(ids[at]);
+    APEX_CHECK(nq <= length, "[" << op << "] sequence " << ids[at] << " has " << nq
+                                 << " queries but holds " << length
+                                 << " tokens; its queries must be its last tokens");
+    PositionMask rule = rules[rules.size() == 1 ? 0 : at];
+    detail::check_cache_rule(rule, rules.size() == 1 ? 0 : i, op);
+    const auto keys = cache.segment(ids[at]);
+    rule.key_offset = keys.first_position;
+    detail::check_sequence_rule(rule, nq, keys.size(), "sequence", ids[at], op);
+    if (i == 0) detail::check_no_overlap(HeadsView<const TQ>(q), keys.k, keys.v, out, lse, op);
+    sequences[at] = {q.middle_rows(q0, nq), keys, rule, out.middle_rows(q0, nq),
+                     lse.empty() ? HeadsView<TO>() : lse.middle_rows(q0, nq)};
+  }
+  detail::attend_sequences(sequences, params, {});
+}
+
+}  // namespace apex

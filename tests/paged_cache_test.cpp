@@ -1,0 +1,370 @@
+// SPDX-License-Identifier: MIT
+// Tests of include/apex/paged_cache.hpp: the page bookkeeping (sharing, copy on write, release,
+// no leak), and attention through block tables (sdpa_paged), which must equal apex::sdpa over the
+// same tokens stored contiguously bit for bit (the kernel's key blocks are the same), and so the
+// plain loops that sdpa is tested against. A shadow model keeps every sequence's tokens in plain
+// matrices.
+#include <apex/mask.hpp>
+#include <apex/paged_cache.hpp>
+#include <apex/sdpa.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attention_case.hpp"
+#include "reference/attention.hpp"
+#include "test_util.hpp"
+#include "tolerances.hpp"
+
+namespace {
+
+using apex::Index;
+using apex::PositionMask;
+using apex::RowMatrix;
+using apex::SequenceId;
+using apex::testing::Heads;
+
+constexpr Index kHeads = 2;  // H_kv
+constexpr Index kDim = 16;   // d_h
+
+/// A sequence's tokens as the shadow model keeps them: K and V, [H_kv, tokens, d_h].
+struct Tokens {
+  std::vector<RowMatrix<float>> k =
+      std::vector<RowMatrix<float>>(kHeads, RowMatrix<float>(0, kDim));
+  std::vector<RowMatrix<float>> v =
+      std::vector<RowMatrix<float>>(kHeads, RowMatrix<float>(0, kDim));
+  Index length() const { return k[0].rows(); }
+};
+
+/// Appends n random tokens to sequence id of the cache and of the shadow.
+void append_random(apex::PagedKvCache<float>& cache, std::map<SequenceId, Tokens>& shadow,
+                   SequenceId id, Index n, std::mt19937& rng) {
+  Heads<float> k(1, kHeads, n, kDim), v(1, kHeads, n, kDim);
+  k.randomize(rng);
+  v.randomize(rng);
+  cache.append(id, k.view(), v.view());
+  Tokens& t = shadow[id];
+  const Index old = t.length();
+  for (Index h = 0; h < kHeads; ++h) {
+    t.k[std::size_t(h)].conservativeResize(old + n, kDim);
+    t.v[std::size_t(h)].conservativeResize(old + n, kDim);
+    t.k[std::size_t(h)].bottomRows(n) = k.view().head(0, h);
+    t.v[std::size_t(h)].bottomRows(n) = v.view().head(0, h);
+  }
+}
+
+/// Tokens [first, length) of a shadow sequence as contiguous [1, H_kv, n, d_h] K and V.
+std::pair<Heads<float>, Heads<float>> contiguous(const Tokens& t, Index first) {
+  const Index n = t.length() - first;
+  Heads<float> k(1, kHeads, n, kDim), v(1, kHeads, n, kDim);
+  for (Index h = 0; h < kHeads; ++h) {
+    k.head_map(0, h) = t.k[std::size_t(h)].bottomRows(n);
+    v.head_map(0, h) = t.v[std::size_t(h)].bottomRows(n);
+  }
+  return {std::move(k), std::move(v)};
+}
+
+/// sdpa over the shadow's held tokens, for queries that are the sequence's last S_q tokens.
+Heads<float> contiguous_attention(const Tokens& t, Index first, const Heads<float>& q,
+                                  PositionMask rule) {
+  const auto [k, v] = contiguous(t, first);
+  Heads<float> out(1, q.heads(), q.seq(), kDim);
+  rule.key_offset = first;
+  apex::sdpa(q.view(), k.view(), v.view(), apex::AttentionMask<float>{rule, {}, {}},
+             apex::SdpaParams{}, out.view());
+  return out;
+}
+
+void expect_same_bits(const Heads<float>& a, const Heads<float>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t e = 0; e < a.size(); ++e) ASSERT_EQ(a.at(e), b.at(e)) << "element " << e;
+}
+
+/// Every live sequence: sdpa_paged of its last S_q tokens (all sequences in one call) equals
+/// sdpa over its held tokens stored contiguously, bit for bit.
+void expect_attention_matches(const apex::PagedKvCache<float>& cache,
+                              const std::map<SequenceId, Tokens>& shadow, const PositionMask& rule,
+                              std::mt19937& rng) {
+  std::vector<SequenceId> ids;
+  std::vector<Index> cu{0};
+  for (const auto& [id, t] : shadow) {
+    ids.push_back(id);
+    cu.push_back(cu.back() + std::min<Index>(t.length(), 1 + id % 3));
+  }
+  const Index q_heads = 2 * kHeads;
+  Heads<float> q(1, q_heads, cu.back(), kDim, apex::testing::Layout::kTokenMajor);
+  Heads<float> out(1, q_heads, cu.back(), kDim, apex::testing::Layout::kTokenMajor);
+  q.randomize(rng);
+  apex::sdpa_paged(q.view(), cu, cache, ids, {rule}, apex::SdpaParams{}, out.view());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    SCOPED_TRACE("sequence " + std::to_string(ids[i]));
+    const Index nq = cu[i + 1] - cu[i];
+    Heads<float> qi(1, q_heads, nq, kDim), mine(1, q_heads, nq, kDim);
+    for (Index h = 0; h < q_heads; ++h) {
+      qi.head_map(0, h) = q.view().head(0, h).middleRows(cu[i], nq);
+      mine.head_map(0, h) = out.view().head(0, h).middleRows(cu[i], nq);
+    }
+    const Heads<float> expected =
+        contiguous_attention(shadow.at(ids[i]), cache.first_position(ids[i]), qi, rule);
+    expect_same_bits(mine, expected);
+  }
+}
+
+/// Random histories of add / append / fork / truncate / free for random page sizes: attention
+/// through the block tables equals contiguous attention after every few operations, the block
+/// counts follow the sharing, and no page is left once every sequence is freed.
+TEST(PagedKvCache, RandomHistoriesEqualContiguousAttention) {
+  std::mt19937 rng(17);
+  for (const Index page : {1, 3, 8, 16, 64}) {
+    SCOPED_TRACE("page size " + std::to_string(page));
+    apex::PagedKvCache<float> cache({kHeads, kDim, page, 4000 / page + 8});
+    std::map<SequenceId, Tokens> shadow;
+    std::uniform_int_distribution<int> op(0, 9);
+    for (int step = 0; step < 60; ++step) {
+      const int what = shadow.empty() ? 0 : op(rng);
+      auto pick = [&] {
+        auto it = shadow.begin();
+        std::advance(it, std::uniform_int_distribution<std::size_t>(0, shadow.size() - 1)(rng));
+        return it->first;
+      };
+      if (what == 0 || shadow.size() < 2) {
+        const SequenceId id = cache.add();
+        shadow[id];
+        append_random(cache, shadow, id, std::uniform_int_distribution<Index>(1, 90)(rng), rng);
+      } else if (what <= 4) {
+        const SequenceId id = pick();
+        if (cache.free_pages() > 20) append_random(cache, shadow, id, 1 + step % 7, rng);
+      } else if (what <= 6) {
+        const SequenceId from = pick();
+        const Index in_use = cache.pages_in_use();
+        const SequenceId id = cache.fork(from);
+        EXPECT_EQ(cache.pages_in_use(), in_use) << "a fork copies no page";
+        EXPECT_EQ(cache.block_table(id), cache.block_table(from));
+        shadow[id] = shadow[from];
+      } else if (what == 7) {
+        const SequenceId id = pick();
+        const Index length = std::uniform_int_distribution<Index>(0, shadow[id].length())(rng);
+        cache.truncate(id, length);
+        for (Index h = 0; h < kHeads; ++h) {
+          shadow[id].k[std::size_t(h)].conservativeResize(length, kDim);
+          shadow[id].v[std::size_t(h)].conservativeResize(length, kDim);
+        }
+      } else if (shadow.size() > 2) {
+        const SequenceId id = pick();
+        cache.free(id);
+        shadow.erase(id);
+      }
+      if (step % 6 == 5) {
+        for (auto it = shadow.begin(); it != shadow.end();) {  // attention needs a token
+          if (it->second.length() == 0) {
+            cache.free(it->first);
+            it = shadow.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        if (!shadow.empty()) expect_attention_matches(cache, shadow, apex::causal_mask(), rng);
+      }
+    }
+    for (const auto& [id, t] : shadow) {
+      EXPECT_EQ(cache.length(id), t.length());
+      cache.free(id);
+    }
+    EXPECT_EQ(cache.free_pages(), cache.num_pages()) << "a page leaked";
+    EXPECT_EQ(cache.sequences(), 0);
+  }
+}
+
+/// A fork shares every page; the first append to either side copies the shared, partly filled
+/// last page (and only it), and the other side's tokens and attention are unchanged.
+TEST(PagedKvCache, ForkSharesPagesAndCopiesOnWrite) {
+  std::mt19937 rng(4);
+  apex::PagedKvCache<float> cache({kHeads, kDim, 8, 16});
+  std::map<SequenceId, Tokens> shadow;
+  const SequenceId a = cache.add();
+  append_random(cache, shadow, a, 20, rng);  // pages: 8 + 8 + 4
+  EXPECT_EQ(cache.pages_in_use(), 3);
+  EXPECT_DOUBLE_EQ(cache.fragmentation(), 4.0 / 24.0);
+  const SequenceId b = cache.fork(a);
+  shadow[b] = shadow[a];
+  EXPECT_EQ(cache.pages_in_use(), 3);
+  for (const Index page : cache.block_table(a)) EXPECT_EQ(cache.references(page), 2);
+  append_random(cache, shadow, b, 1, rng);
+  EXPECT_EQ(cache.pages_in_use(), 4) << "the shared last page is copied once";
+  EXPECT_EQ(cache.block_table(a)[0], cache.block_table(b)[0]);
+  EXPECT_EQ(cache.block_table(a)[1], cache.block_table(b)[1]);
+  EXPECT_NE(cache.block_table(a)[2], cache.block_table(b)[2]);
+  EXPECT_EQ(cache.references(cache.block_table(a)[2]), 1);
+  append_random(cache, shadow, a, 4, rng);  // a's last page is its own now: written in place
+  EXPECT_EQ(cache.pages_in_use(), 4);
+  expect_attention_matches(cache, shadow, apex::causal_mask(), rng);
+  cache.free(a);
+  EXPECT_EQ(cache.pages_in_use(), 3);
+  cache.free(b);
+  EXPECT_EQ(cache.free_pages(), 16);
+  EXPECT_DOUBLE_EQ(cache.fragmentation(), 0.0);
+}
+
+/// A sliding window over a long history keeps O(W) pages when the pages before the window are
+/// forgotten after every token; attention with the window equals sdpa over the held tokens bit
+/// for bit, and sdpa over the whole history to rounding (different key blocks).
+TEST(PagedKvCache, ForgottenPagesKeepAWindowSmall) {
+  std::mt19937 rng(8);
+  const Index page = 16, window = 100;
+  apex::PagedKvCache<float> cache({kHeads, kDim, page, 12});
+  std::map<SequenceId, Tokens> shadow;
+  const SequenceId id = cache.add();
+  append_random(cache, shadow, id, 50, rng);
+  for (int t = 0; t < 900; ++t) {
+    cache.forget_before(id, cache.length(id) - window + 1 > 0 ? cache.length(id) - window + 1 : 0);
+    append_random(cache, shadow, id, 1, rng);
+    ASSERT_LE(cache.pages_in_use(), (window + 2 * page - 2) / page + 1);
+  }
+  EXPECT_GT(cache.first_position(id), 0);
+  EXPECT_EQ(cache.block_table(id)[0], -1);
+  const PositionMask rule = apex::sliding_window_mask(window);
+  expect_attention_matches(cache, shadow, rule, rng);
+  Heads<float> q(1, 2 * kHeads, 1, kDim), out(1, 2 * kHeads, 1, kDim);
+  q.randomize(rng);
+  apex::sdpa_paged(q.view(), {0, 1}, cache, {id}, {rule}, apex::SdpaParams{}, out.view());
+  const Heads<float> whole = contiguous_attention(shadow[id], 0, q, rule);
+  for (std::size_t e = 0; e < out.size(); ++e) {
+    EXPECT_NEAR(out.at(e), whole.at(e), apex::testing::Tolerances<float>::kAttention);
+  }
+}
+
+/// Decoding many sequences in one call (one query each, lengths from 1 to 3000, some split
+/// into key chunks) equals one call per sequence, and each the plain loops.
+TEST(PagedKvCache, BatchedDecodingEqualsOneCallPerSequence) {
+  std::mt19937 rng(6);
+  apex::PagedKvCache<float> cache({kHeads, kDim, 32, 400});
+  std::map<SequenceId, Tokens> shadow;
+  std::vector<SequenceId> ids;
+  for (const Index length : {1, 3000, 17, 1200, 64, 2500}) {
+    ids.push_back(cache.add());
+    append_random(cache, shadow, ids.back(), length, rng);
+  }
+  const Index q_heads = 2 * kHeads;
+  std::vector<Index> cu;
+  for (std::size_t i = 0; i <= ids.size(); ++i) cu.push_back(Index(i));
+  Heads<float> q(1, q_heads, Index(ids.size()), kDim, apex::testing::Layout::kTokenMajor);
+  Heads<float> out(1, q_heads, Index(ids.size()), kDim, apex::testing::Layout::kTokenMajor);
+  q.randomize(rng);
+  apex::sdpa_paged(q.view(), cu, cache, ids, {apex::causal_mask()}, apex::SdpaParams{}, out.view());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    Heads<float> one(1, q_heads, 1, kDim);
+    apex::sdpa_paged(q.view().middle_rows(Index(i), 1), {0, 1}, cache, {ids[i]},
+                     {apex::causal_mask()}, apex::SdpaParams{}, one.view());
+    const Tokens& t = shadow[ids[i]];
+    for (Index h = 0; h < q_heads; ++h) {
+      EXPECT_TRUE(out.view().head(0, h).row(Index(i)) == one.view().head(0, h).row(0));
+      const Index kv = apex_test::kv_head_of(h, q_heads, kHeads);
+      const auto ref = apex_test::attention(
+          q.head(0, h).row(Index(i)), t.k[std::size_t(kv)].cast<double>(),
+          t.v[std::size_t(kv)].cast<double>(), [](Index, Index) { return true; }, nullptr,
+          1.0 / std::sqrt(double(kDim)), 0.0);
+      EXPECT_LE((one.head(0, h) - ref.out).cwiseAbs().maxCoeff(),
+                apex::testing::Tolerances<float>::kAttention);
+    }
+  }
+}
+
+/// The latent cache of absorbed MLA: keys are whole rows [c_kv ‖ K_rope], values their first
+/// d_kv columns; equals sdpa over the same rows stored contiguously, bit for bit.
+TEST(PagedLatentCache, AttentionEqualsContiguousRows) {
+  std::mt19937 rng(12);
+  const Index d_kv = 24, rope_heads = 1, rope_dim = 8, width = d_kv + rope_heads * rope_dim;
+  apex::PagedLatentCache<float> cache({d_kv, rope_heads, rope_dim, 16, 64});
+  EXPECT_EQ(cache.bytes(), std::int64_t(64 * 16 * width * 4));
+  const SequenceId a = cache.add();
+  const RowMatrix<float> rows = apex::testing::random_matrix<float>(300, width, rng);
+  cache.append(a, rows.topRows(200));
+  const SequenceId b = cache.fork(a);
+  cache.append(a, rows.bottomRows(100));
+  cache.append(b, rows.bottomRows(5));
+  const Index q_heads = 4;
+  Heads<float> q(1, q_heads, 2, width), out(1, q_heads, 2, d_kv);
+  q.randomize(rng);
+  apex::sdpa_paged(q.view(), {0, 1, 2}, cache, {a, b}, {apex::causal_mask()}, apex::SdpaParams{},
+                   out.view());
+  for (const auto& [id, n, row] :
+       {std::tuple{a, Index(300), Index(0)}, std::tuple{b, Index(205), Index(1)}}) {
+    RowMatrix<float> held(n, width);
+    held << rows.topRows(200), (id == a ? rows.bottomRows(100) : rows.bottomRows(5));
+    const auto k = apex::HeadsView<const float>(held.data(), {1, 1, n, width}, {0, 0, width});
+    const auto v = apex::HeadsView<const float>(held.data(), {1, 1, n, d_kv}, {0, 0, width});
+    Heads<float> one(1, q_heads, 1, d_kv);
+    apex::sdpa(q.view().middle_rows(row, 1), k, v,
+               apex::AttentionMask<float>{apex::causal_mask(), {}, {}}, apex::SdpaParams{},
+               one.view());
+    for (Index h = 0; h < q_heads; ++h) {
+      EXPECT_TRUE(out.view().head(0, h).row(row) == one.view().head(0, h).row(0)) << "seq " << id;
+    }
+  }
+}
+
+/// Bad input: a clear std::invalid_argument, and nothing changes.
+TEST(PagedKvCache, RejectsBadInputAndChangesNothing) {
+  std::mt19937 rng(1);
+  apex::PagedKvCache<float> cache({kHeads, kDim, 4, 3});
+  std::map<SequenceId, Tokens> shadow;
+  const SequenceId a = cache.add();
+  append_random(cache, shadow, a, 10, rng);  // 3 pages: the pool is full
+  const SequenceId gone = cache.add();
+  cache.free(gone);
+  Heads<float> k(1, kHeads, 3, kDim), v(1, kHeads, 3, kDim);
+  using apex::testing::expect_invalid;
+  expect_invalid([&] { cache.append(a, k.view(), v.view()); },
+                 {"[paged_kv_cache] the pool is full", "needs 1 pages, 0 of 3 are free"});
+  EXPECT_EQ(cache.length(a), 10);
+  expect_invalid([&] { cache.append(gone, k.view(), v.view()); },
+                 {"sequence " + std::to_string(gone), "does not exist"});
+  expect_invalid([&] { cache.fork(gone); }, "does not exist (never added, or freed)");
+  expect_invalid([&] { cache.free(gone); }, "does not exist");
+  expect_invalid([&] { cache.length(99); }, "sequence 99 does not exist");
+  Heads<float> wide(1, kHeads, 1, kDim + 1);
+  expect_invalid([&] { cache.append(a, wide.view(), wide.view()); }, "[1, H_kv, n, d_h]");
+  expect_invalid([&] { cache.truncate(a, 11); }, "new length (11) must be in [0, 10]");
+  expect_invalid([&] { cache.forget_before(a, -1); }, "position (-1) must be in [0, 10]");
+  EXPECT_EQ(cache.pages_in_use(), 3);
+
+  Heads<float> q(1, 2 * kHeads, 2, kDim), out(1, 2 * kHeads, 2, kDim);
+  out.fill(float(apex::testing::kSentinel));
+  const auto attend = [&](const std::vector<Index>& cu, const std::vector<SequenceId>& ids,
+                          const PositionMask& rule) {
+    return [&, cu, ids, rule] {
+      apex::sdpa_paged(q.view(), cu, cache, ids, {rule}, apex::SdpaParams{}, out.view());
+    };
+  };
+  expect_invalid(attend({0, 2}, {gone}, apex::causal_mask()), "does not exist");
+  expect_invalid(attend({0, 1}, {a}, apex::causal_mask()), "cu_seqlens_q ends at 1");
+  expect_invalid(attend({1, 2}, {a}, apex::causal_mask()), "cu_seqlens_q[0] (1) must be 0");
+  PositionMask offset = apex::causal_mask();
+  offset.query_offset = 0;
+  expect_invalid(attend({0, 2}, {a}, offset), "sets query_offset or key_offset");
+  const SequenceId short_one = [&] {
+    apex::PagedKvCache<float>& c = cache;
+    c.truncate(a, 1);
+    return a;
+  }();
+  expect_invalid(attend({0, 2}, {short_one}, apex::causal_mask()),
+                 "has 2 queries but holds 1 tokens");
+  EXPECT_TRUE(out.all_equal(float(apex::testing::kSentinel)));
+
+  apex::PagedKvCache<float> moved = std::move(cache);
+  EXPECT_EQ(cache.num_pages(), 0);  // NOLINT(bugprone-use-after-move): moved-from is empty
+  EXPECT_EQ(cache.sequences(), 0);  // NOLINT(bugprone-use-after-move)
+  expect_invalid([&] { cache.add(); }, "the cache is empty");  // NOLINT(bugprone-use-after-move)
+  EXPECT_EQ(moved.length(a), 1);
+  expect_invalid([] { apex::PagedKvCache<float>({kHeads, kDim, 0, 4}); }, "page_size (0)");
+  expect_invalid([] { apex::PagedLatentCache<float>({8, 1, 3, 4, 4}); }, "rope_dim (3)");
+}
+
+}  // namespace
