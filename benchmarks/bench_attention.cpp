@@ -71,20 +71,13 @@ auto user_causal_rule() {
                          });
 }
 
-/// The document ids of kDocuments documents of random lengths (15 cut points drawn uniformly,
-/// fixed seed) packed into S positions.
+/// The document ids of kDocuments documents of random lengths (apex::bench::random_lengths,
+/// seed 16: the sequences of BM_Varlen) packed into S positions.
 std::vector<Index> random_documents(Index s) {
-  std::mt19937_64 rng(16);
-  std::vector<Index> cuts{0, s};
-  std::uniform_int_distribution<Index> cut(1, s - 1);
-  while (static_cast<Index>(cuts.size()) < kDocuments + 1) {
-    const Index c = cut(rng);
-    if (std::find(cuts.begin(), cuts.end(), c) == cuts.end()) cuts.push_back(c);
-  }
-  std::sort(cuts.begin(), cuts.end());
-  std::vector<Index> ids(static_cast<std::size_t>(s));
-  for (std::size_t d = 0; d + 1 < cuts.size(); ++d) {
-    std::fill(ids.begin() + cuts[d], ids.begin() + cuts[d + 1], static_cast<Index>(d));
+  std::vector<Index> ids;
+  Index id = 0;
+  for (const Index length : apex::bench::random_lengths(s, kDocuments, 16)) {
+    ids.insert(ids.end(), static_cast<std::size_t>(length), id++);
   }
   return ids;
 }

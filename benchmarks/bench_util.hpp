@@ -6,8 +6,10 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
+#include <vector>
 
 namespace apex::bench {
 
@@ -44,6 +46,22 @@ Vector<Scalar> random_vector(Index n, std::uint64_t seed = 1, double lo = -1.0, 
   Vector<Scalar> v(n);
   for (Index i = 0; i < n; ++i) v(i) = static_cast<Scalar>(dist(rng));
   return v;
+}
+
+/// `count` lengths >= 1 that sum to `total` (>= count): the gaps between count − 1 distinct
+/// cut points drawn uniformly from [1, total), the same for the same seed.
+inline std::vector<Index> random_lengths(Index total, Index count, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<Index> cuts{0, total};
+  std::uniform_int_distribution<Index> cut(1, total - 1);
+  while (static_cast<Index>(cuts.size()) < count + 1) {
+    const Index c = cut(rng);
+    if (std::find(cuts.begin(), cuts.end(), c) == cuts.end()) cuts.push_back(c);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  std::vector<Index> lengths;
+  for (std::size_t i = 0; i + 1 < cuts.size(); ++i) lengths.push_back(cuts[i + 1] - cuts[i]);
+  return lengths;
 }
 
 }  // namespace apex::bench

@@ -5,6 +5,7 @@
 // while the thread (and its OpenMP team) still holds its buffers.
 #include <apex/detail/parallel.hpp>
 #include <apex/mask.hpp>
+#include <apex/paged_cache.hpp>
 #include <apex/sdpa.hpp>
 #include <apex/tensor.hpp>
 
@@ -13,6 +14,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "test_util.hpp"
 
@@ -83,6 +85,36 @@ TEST(Scratch, SdpaScratchIsBoundedWhateverTheCacheLength) {
     EXPECT_TRUE(out.head(0, 31).allFinite());
     EXPECT_NEAR(out.head(0, 0)(s_q - 1, 0), 0.5f, 1e-6f);  // every value is 0.5
   }
+}
+
+TEST(Scratch, BatchedDecodingScratchIsBoundedWhateverTheBatch) {
+  // One decoding step of 256 sequences of 4096 tokens (one sequence of a paged cache, named 256
+  // times: the kernel sees 256 jobs), H_q = 32, H_kv = 8, d = 64. Each job's split-key partials
+  // take 8 pairs · 8 chunks · 4 rows · 66 scalars, 17 MiB for all of them at once: the jobs must
+  // run in waves whose partials fit the one-call bound of 2^19 scalars. The calling thread's
+  // scratch is then its task buffers, the partials and a small record per job and task.
+  const Index d = 64, kv_heads = 8, q_heads = 32, tokens = 4096, sequences = 256;
+  apex::PagedKvCache<float> cache({kv_heads, d, 64, tokens / 64});
+  const apex::SequenceId id = cache.add();
+  const auto kv = apex::testing::random_heads<float>(1, kv_heads, tokens, d, 3);
+  cache.append(id, kv.view(), kv.view());
+  const std::vector<apex::SequenceId> ids(sequences, id);
+  std::vector<Index> cu;
+  for (Index i = 0; i <= sequences; ++i) cu.push_back(i);
+  const auto q = apex::testing::random_heads<float>(1, q_heads, sequences, d, 4);
+  HeadsTensor<float> out({1, q_heads, sequences, d});
+  std::size_t held = 0;
+  std::thread fresh([&] {  // a thread whose scratch starts empty
+    apex::sdpa_paged(q.view(), cu, cache, ids, {apex::causal_mask()}, {}, out.view());
+    held = apex::scratch_bytes();
+  });
+  fresh.join();
+  const double records = double(sequences) * (sizeof(apex::detail::JobTasks) + 2 + 8 * 9);
+  const double bound = documented_scratch_bytes(d, 1) + records;
+  EXPECT_GT(held, 0U);
+  EXPECT_LE(static_cast<double>(held), bound)
+      << static_cast<double>(held) / 1048576 << " MiB, bound " << bound / 1048576 << " MiB";
+  EXPECT_TRUE(out.head(0, 0).allFinite());
 }
 
 TEST(Scratch, ReleaseScratchFreesTheCallingThreadsBuffers) {

@@ -1,0 +1,146 @@
+// SPDX-License-Identifier: MIT
+// Many sequences at once (varlen.hpp, paged_cache.hpp), float, d_h = 128, read against
+// bench_attention.cpp's single-sequence figures and the yardsticks in the same run:
+//   BM_Varlen/causal/16384    16 sequences of random lengths summing to S = 16384 (the documents
+//                             of BM_Sdpa_Fast/documents16, as separate sequences), each causal,
+//                             H_q = 32, H_kv = 8, packed token-major, one sdpa_varlen call.
+//                             GFLOPS counts 4·d_h·H_q per allowed pair, Σ_i L_i (L_i + 1) / 2:
+//                             compare with BM_Sdpa_Fast/documents16/16384 (the same pairs as one
+//                             sequence with a document mask) and BM_Sdpa_Fast/causal.
+//   BM_PagedDecode/block:P/S  one new token (H_q = 32) against S tokens (H_kv = 8) of a
+//                             PagedKvCache with pages of P tokens, through its block table.
+//                             GBps counts the K and V bytes read: compare with
+//                             BM_Decode_Fast/f32/S (the same keys stored contiguously).
+//   BM_BatchDecode/seqs:64    one decoding step of 64 sequences of a PagedKvCache (pages of 64),
+//                             lengths spread geometrically over 256 .. 32768 (439 K tokens in
+//                             all), H_q = 16, H_kv = 2: one sdpa_paged call. GBps counts the K
+//                             and V bytes of every sequence: compare with BM_MemRead.
+// Threads: OpenMP, as many as OMP_NUM_THREADS says (the figures are meant for 2).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers when Eigen's
+// GEMM kernels are inlined at -O3 -march=native (fixed in GCC 13). The pragma must precede them.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#include <apex/config.hpp>
+#include <apex/mask.hpp>
+#include <apex/paged_cache.hpp>
+#include <apex/tensor.hpp>
+#include <apex/varlen.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "bench_util.hpp"
+
+namespace {
+
+using apex::Index;
+using apex::RowMatrix;
+
+constexpr Index kHeadDim = 128;
+
+/// Token-major [1, heads, rows, d_h] storage with uniform values in [-1, 1).
+struct Packed {
+  Packed(Index heads, Index rows, std::uint64_t seed)
+      : data(apex::bench::random_matrix<float>(rows, heads * kHeadDim, seed)),
+        view(apex::HeadsView<float>::token_major(data.data(), {1, heads, rows, kHeadDim})) {}
+  RowMatrix<float> data;
+  apex::HeadsView<float> view;
+};
+
+void run_varlen(benchmark::State& state) {
+  const Index s = state.range(0);
+  const Index q_heads = 32, kv_heads = 8;
+  const std::vector<Index> lengths = apex::bench::random_lengths(s, 16, 16);
+  const apex::RaggedBatch batch = apex::RaggedBatch::from_lengths(lengths, lengths);
+  const Packed q(q_heads, s, 1), k(kv_heads, s, 2), v(kv_heads, s, 3);
+  Packed out(q_heads, s, 4);
+  const apex::SdpaParams params;
+  for (auto _ : state) {
+    apex::sdpa_varlen(q.view, k.view, v.view, batch, {apex::causal_mask()}, params, out.view);
+    benchmark::DoNotOptimize(out.data.data());
+    benchmark::ClobberMemory();
+  }
+  double pairs = 0.0;
+  for (const Index l : lengths) pairs += static_cast<double>(l) * static_cast<double>(l + 1) / 2.0;
+  state.counters["GFLOPS"] =
+      apex::bench::gflops(state, pairs * 4.0 * static_cast<double>(kHeadDim * q_heads));
+}
+
+/// A PagedKvCache holding sequences of the given lengths of random K/V, appended 512 tokens at
+/// a time; returns the cache and the sequences' ids.
+std::pair<apex::PagedKvCache<float>, std::vector<apex::SequenceId>> filled_cache(
+    const std::vector<Index>& lengths, Index kv_heads, Index page) {
+  Index pages = 0;
+  for (const Index l : lengths) pages += (l + page - 1) / page;
+  apex::PagedKvCache<float> cache({kv_heads, kHeadDim, page, pages});
+  const Packed block(kv_heads, 512, 5);
+  std::vector<apex::SequenceId> ids;
+  for (const Index l : lengths) {
+    ids.push_back(cache.add());
+    for (Index done = 0; done < l;) {
+      const Index n = std::min<Index>(512, l - done);
+      const auto rows = block.view.middle_rows(0, n);
+      cache.append(ids.back(), rows, rows);
+      done += n;
+    }
+  }
+  return {std::move(cache), std::move(ids)};
+}
+
+/// One query per sequence against its whole paged history; GBps counts the K/V bytes held.
+void run_paged_decode(benchmark::State& state, const std::vector<Index>& lengths, Index q_heads,
+                      Index kv_heads, Index page) {
+  const auto [cache, ids] = filled_cache(lengths, kv_heads, page);
+  const auto n = static_cast<Index>(ids.size());
+  std::vector<Index> cu;
+  for (Index i = 0; i <= n; ++i) cu.push_back(i);
+  const Packed q(q_heads, n, 6);
+  Packed out(q_heads, n, 7);
+  const apex::SdpaParams params;
+  for (auto _ : state) {
+    apex::sdpa_paged(q.view, cu, cache, ids, {apex::causal_mask()}, params, out.view);
+    benchmark::DoNotOptimize(out.data.data());
+    benchmark::ClobberMemory();
+  }
+  double tokens = 0.0;
+  for (const Index l : lengths) tokens += static_cast<double>(l);
+  state.counters["GBps"] = apex::bench::gbps(
+      state, 2.0 * tokens * static_cast<double>(kv_heads * kHeadDim) * sizeof(float));
+}
+
+/// 64 lengths spread geometrically over [256, 32768].
+std::vector<Index> spread_lengths() {
+  std::vector<Index> lengths;
+  for (int i = 0; i < 64; ++i) {
+    lengths.push_back(static_cast<Index>(std::lround(256.0 * std::pow(128.0, i / 63.0))));
+  }
+  return lengths;
+}
+
+const bool kRegistered = [] {
+  benchmark::RegisterBenchmark("BM_Varlen/causal", run_varlen)
+      ->Arg(16384)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  for (const Index page : {16, 64, 256}) {
+    benchmark::RegisterBenchmark(
+        ("BM_PagedDecode/block:" + std::to_string(page)).c_str(),
+        [page](benchmark::State& state) { run_paged_decode(state, {state.range(0)}, 32, 8, page); })
+        ->Arg(32768)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  benchmark::RegisterBenchmark(
+      "BM_BatchDecode/seqs:64",
+      [](benchmark::State& state) { run_paged_decode(state, spread_lengths(), 16, 2, 64); })
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  return true;
+}();
+
+}  // namespace
