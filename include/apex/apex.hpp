@@ -17,6 +17,7 @@
 #include <apex/rms_norm.hpp>
 #include <apex/rope.hpp>
 #include <apex/sdpa.hpp>
+#include <apex/serving_cache.hpp>
 #include <apex/stack.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>

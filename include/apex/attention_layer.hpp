@@ -193,6 +193,25 @@ void apply_rope_per_batch(const RopeTable<Scalar>& table, Index position_offset,
   }
 }
 
+/// Where the rows of a layer's input lie: B blocks of S rows, row b·S + s at position offset + s
+/// (a prompt, or a chunk continuing a cache), or row t at ids(t) (the new tokens of many
+/// sequences, each at its own position).
+struct RowPositions {
+  Index offset = 0;
+  Index batch = 1;
+  const Vector<Index>* ids = nullptr;  ///< one position per row; null: offset + s per block
+};
+
+/// RoPE in place on every row of x [rows, H·head_dim] at its position.
+template <class Scalar>
+void apply_rope_at(const RopeTable<Scalar>& table, const RowPositions& at, RowMatrix<Scalar>& x) {
+  if (at.ids != nullptr) {
+    apply_rope(table, *at.ids, RowRef<Scalar>(x));
+  } else {
+    apply_rope_per_batch(table, at.offset, at.batch, x);
+  }
+}
+
 }  // namespace detail
 
 }  // namespace apex

@@ -21,6 +21,7 @@
 #include <apex/kv_cache.hpp>
 #include <apex/mask.hpp>
 #include <apex/mha.hpp>
+#include <apex/paged_cache.hpp>
 #include <apex/rms_norm.hpp>
 #include <apex/rope.hpp>
 #include <apex/sdpa.hpp>
@@ -389,6 +390,61 @@ class GroupedQueryAttention {
     detail::matmul<Scalar>(concat, weights_.w_o, out);
   }
 
+  /// Decoding many sequences of a paged cache in one step (§8 and §10 for each): rows [cu[i],
+  /// cu[i + 1]) of x are the next tokens of sequence ids[i], at positions cache.length(ids[i]) + s.
+  /// The rows of every sequence are projected together (one product per weight), each rotated at
+  /// its own position; each sequence's K and V are appended to its pages, then every sequence
+  /// attends over its held tokens under rules[i] (rules[0] for all when it has one entry) in one
+  /// sdpa_paged call, and the result is projected by W_O.
+  ///   x: [T, d]; cu_seqlens: N + 1 row offsets; ids: N distinct live sequences; rules: position
+  ///   masks with their offsets unset (the positions are the cache's); params: RoPE table
+  ///   covering every new position, scale and soft-cap, position_offset 0 (unused)
+  ///   -> out: [T, d].
+  /// A sequence fed its tokens this way, in any chunks, gets what forward_cached gets. A window
+  /// layer's caller may then forget the pages its window has passed (forget_before). Every check
+  /// runs before the cache or out is written: on error both are unchanged. out may be x itself.
+  /// Allocates the projections, the positions and the [T, H_q·d_h] concatenation.
+  template <class Derived, class Storage>
+  void forward_paged(const Eigen::MatrixBase<Derived>& x, const std::vector<Index>& cu_seqlens,
+                     const std::vector<SequenceId>& ids, const std::vector<PositionMask>& rules,
+                     const AttentionLayerParams<Scalar>& params,
+                     PagedKvCache<Scalar, Storage>& cache, RowRef<Scalar> out) const {
+    static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
+                  "[gqa] x must have the layer's scalar type");
+    const ConstRowRef<Scalar> xr(x.derived());
+    check_input(xr, 1, AttentionLayerParams<Scalar>{params.attention, nullptr, 0});
+    detail::check_rope_head_dim(params.rope, config().head_dim, "the layer's head_dim", "gqa");
+    APEX_CHECK(params.position_offset == 0, "[gqa] params.position_offset ("
+                                                << params.position_offset
+                                                << ") must be 0: the paged cache gives positions");
+    APEX_CHECK(
+        cache.num_kv_heads() == config().num_kv_heads && cache.head_dim() == config().head_dim,
+        "[gqa] cache num_kv_heads (" << cache.num_kv_heads() << ") and head_dim ("
+                                     << cache.head_dim() << ") must equal the layer's ("
+                                     << config().num_kv_heads << ", " << config().head_dim << ")");
+    APEX_CHECK(out.rows() == xr.rows() && out.cols() == config().d_model,
+               "[gqa] out shape [" << out.rows() << ", " << out.cols() << "] must be [T, d] = ["
+                                   << xr.rows() << ", " << config().d_model << "]");
+    const SdpaParams attention = attention_params(params);
+    const Index rows = xr.rows(), h_q = config().num_q_heads, d_h = config().head_dim;
+    detail::check_sdpa(detail::shape_only_view<const Scalar>({1, h_q, rows, d_h}),
+                       detail::shape_only_view<const Scalar>({1, config().num_kv_heads, 0, d_h}),
+                       detail::shape_only_view<const Scalar>({1, config().num_kv_heads, 0, d_h}),
+                       AttentionMask<Scalar>{}, attention,
+                       detail::shape_only_view<Scalar>({1, h_q, rows, d_h}), {}, "gqa");
+    const Vector<Index> positions =
+        detail::paged_step_positions(rows, cu_seqlens, ids, rules, cache, params.rope, "gqa");
+    const ProjectedQkv<Scalar> p = project_at(xr, {0, 1, &positions}, params);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const Index first = cu_seqlens[i], n = cu_seqlens[i + 1] - first;
+      cache.append(ids[i], p.k_heads().middle_rows(first, n), p.v_heads().middle_rows(first, n));
+    }
+    RowMatrix<Scalar> concat(rows, h_q * d_h);
+    sdpa_paged(p.q_heads(), cu_seqlens, cache, ids, rules, attention,
+               HeadsView<Scalar>::token_major(concat.data(), {1, h_q, rows, d_h}));
+    detail::matmul<Scalar>(concat, weights_.w_o, out);
+  }
+
   /// Value-returning forward_cached (either cache): a new [B*n, d] matrix.
   template <class Derived, class Cache>
   RowMatrix<Scalar> forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
@@ -460,7 +516,13 @@ class GroupedQueryAttention {
 
   ProjectedQkv<Scalar> project_checked(const ConstRowRef<Scalar>& x, Index batch,
                                        const AttentionLayerParams<Scalar>& params) const {
-    ProjectedQkv<Scalar> p = detail::empty_projection<Scalar>(batch, attention_heads());
+    return project_at(x, {params.position_offset, batch, nullptr}, params);
+  }
+
+  /// The projections with every row rotated at its position `at` (QK-norm first).
+  ProjectedQkv<Scalar> project_at(const ConstRowRef<Scalar>& x, const detail::RowPositions& at,
+                                  const AttentionLayerParams<Scalar>& params) const {
+    ProjectedQkv<Scalar> p = detail::empty_projection<Scalar>(at.batch, attention_heads());
     p.q = detail::matmul<Scalar>(x, weights_.w_q);
     p.k = detail::matmul<Scalar>(x, weights_.w_k);
     p.v = detail::matmul<Scalar>(x, weights_.w_v);
@@ -469,8 +531,8 @@ class GroupedQueryAttention {
       normalize_heads(norm->k_gamma, norm->eps, p.k);
     }
     if (params.rope != nullptr) {
-      detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, p.q);
-      detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, p.k);
+      detail::apply_rope_at(*params.rope, at, p.q);
+      detail::apply_rope_at(*params.rope, at, p.k);
     }
     return p;
   }

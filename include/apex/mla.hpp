@@ -45,6 +45,7 @@
 #include <apex/kv_cache.hpp>
 #include <apex/mask.hpp>
 #include <apex/mha.hpp>
+#include <apex/paged_cache.hpp>
 #include <apex/rope.hpp>
 #include <apex/sdpa.hpp>
 #include <apex/tensor.hpp>
@@ -496,6 +497,64 @@ class MultiHeadLatentAttention {
                         const MlaAbsorbedWeights<Weight>& absorbed,
                         LatentCache<Scalar, Storage>& cache, RowRef<Scalar> out) const;
 
+  /// Absorbed decoding of many sequences of a paged latent cache in one step: rows [cu[i],
+  /// cu[i + 1]) of x are the next tokens of sequence ids[i], at positions cache.length(ids[i]) +
+  /// s. As forward_absorbed for each sequence, with the rows of all of them projected together
+  /// (each rotated at its own position), each sequence's latent rows appended to its pages and
+  /// one sdpa_paged call over every sequence's held rows.
+  ///   x: [T, d]; cu_seqlens: N + 1 row offsets; ids: N distinct live sequences; rules: position
+  ///   masks with their offsets unset; params: RoPE table (required) covering every new
+  ///   position, position_offset 0; absorbed: absorb_mla_weights(*this) -> out: [T, d].
+  /// Every check runs before the cache or out is written. out may be x itself. Allocates the
+  /// projections, the positions, the [T, H_q·(d_kv + H_kr·d_r)] queries and the [T, H_q·d_kv]
+  /// attention output.
+  template <class Derived, class Storage>
+  void forward_paged(const Eigen::MatrixBase<Derived>& x, const std::vector<Index>& cu_seqlens,
+                     const std::vector<SequenceId>& ids, const std::vector<PositionMask>& rules,
+                     const AttentionLayerParams<Scalar>& params,
+                     const MlaAbsorbedWeights<Weight>& absorbed,
+                     PagedLatentCache<Scalar, Storage>& cache, RowRef<Scalar> out) const {
+    static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
+                  "[mla] x must have the layer's scalar type");
+    check_constructed();
+    check_absorbed(absorbed);
+    const ConstRowRef<Scalar> xr(x.derived());
+    check_input(xr, 1, AttentionLayerParams<Scalar>{params.attention, params.rope, 0});
+    APEX_CHECK(params.position_offset == 0, "[mla] params.position_offset ("
+                                                << params.position_offset
+                                                << ") must be 0: the paged cache gives positions");
+    const Index width = config().d_kv + config().rope_key_heads() * config().rope_dim;
+    APEX_CHECK(cache.latent_dim() == config().d_kv && cache.row_dim() == width,
+               "[mla] cache latent_dim (" << cache.latent_dim() << ") and row_dim ("
+                                          << cache.row_dim() << ") must be the layer's d_kv ("
+                                          << config().d_kv << ") and d_kv + H_kr·d_r (" << width
+                                          << ")");
+    APEX_CHECK(out.rows() == xr.rows() && out.cols() == config().d_model,
+               "[mla] out shape [" << out.rows() << ", " << out.cols() << "] must be [T, d] = ["
+                                   << xr.rows() << ", " << config().d_model << "]");
+    const SdpaParams attention = attention_params(params);
+    const Index rows = xr.rows(), h_q = config().num_q_heads, d_kv = config().d_kv;
+    detail::check_sdpa(detail::shape_only_view<const Scalar>({1, h_q, rows, width}),
+                       detail::shape_only_view<const Scalar>({1, 1, 0, width}),
+                       detail::shape_only_view<const Scalar>({1, 1, 0, d_kv}),
+                       AttentionMask<Scalar>{}, attention,
+                       detail::shape_only_view<Scalar>({1, h_q, rows, d_kv}), {}, "mla");
+    const Vector<Index> positions =
+        detail::paged_step_positions(rows, cu_seqlens, ids, rules, cache, params.rope, "mla");
+    const detail::RowPositions at{0, 1, &positions};
+    const RowMatrix<Scalar> q = absorbed_queries(xr, at, params, absorbed);
+    const RowMatrix<Scalar> latent = latent_rows(xr, at, params);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const Index first = cu_seqlens[i];
+      cache.append(ids[i], latent.middleRows(first, cu_seqlens[i + 1] - first));
+    }
+    RowMatrix<Scalar> o_latent(rows, h_q * d_kv);
+    sdpa_paged(HeadsView<const Scalar>::token_major(q.data(), {1, h_q, rows, width}), cu_seqlens,
+               cache, ids, rules, attention,
+               HeadsView<Scalar>::token_major(o_latent.data(), {1, h_q, rows, d_kv}));
+    absorbed_output(o_latent, absorbed, out);
+  }
+
   /// Value-returning forward_cached: a new [B*n, d] matrix.
   template <class Derived, class Storage>
   RowMatrix<Scalar> forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
@@ -609,7 +668,7 @@ class MultiHeadLatentAttention {
   /// The absorbed queries of forward_absorbed, [B*n, H_q·(d_kv + H_kr·d_r)]: per head
   /// [q̃_h ‖ 0 … Q_rope,h … 0], q̃_h = Q_h W_UK,gᵀ, the rope part in the slot of head h's K_rope.
   /// Throws (before allocating) when their size does not fit in 64 bits.
-  RowMatrix<Scalar> absorbed_queries(const ConstRowRef<Scalar>& x, Index batch,
+  RowMatrix<Scalar> absorbed_queries(const ConstRowRef<Scalar>& x, const detail::RowPositions& at,
                                      const AttentionLayerParams<Scalar>& params,
                                      const MlaAbsorbedWeights<Weight>& absorbed) const {
     const MlaConfig& c = config();
@@ -645,7 +704,7 @@ class MultiHeadLatentAttention {
       }
     }
     RowMatrix<Scalar> q_rope = detail::matmul<Scalar>(x, weights_.w_qr);
-    detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, q_rope);
+    detail::apply_rope_at(*params.rope, at, q_rope);
     for (Index h = 0; h < h_q; ++h) {
       const Index slot = c.rope_key_heads() == 1 ? 0 : h / group;
       q.middleCols(h * width + d_kv + slot * d_r, d_r) = q_rope.middleCols(h * d_r, d_r);
@@ -710,15 +769,26 @@ class MultiHeadLatentAttention {
     return q;
   }
 
-  /// Appends the chunk's c_kv = x·W_DKV and K_rope = RoPE(x·W_KR) to the cache (checked).
+  /// The cached rows of the chunk, [rows, d_kv + H_kr·d_r] = [c_kv ‖ K_rope] with c_kv = x·W_DKV
+  /// and K_rope = RoPE(x·W_KR), every row rotated at its position `at`.
+  RowMatrix<Scalar> latent_rows(const ConstRowRef<Scalar>& x, const detail::RowPositions& at,
+                                const AttentionLayerParams<Scalar>& params) const {
+    const Index d_kv = config().d_kv;
+    RowMatrix<Scalar> k_rope = detail::matmul<Scalar>(x, weights_.w_kr);
+    detail::apply_rope_at(*params.rope, at, k_rope);
+    RowMatrix<Scalar> rows(x.rows(), d_kv + k_rope.cols());
+    detail::matmul<Scalar>(x, weights_.w_dkv, rows.leftCols(d_kv));
+    rows.rightCols(k_rope.cols()) = k_rope;
+    return rows;
+  }
+
+  /// Appends the chunk's latent_rows to the cache (checked).
   template <class Storage>
   void append_latents(const ConstRowRef<Scalar>& x, Index batch,
                       const AttentionLayerParams<Scalar>& params,
                       LatentCache<Scalar, Storage>& cache) const {
-    const RowMatrix<Scalar> c_kv = detail::matmul<Scalar>(x, weights_.w_dkv);
-    RowMatrix<Scalar> k_rope = detail::matmul<Scalar>(x, weights_.w_kr);
-    detail::apply_rope_per_batch(*params.rope, params.position_offset, batch, k_rope);
-    cache.append(c_kv, k_rope, params.position_offset);
+    cache.append(latent_rows(x, {params.position_offset, batch, nullptr}, params),
+                 params.position_offset);
   }
 
   ProjectedQkv<Scalar> decompress_checked(const ConstRowRef<Scalar>& x, Index batch,
@@ -853,7 +923,8 @@ void MultiHeadLatentAttention<Scalar, Weight>::forward_absorbed(
   const Index batch = cache.batch();
   const Index h_q = config().num_q_heads;
   const Index d_kv = config().d_kv;
-  const RowMatrix<Scalar> q = absorbed_queries(xr, batch, params, absorbed);  // checks its size
+  const RowMatrix<Scalar> q =
+      absorbed_queries(xr, {params.position_offset, batch, nullptr}, params, absorbed);
   append_latents(xr, batch, params, cache);
 
   // One key/value head shared by all H_q query heads: keys [c_kv ‖ K_rope], values c_kv.

@@ -210,6 +210,24 @@ class PagePool {
                                            << " are free");
   }
 
+  /// Throws unless counts[i] tokens can be appended to each of the distinct live sequences ids[i]
+  /// together: the pages they need in all fit in the free pages.
+  void check_grow_all(const std::vector<SequenceId>& ids, const std::vector<Index>& counts,
+                      const char* op) const {
+    Index needed = 0;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const Sequence& s = sequence(ids[i], op);
+      APEX_CHECK(std::count(ids.begin(), ids.end(), ids[i]) == 1,
+                 "[" << op << "] sequence " << ids[i] << " appears more than once in one step");
+      APEX_CHECK(counts[i] >= 0, "[" << op << "] token count (" << counts[i] << ") must be >= 0");
+      checked_sum(s.length, counts[i], op, "length + n");
+      needed += pages_needed(s, counts[i]);
+    }
+    APEX_CHECK(needed <= free_pages(), "[" << op << "] the pool is full: the step needs " << needed
+                                           << " pages, " << free_pages() << " of " << num_pages()
+                                           << " are free");
+  }
+
   /// Makes room for n tokens after the checks of check_grow have passed: copies a shared last
   /// page (copy on write) and takes new pages. Returns the old length; the new tokens go to
   /// positions [old, old + n), each at slot(id, position).
@@ -402,6 +420,12 @@ class PagedKvCache {
     pool_.check_grow(id, k.seq(), op);
   }
 
+  /// Throws unless counts[i] tokens can be appended to each of the distinct live sequences
+  /// ids[i] in one step: the pages they need together fit in the free pages.
+  void check_appends(const std::vector<SequenceId>& ids, const std::vector<Index>& counts) const {
+    pool_.check_grow_all(ids, counts, "paged_kv_cache");
+  }
+
   /// The keys of sequence id as a paged key segment of the kernel (its held positions), valid
   /// until the sequence changes.
   detail::KeySegment<Storage, Storage> segment(SequenceId id) const {
@@ -503,6 +527,12 @@ class PagedLatentCache {
     }
   }
 
+  /// Throws unless counts[i] tokens can be appended to each of the distinct live sequences
+  /// ids[i] in one step.
+  void check_appends(const std::vector<SequenceId>& ids, const std::vector<Index>& counts) const {
+    pool_.check_grow_all(ids, counts, kOp);
+  }
+
   /// The rows of sequence id as a paged key segment of the kernel: keys the whole rows, values
   /// their first d_kv columns. Valid until the sequence changes.
   detail::KeySegment<Storage, Storage> segment(SequenceId id) const {
@@ -540,6 +570,48 @@ inline void check_cache_rule(const PositionMask& rule, Index i, const char* op) 
              "[" << op << "] rules[" << i
                  << "] sets query_offset or key_offset; over a paged cache "
                  << "the positions are the sequence's own (its queries are its last S_q tokens)");
+}
+
+}  // namespace detail
+
+namespace detail {
+
+/// The checks of a layer's step over a paged cache (GroupedQueryAttention::forward_paged and
+/// MultiHeadLatentAttention::forward_paged): rows [cu[i], cu[i + 1]) of an input of `rows` rows
+/// are the next tokens of the distinct live sequences ids[i]; each rule leaves the positions to
+/// the cache and holds for the sequence once its tokens are appended; the RoPE table (when
+/// given) covers every new position; the pool has room for them all. Returns the position of
+/// every row (length(ids[i]) + s). Allocates it.
+template <class Cache, class Table>
+Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
+                                   const std::vector<SequenceId>& ids,
+                                   const std::vector<PositionMask>& rules, const Cache& cache,
+                                   const Table* rope, const char* op) {
+  const auto n = static_cast<Index>(ids.size());
+  check_offsets(cu, n, rows, op, "cu_seqlens");
+  APEX_CHECK(rules.size() == 1 || static_cast<Index>(rules.size()) == n,
+             "[" << op << "] rules holds " << rules.size()
+                 << " position masks; expected 1 (shared) or one per sequence (" << n << ")");
+  Vector<Index> positions(rows);
+  std::vector<Index> counts;
+  for (Index i = 0; i < n; ++i) {
+    const auto at = static_cast<std::size_t>(i);
+    const Index tokens = cu[at + 1] - cu[at];
+    const Index length = cache.length(ids[at]);
+    APEX_CHECK(rope == nullptr ||
+                   (tokens <= rope->max_positions() && length <= rope->max_positions() - tokens),
+               "[" << op << "] positions [" << length << ", " << length << " + " << tokens
+                   << ") of sequence " << ids[at] << " must be below the RoPE table's "
+                   << "max_positions (" << (rope ? rope->max_positions() : 0) << ")");
+    PositionMask rule = rules[rules.size() == 1 ? 0 : at];
+    check_cache_rule(rule, rules.size() == 1 ? 0 : i, op);
+    rule.key_offset = cache.first_position(ids[at]);
+    check_sequence_rule(rule, tokens, length + tokens - rule.key_offset, "sequence", ids[at], op);
+    for (Index s = 0; s < tokens; ++s) positions(cu[at] + s) = length + s;
+    counts.push_back(tokens);
+  }
+  cache.check_appends(ids, counts);
+  return positions;
 }
 
 }  // namespace detail

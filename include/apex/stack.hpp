@@ -39,6 +39,7 @@
 #include <apex/mla.hpp>
 #include <apex/rms_norm.hpp>
 #include <apex/rope.hpp>
+#include <apex/serving_cache.hpp>
 #include <apex/yarn.hpp>
 
 #include <algorithm>
@@ -556,6 +557,93 @@ class AttentionStack {
     return decode_step(next_tokens, DecodeOptions{}, cache);
   }
 
+  // -------------------------------------------------------------------------------------------
+  // Serving many sequences (continuous batching)
+  // -------------------------------------------------------------------------------------------
+
+  /// An empty ServingCache for this stack: a PagedKvCache of shape.local_pages pages for each
+  /// local layer and a PagedLatentCache of shape.global_pages pages for each global layer, pages
+  /// of shape.page_size tokens, storing Storage. Throws unless the pools of the layers the stack
+  /// has are >= 1 page of >= 1 token. Allocates the pools.
+  template <class Storage = Scalar>
+  ServingCache<Scalar, Storage> make_serving_cache(const ServingCacheShape& shape) const {
+    check_constructed();
+    std::vector<typename ServingCache<Scalar, Storage>::LayerCache> caches;
+    caches.reserve(layers_.size());
+    for (const Layer& layer : layers_) {
+      if (const auto* mla = std::get_if<Mla>(&layer)) {
+        const MlaConfig& c = mla->config();
+        caches.emplace_back(PagedLatentCache<Scalar, Storage>(
+            {c.d_kv, c.rope_key_heads(), c.rope_dim, shape.page_size, shape.global_pages}));
+      } else {
+        const GqaConfig& c = std::get<Gqa>(layer).config();
+        caches.emplace_back(PagedKvCache<Scalar, Storage>(
+            {c.num_kv_heads, c.head_dim, shape.page_size, shape.local_pages}));
+      }
+    }
+    return ServingCache<Scalar, Storage>(std::move(caches));
+  }
+
+  /// One pass of many sequences of a ServingCache through the stack (continuous batching):
+  /// tokens[i] are the next tokens of sequence ids[i], at positions cache.length(ids[i]) + s —
+  /// its prompt in its first call (the prefix it was added with must lie inside it), then one
+  /// token per step, or any chunk — and every sequence follows the APEX-1 rules of its own
+  /// prefix (§11.1). Prompts and single tokens of different sequences may share one call: their
+  /// rows go through every projection together, and each layer's attention is one sdpa_paged
+  /// call over all of them (the global layers take the absorbed MLA path, exact for any chunk).
+  /// The local layers then give back the pages that their window has passed.
+  ///   ids: N distinct live sequences; tokens: N non-empty lists of ids in [0, V)
+  ///   -> logits [N, V], row i for the last token of ids[i]: what prefill / extend /
+  ///   decode_step of that sequence alone return for it (to the rounding of the other path).
+  /// Every check runs before any cache is written (live and distinct ids, token ids, the
+  /// prefix, max_positions, room in every layer's pool): on error nothing changes. Allocates
+  /// the [T, d] residual stream (T tokens in all) and what each layer's forward_paged allocates.
+  template <class Storage>
+  RowMatrix<Scalar> serve(const std::vector<SequenceId>& ids,
+                          const std::vector<std::vector<std::int64_t>>& tokens,
+                          ServingCache<Scalar, Storage>& cache) const {
+    const std::vector<Index> cu = check_serve(ids, tokens, cache);
+    TokenMatrix flat(1, cu.back());
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      std::copy(tokens[i].begin(), tokens[i].end(), flat.data() + cu[i]);
+    }
+    RowMatrix<Scalar> x = embedded(flat);  // checks every id
+    for (Index l = 0; l < config().num_layers; ++l) {
+      auto& layer_cache = cache.layers_[static_cast<std::size_t>(l)];
+      std::visit([&](auto& c) { c.check_appends(ids, token_counts(cu)); }, layer_cache);
+    }
+    RowMatrix<Scalar> normed(x.rows(), x.cols());
+    RowMatrix<Scalar> attended(x.rows(), x.cols());
+    const RmsNormParams norm{config().norm_eps};
+    for (Index l = 0; l < config().num_layers; ++l) {
+      const auto at = static_cast<std::size_t>(l);
+      rms_norm(x, norm_gammas_[at], norm, normed);
+      std::vector<PositionMask> rules;
+      for (const SequenceId id : ids) {
+        rules.push_back(layer_mask(
+            l, LayerMaskParams{cache.prefix(id), config().window, config().global_every}));
+      }
+      auto& layer_cache = cache.layers_[at];
+      if (const auto* mla = std::get_if<Mla>(&layers_[at])) {
+        mla->forward_paged(normed, cu, ids, rules, layer_params(*mla, 0), absorbed_[at],
+                           std::get<PagedLatentCache<Scalar, Storage>>(layer_cache), attended);
+      } else {
+        const auto& gqa = std::get<Gqa>(layers_[at]);
+        auto& kv = std::get<PagedKvCache<Scalar, Storage>>(layer_cache);
+        gqa.forward_paged(normed, cu, ids, rules, layer_params(gqa, 0), kv, attended);
+        for (const SequenceId id : ids) {  // the next query, at length(id), sees no key before
+          const Index start = kv.length(id) - config().window + 1;
+          if (start > kv.first_position(id)) kv.forget_before(id, start);
+        }
+      }
+      x += attended;
+    }
+    RowMatrix<Scalar> last(static_cast<Index>(ids.size()), x.cols());
+    for (std::size_t i = 0; i < ids.size(); ++i) last.row(Index(i)) = x.row(cu[i + 1] - 1);
+    rms_norm(last, final_gamma_, norm, RowRef<Scalar>(last));
+    return detail::matmul_transposed<Scalar>(last, embedding_);
+  }
+
   /// The cache memory of this stack for `batch` sequences of `context` tokens in this scalar
   /// type, or for caches storing Storage (stack_cache_memory with bytes_per_value =
   /// sizeof(Storage)): the bytes make_cache<Storage> allocates.
@@ -741,6 +829,64 @@ class AttentionStack {
                "[stack] the cache was not made by this stack's make_cache (its layers "
                "do not match the stack's "
                    << config().num_layers << " layers)");
+  }
+
+  /// The token counts of the sequences of row offsets cu.
+  static std::vector<Index> token_counts(const std::vector<Index>& cu) {
+    std::vector<Index> counts;
+    for (std::size_t i = 0; i + 1 < cu.size(); ++i) counts.push_back(cu[i + 1] - cu[i]);
+    return counts;
+  }
+
+  /// The checks of serve() that come before the embedding (which checks the token ids) and the
+  /// pools' room: the cache is this stack's, the ids are live and distinct, every sequence gets
+  /// tokens, its prefix lies inside its first call, and its positions stay below max_positions.
+  /// Returns the row offsets of the sequences' tokens.
+  template <class Storage>
+  std::vector<Index> check_serve(const std::vector<SequenceId>& ids,
+                                 const std::vector<std::vector<std::int64_t>>& tokens,
+                                 const ServingCache<Scalar, Storage>& cache) const {
+    check_constructed();
+    bool matches = cache.num_layers() == config().num_layers;
+    for (Index l = 0; matches && l < config().num_layers; ++l) {
+      const bool global = is_global_layer(l, config().global_every);
+      const auto& c = cache.layer(l);
+      if (global) {
+        const auto* latent = std::get_if<PagedLatentCache<Scalar, Storage>>(&c);
+        matches = latent != nullptr && latent->latent_dim() == config().global.d_kv &&
+                  latent->row_dim() == config().global.d_kv + config().global.rope_key_heads() *
+                                                                  config().global.rope_dim;
+      } else {
+        const auto* kv = std::get_if<PagedKvCache<Scalar, Storage>>(&c);
+        matches = kv != nullptr && kv->num_kv_heads() == config().local.num_kv_heads &&
+                  kv->head_dim() == config().local.head_dim;
+      }
+    }
+    APEX_CHECK(matches,
+               "[stack] the serving cache was not made by this stack's "
+               "make_serving_cache (its layers do not match the stack's "
+                   << config().num_layers << " layers)");
+    APEX_CHECK(ids.size() == tokens.size(), "[stack] ids ("
+                                                << ids.size() << ") and tokens (" << tokens.size()
+                                                << ") must have one entry per sequence");
+    std::vector<Index> cu{0};
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const Index length = cache.length(ids[i]);  // throws unless live
+      const Index prefix = cache.prefix(ids[i]);
+      const auto n = static_cast<Index>(tokens[i].size());
+      APEX_CHECK(std::count(ids.begin(), ids.end(), ids[i]) == 1,
+                 "[stack] sequence " << ids[i] << " appears more than once in one call");
+      APEX_CHECK(n >= 1, "[stack] sequence " << ids[i] << " gets no token");
+      APEX_CHECK(length >= prefix || n >= prefix,
+                 "[stack] the prefix (" << prefix << ") of sequence " << ids[i]
+                                        << " must lie inside its first call (" << n << " tokens)");
+      APEX_CHECK(n <= config().max_positions - length,
+                 "[stack] positions [" << length << ", " << length + n << ") of sequence " << ids[i]
+                                       << " exceed max_positions (" << config().max_positions
+                                       << ")");
+      cu.push_back(cu.back() + n);
+    }
+    return cu;
   }
 
   /// prefill / extend / decode_step: n = tokens.cols() new tokens per sequence at positions

@@ -1,0 +1,129 @@
+// SPDX-License-Identifier: MIT
+// The decoding state of an AttentionStack that serves many sequences at once (continuous
+// batching): one paged cache per layer (paged_cache.hpp), a PagedKvCache for each local layer
+// and a PagedLatentCache for each global layer, and the live sequences, each with its own
+// length and bidirectional prefix. A sequence is one SequenceId in every layer. Sequences are
+// added (empty), forked (sharing every page of every layer with their parent: a common prompt
+// is held once), fed tokens by AttentionStack::serve, and freed; the local layers give back the
+// pages their window has passed, so they hold O(W) tokens per sequence.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/paged_cache.hpp>
+
+#include <cstdint>
+#include <map>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace apex {
+
+/// The pools of a ServingCache: pages of page_size tokens, local_pages for each local layer and
+/// global_pages for each global layer (each layer has a pool of its own).
+struct ServingCacheShape {
+  Index page_size = 16;    ///< tokens per page
+  Index local_pages = 0;   ///< pages of each local layer's PagedKvCache
+  Index global_pages = 0;  ///< pages of each global layer's PagedLatentCache
+};
+
+template <class Scalar, class Weight>
+class AttentionStack;
+
+/// The paged caches of every layer of one AttentionStack and its live sequences, made by
+/// AttentionStack::make_serving_cache and advanced only by that stack's serve(). Memory: the
+/// pools, allocated (zeroed) at construction (bytes()), and a block table per sequence and layer.
+/// Default-constructed or moved from, it is empty (no layers; the stacks reject it).
+template <class Scalar, class Storage = Scalar>
+class ServingCache {
+ public:
+  /// The cache of one layer: a PagedKvCache (local) or a PagedLatentCache (global).
+  using LayerCache = std::variant<PagedKvCache<Scalar, Storage>, PagedLatentCache<Scalar, Storage>>;
+
+  ServingCache() = default;
+
+  /// Number of layers (one cache each).
+  Index num_layers() const { return static_cast<Index>(layers_.size()); }
+  /// The cache of layer l, read-only. Throws unless 0 <= l < num_layers().
+  const LayerCache& layer(Index l) const {
+    APEX_CHECK(l >= 0 && l < num_layers(),
+               "[serving_cache] layer (" << l << ") must lie in [0, " << num_layers() << ")");
+    return layers_[static_cast<std::size_t>(l)];
+  }
+  /// Number of live sequences.
+  Index sequences() const { return static_cast<Index>(prefix_.size()); }
+  /// The live sequences' ids, in increasing order.
+  std::vector<SequenceId> ids() const {
+    std::vector<SequenceId> all;
+    for (const auto& [id, prefix] : prefix_) all.push_back(id);
+    return all;
+  }
+  /// Tokens fed to sequence id so far (its next position). Throws unless it is live.
+  Index length(SequenceId id) const {
+    check_live(id);
+    return std::visit([id](const auto& c) { return c.length(id); }, layers_.front());
+  }
+  /// The bidirectional prefix P of sequence id (§11.1).
+  Index prefix(SequenceId id) const {
+    check_live(id);
+    return prefix_.at(id);
+  }
+  /// Exact bytes of every layer's pool.
+  std::int64_t bytes() const {
+    std::int64_t total = 0;
+    for (const auto& c : layers_) total += std::visit([](const auto& x) { return x.bytes(); }, c);
+    return total;
+  }
+  /// Pages in use, summed over the layers (a page shared by forks counts once).
+  Index pages_in_use() const {
+    Index total = 0;
+    for (const auto& c : layers_) {
+      total += std::visit([](const auto& x) { return x.pages_in_use(); }, c);
+    }
+    return total;
+  }
+
+  /// Adds an empty sequence whose first `prefix` positions will be bidirectional (they must come
+  /// in its first serve() call) and returns its id. Throws on an empty cache or prefix < 0.
+  SequenceId add(Index prefix = 0) {
+    APEX_CHECK(!layers_.empty(),
+               "[serving_cache] the cache is empty (default-constructed or "
+               "moved from): it has no layers");
+    APEX_CHECK(prefix >= 0, "[serving_cache] prefix (" << prefix << ") must be >= 0");
+    SequenceId id = -1;
+    for (auto& c : layers_) id = std::visit([](auto& x) { return x.add(); }, c);
+    prefix_.emplace(id, prefix);
+    return id;
+  }
+  /// Adds a sequence holding the tokens (and the prefix) of `id`, sharing its pages in every
+  /// layer (copy on write), and returns its id: a continuation of a common prompt.
+  SequenceId fork(SequenceId id) {
+    check_live(id);
+    SequenceId child = -1;
+    for (auto& c : layers_) child = std::visit([id](auto& x) { return x.fork(id); }, c);
+    prefix_.emplace(child, prefix_.at(id));
+    return child;
+  }
+  /// Frees sequence id in every layer (its id is then invalid).
+  void free(SequenceId id) {
+    check_live(id);
+    for (auto& c : layers_) std::visit([id](auto& x) { x.free(id); }, c);
+    prefix_.erase(id);
+  }
+
+ private:
+  template <class, class>
+  friend class AttentionStack;
+
+  explicit ServingCache(std::vector<LayerCache> layers) : layers_(std::move(layers)) {}
+
+  void check_live(SequenceId id) const {
+    APEX_CHECK(prefix_.count(id) == 1,
+               "[serving_cache] sequence " << id << " does not exist (never added, or freed)");
+  }
+
+  std::vector<LayerCache> layers_;      // a moved-from vector is empty
+  std::map<SequenceId, Index> prefix_;  // the live sequences and their prefixes
+};
+
+}  // namespace apex
