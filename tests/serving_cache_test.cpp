@@ -123,6 +123,27 @@ TEST(ServingCache, ContinuousBatchingEqualsEachSequenceAlone) {
   }
 }
 
+/// One call may hold more tokens than max_positions in all (each sequence's own positions are
+/// what must fit): three 100-token prompts against max_positions = 256.
+TEST(ServingCache, ACallMayHoldMoreTokensThanMaxPositions) {
+  const auto stack = apex::AttentionStack<double>::random(serving_config(), 9);
+  auto cache = stack.make_serving_cache(apex::ServingCacheShape{8, 64, 64});
+  std::vector<SequenceId> ids;
+  std::vector<Tokens> prompts;
+  for (int i = 0; i < 3; ++i) {
+    ids.push_back(cache.add(i));
+    prompts.emplace_back();
+    for (int t = 0; t < 100; ++t) prompts.back().push_back((7 * t + 3 * i) % 40);
+  }
+  const RowMatrix<double> logits = stack.serve(ids, prompts, cache);
+  for (int i = 0; i < 3; ++i) {
+    const RowMatrix<double> expected = alone(stack, prompts[std::size_t(i)], 100, i);
+    EXPECT_LE(
+        (logits.row(i) - expected.row(0)).cwiseAbs().maxCoeff(),
+        apex::testing::Tolerances<double>::kDecode * std::max(1.0, expected.cwiseAbs().maxCoeff()));
+  }
+}
+
 /// Two continuations of a common prompt: the fork shares the prompt's pages in every layer,
 /// each continuation gets the logits of its whole text run alone, and the shared pages are
 /// freed only with the last holder.

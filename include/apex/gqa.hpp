@@ -412,7 +412,9 @@ class GroupedQueryAttention {
     static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
                   "[gqa] x must have the layer's scalar type");
     const ConstRowRef<Scalar> xr(x.derived());
-    check_input(xr, 1, AttentionLayerParams<Scalar>{params.attention, nullptr, 0});
+    check_constructed();
+    // The rows are many sequences': their positions are checked per sequence below.
+    detail::check_layer_input<Scalar>(xr, 1, config().d_model, nullptr, 0, "gqa");
     detail::check_rope_head_dim(params.rope, config().head_dim, "the layer's head_dim", "gqa");
     APEX_CHECK(params.position_offset == 0, "[gqa] params.position_offset ("
                                                 << params.position_offset

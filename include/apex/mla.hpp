@@ -519,7 +519,12 @@ class MultiHeadLatentAttention {
     check_constructed();
     check_absorbed(absorbed);
     const ConstRowRef<Scalar> xr(x.derived());
-    check_input(xr, 1, AttentionLayerParams<Scalar>{params.attention, params.rope, 0});
+    APEX_CHECK(params.rope != nullptr,
+               "[mla] params.rope (null) must be a RoPE table with head_dim = rope_dim ("
+                   << config().rope_dim << "): decoupled RoPE (§9.3) always applies");
+    detail::check_rope_head_dim(params.rope, config().rope_dim, "rope_dim d_r", "mla");
+    // The rows are many sequences': their positions are checked per sequence below.
+    detail::check_layer_input<Scalar>(xr, 1, config().d_model, nullptr, 0, "mla");
     APEX_CHECK(params.position_offset == 0, "[mla] params.position_offset ("
                                                 << params.position_offset
                                                 << ") must be 0: the paged cache gives positions");
