@@ -58,7 +58,7 @@ struct Request {
   bool shared = false;
   Tokens prompt;
   std::size_t outputs = 0;
-  apex::SequenceId id = -1;
+  apex::SequenceId id;
   Tokens generated;
   std::vector<apex::RowMatrix<float>> logits;  // of the prompt's last token, then each output
 };
@@ -90,7 +90,7 @@ double serve_all(const apex::AttentionStack<float>& stack, const Tokens& system,
     std::vector<Tokens> feed;
     std::vector<Request*> who;
     for (Request& q : requests) {  // the running requests: one token each
-      if (q.id >= 0 && !q.generated.empty() && q.generated.size() < q.outputs) {
+      if (q.id.value >= 0 && !q.generated.empty() && q.generated.size() < q.outputs) {
         ids.push_back(q.id);
         feed.push_back({q.generated.back()});
         who.push_back(&q);

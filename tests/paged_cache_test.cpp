@@ -96,7 +96,7 @@ void expect_attention_matches(const apex::PagedKvCache<float>& cache,
   std::vector<Index> cu{0};
   for (const auto& [id, t] : shadow) {
     ids.push_back(id);
-    cu.push_back(cu.back() + std::min<Index>(t.length(), 1 + id % 3));
+    cu.push_back(cu.back() + std::min<Index>(t.length(), 1 + id.value % 3));
   }
   const Index q_heads = 2 * kHeads;
   Heads<float> q(1, q_heads, cu.back(), kDim, apex::testing::Layout::kTokenMajor);
@@ -104,7 +104,7 @@ void expect_attention_matches(const apex::PagedKvCache<float>& cache,
   q.randomize(rng);
   apex::sdpa_paged(q.view(), cu, cache, ids, {rule}, apex::SdpaParams{}, out.view());
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    SCOPED_TRACE("sequence " + std::to_string(ids[i]));
+    SCOPED_TRACE("sequence " + std::to_string(ids[i].value));
     const Index nq = cu[i + 1] - cu[i];
     Heads<float> qi(1, q_heads, nq, kDim), mine(1, q_heads, nq, kDim);
     for (Index h = 0; h < q_heads; ++h) {
@@ -325,10 +325,10 @@ TEST(PagedKvCache, RejectsBadInputAndChangesNothing) {
                  {"[paged_kv_cache] the pool is full", "needs 1 pages, 0 of 3 are free"});
   EXPECT_EQ(cache.length(a), 10);
   expect_invalid([&] { cache.append(gone, k.view(), v.view()); },
-                 {"sequence " + std::to_string(gone), "does not exist"});
+                 {"sequence " + std::to_string(gone.value), "does not exist"});
   expect_invalid([&] { cache.fork(gone); }, "does not exist (never added, or freed)");
   expect_invalid([&] { cache.free(gone); }, "does not exist");
-  expect_invalid([&] { cache.length(99); }, "sequence 99 does not exist");
+  expect_invalid([&] { cache.length(SequenceId{99}); }, "sequence 99 does not exist");
   Heads<float> wide(1, kHeads, 1, kDim + 1);
   expect_invalid([&] { cache.append(a, wide.view(), wide.view()); }, "[1, H_kv, n, d_h]");
   expect_invalid([&] { cache.truncate(a, 11); }, "new length (11) must be in [0, 10]");

@@ -69,7 +69,7 @@ TEST(ServingCache, ContinuousBatchingEqualsEachSequenceAlone) {
     Tokens tokens;
     std::size_t prompt;
     Index prefix;
-    SequenceId id = -1;
+    SequenceId id;
     std::size_t fed = 0;
     RowMatrix<double> logits;
   };
@@ -95,7 +95,7 @@ TEST(ServingCache, ContinuousBatchingEqualsEachSequenceAlone) {
       q.id = cache.add(q.prefix);
     }
     for (Request& q : requests) {
-      if (q.id < 0 || q.fed == q.tokens.size()) continue;
+      if (q.id.value < 0 || q.fed == q.tokens.size()) continue;
       const std::size_t n = q.fed == 0 ? q.prompt : 1;
       ids.push_back(q.id);
       feed.emplace_back(q.tokens.begin() + long(q.fed), q.tokens.begin() + long(q.fed + n));
@@ -220,7 +220,7 @@ TEST(ServingCache, RejectsBadInputAndChangesNothing) {
   const Index pages = cache.pages_in_use();
   using apex::testing::expect_invalid;
   expect_invalid([&] { stack.serve({gone}, {{1}}, cache); },
-                 {"sequence " + std::to_string(gone), "does not exist"});
+                 {"sequence " + std::to_string(gone.value), "does not exist"});
   expect_invalid([&] { stack.serve({a, a}, {{1}, {2}}, cache); }, "appears more than once");
   expect_invalid([&] { stack.serve({a}, {{}}, cache); }, "gets no token");
   expect_invalid([&] { stack.serve({a}, {{1}, {2}}, cache); }, "one entry per sequence");

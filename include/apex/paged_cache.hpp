@@ -38,15 +38,28 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <ostream>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace apex {
 
-/// The name of a sequence of a paged cache. Ids are handed out in increasing order and never
-/// reused.
-using SequenceId = Index;
+/// The name of a sequence of a paged cache: handed out in increasing order and never reused, so
+/// the id of a freed sequence stays invalid. A type of its own, so that an id is never taken for
+/// a length or a position.
+struct SequenceId {
+  Index value = -1;  ///< the id's number; -1 (the default): no sequence
+
+  /// Equal numbers.
+  friend bool operator==(SequenceId a, SequenceId b) { return a.value == b.value; }
+  /// Different numbers.
+  friend bool operator!=(SequenceId a, SequenceId b) { return a.value != b.value; }
+  /// Ordered by number (the order they were handed out in).
+  friend bool operator<(SequenceId a, SequenceId b) { return a.value < b.value; }
+  /// Prints the number.
+  friend std::ostream& operator<<(std::ostream& out, SequenceId id) { return out << id.value; }
+};
 
 /// The shape of a PagedKvCache: a pool of num_pages pages of page_size tokens, each token H_kv
 /// heads of d_h keys and values.
@@ -138,8 +151,9 @@ class PagePool {
     APEX_CHECK(num_pages() > 0, "[" << op
                                     << "] the cache is empty (default-constructed or moved "
                                        "from): it has no pages");
-    sequences_.emplace(next_id_, Sequence{});
-    return next_id_++;
+    const SequenceId id{next_id_++};
+    sequences_.emplace(id, Sequence{});
+    return id;
   }
 
   /// A new sequence holding the same tokens as `id` in the same pages (each page's reference
@@ -147,8 +161,9 @@ class PagePool {
   SequenceId fork(SequenceId id, const char* op) {
     Sequence copy = sequence(id, op);
     for (const Index page : held(copy)) ++refs_[static_cast<std::size_t>(page)];
-    sequences_.emplace(next_id_, std::move(copy));
-    return next_id_++;
+    const SequenceId child{next_id_++};
+    sequences_.emplace(child, std::move(copy));
+    return child;
   }
 
   /// Frees sequence `id`: its pages go back to the pool where no other sequence holds them.
@@ -210,18 +225,19 @@ class PagePool {
                                            << " are free");
   }
 
-  /// Throws unless counts[i] tokens can be appended to each of the distinct live sequences ids[i]
-  /// together: the pages they need in all fit in the free pages.
-  void check_grow_all(const std::vector<SequenceId>& ids, const std::vector<Index>& counts,
+  /// Throws unless n tokens can be appended to sequence id for every (id, n) of `appends` at once
+  /// (distinct live ids): the pages they need together fit in the free pages.
+  void check_grow_all(const std::vector<std::pair<SequenceId, Index>>& appends,
                       const char* op) const {
     Index needed = 0;
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      const Sequence& s = sequence(ids[i], op);
-      APEX_CHECK(std::count(ids.begin(), ids.end(), ids[i]) == 1,
-                 "[" << op << "] sequence " << ids[i] << " appears more than once in one step");
-      APEX_CHECK(counts[i] >= 0, "[" << op << "] token count (" << counts[i] << ") must be >= 0");
-      checked_sum(s.length, counts[i], op, "length + n");
-      needed += pages_needed(s, counts[i]);
+    for (const auto& [id, n] : appends) {
+      const Sequence& s = sequence(id, op);
+      APEX_CHECK(std::count_if(appends.begin(), appends.end(),
+                               [id = id](const auto& a) { return a.first == id; }) == 1,
+                 "[" << op << "] sequence " << id << " appears more than once in one step");
+      APEX_CHECK(n >= 0, "[" << op << "] token count (" << n << ") must be >= 0");
+      checked_sum(s.length, n, op, "length + n");
+      needed += pages_needed(s, n);
     }
     APEX_CHECK(needed <= free_pages(), "[" << op << "] the pool is full: the step needs " << needed
                                            << " pages, " << free_pages() << " of " << num_pages()
@@ -231,6 +247,7 @@ class PagePool {
   /// Makes room for n tokens after the checks of check_grow have passed: copies a shared last
   /// page (copy on write) and takes new pages. Returns the old length; the new tokens go to
   /// positions [old, old + n), each at slot(id, position).
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal; the id is a SequenceId
   Index grow(SequenceId id, Index n, const char* op) {
     Sequence& s = mutable_sequence(id, op);
     if (n == 0) return s.length;
@@ -301,7 +318,7 @@ class PagePool {
   std::vector<Index> refs_;  // references of every page
   std::vector<Index> free_;  // pages with no reference, the next one taken last
   std::map<SequenceId, Sequence> sequences_;
-  SequenceId next_id_ = 0;
+  Index next_id_ = 0;
 };
 
 }  // namespace detail
@@ -420,10 +437,10 @@ class PagedKvCache {
     pool_.check_grow(id, k.seq(), op);
   }
 
-  /// Throws unless counts[i] tokens can be appended to each of the distinct live sequences
-  /// ids[i] in one step: the pages they need together fit in the free pages.
-  void check_appends(const std::vector<SequenceId>& ids, const std::vector<Index>& counts) const {
-    pool_.check_grow_all(ids, counts, "paged_kv_cache");
+  /// Throws unless n tokens can be appended to sequence id for every (id, n) of `appends` in one
+  /// step (distinct live ids): the pages they need together fit in the free pages.
+  void check_appends(const std::vector<std::pair<SequenceId, Index>>& appends) const {
+    pool_.check_grow_all(appends, "paged_kv_cache");
   }
 
   /// The keys of sequence id as a paged key segment of the kernel (its held positions), valid
@@ -527,10 +544,10 @@ class PagedLatentCache {
     }
   }
 
-  /// Throws unless counts[i] tokens can be appended to each of the distinct live sequences
-  /// ids[i] in one step.
-  void check_appends(const std::vector<SequenceId>& ids, const std::vector<Index>& counts) const {
-    pool_.check_grow_all(ids, counts, kOp);
+  /// Throws unless n tokens can be appended to sequence id for every (id, n) of `appends` in one
+  /// step (distinct live ids).
+  void check_appends(const std::vector<std::pair<SequenceId, Index>>& appends) const {
+    pool_.check_grow_all(appends, kOp);
   }
 
   /// The rows of sequence id as a paged key segment of the kernel: keys the whole rows, values
@@ -583,6 +600,7 @@ namespace detail {
 /// given) covers every new position; the pool has room for them all. Returns the position of
 /// every row (length(ids[i]) + s). Allocates it.
 template <class Cache, class Table>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, one caller per layer
 Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
                                    const std::vector<SequenceId>& ids,
                                    const std::vector<PositionMask>& rules, const Cache& cache,
@@ -593,7 +611,7 @@ Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
              "[" << op << "] rules holds " << rules.size()
                  << " position masks; expected 1 (shared) or one per sequence (" << n << ")");
   Vector<Index> positions(rows);
-  std::vector<Index> counts;
+  std::vector<std::pair<SequenceId, Index>> appends;
   for (Index i = 0; i < n; ++i) {
     const auto at = static_cast<std::size_t>(i);
     const Index tokens = cu[at + 1] - cu[at];
@@ -606,11 +624,12 @@ Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
     PositionMask rule = rules[rules.size() == 1 ? 0 : at];
     check_cache_rule(rule, rules.size() == 1 ? 0 : i, op);
     rule.key_offset = cache.first_position(ids[at]);
-    check_sequence_rule(rule, tokens, length + tokens - rule.key_offset, "sequence", ids[at], op);
+    check_sequence_rule(rule, tokens, length + tokens - rule.key_offset, "sequence", ids[at].value,
+                        op);
     for (Index s = 0; s < tokens; ++s) positions(cu[at] + s) = length + s;
-    counts.push_back(tokens);
+    appends.emplace_back(ids[at], tokens);
   }
-  cache.check_appends(ids, counts);
+  cache.check_appends(appends);
   return positions;
 }
 
@@ -663,7 +682,7 @@ void sdpa_paged(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q, c
     detail::check_cache_rule(rule, rules.size() == 1 ? 0 : i, op);
     const auto keys = cache.segment(ids[at]);
     rule.key_offset = keys.first_position;
-    detail::check_sequence_rule(rule, nq, keys.size(), "sequence", ids[at], op);
+    detail::check_sequence_rule(rule, nq, keys.size(), "sequence", ids[at].value, op);
     if (i == 0) detail::check_no_overlap(HeadsView<const TQ>(q), keys.k, keys.v, out, lse, op);
     sequences[at] = {q.middle_rows(q0, nq), keys, rule, out.middle_rows(q0, nq),
                      lse.empty() ? HeadsView<TO>() : lse.middle_rows(q0, nq)};

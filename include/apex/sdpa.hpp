@@ -227,6 +227,7 @@ void set_score_params(P& p, const SdpaParams& params, Index d_qk) {
 /// parameters that have passed sdpa's checks (the params and segments must outlive the
 /// problem). No dense mask, no bias and no user rules: the caller adds those it has.
 template <class TQ, class TK, class TV, class TB = TQ, class Rules = NoRules>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, three callers
 AttentionProblem<TQ, TK, TV, TB, Rules> attention_problem(
     const HeadsView<const TQ>& q, const KeySegment<TK, TV>* segments, Index num_segments, Index s_k,
     const PositionMask& positions, Index first_query, const SdpaParams& params) {

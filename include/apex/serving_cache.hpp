@@ -90,7 +90,7 @@ class ServingCache {
                "[serving_cache] the cache is empty (default-constructed or "
                "moved from): it has no layers");
     APEX_CHECK(prefix >= 0, "[serving_cache] prefix (" << prefix << ") must be >= 0");
-    SequenceId id = -1;
+    SequenceId id;
     for (auto& c : layers_) id = std::visit([](auto& x) { return x.add(); }, c);
     prefix_.emplace(id, prefix);
     return id;
@@ -99,7 +99,7 @@ class ServingCache {
   /// layer (copy on write), and returns its id: a continuation of a common prompt.
   SequenceId fork(SequenceId id) {
     check_live(id);
-    SequenceId child = -1;
+    SequenceId child;
     for (auto& c : layers_) child = std::visit([id](auto& x) { return x.fork(id); }, c);
     prefix_.emplace(child, prefix_.at(id));
     return child;

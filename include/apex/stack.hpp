@@ -608,9 +608,10 @@ class AttentionStack {
       std::copy(tokens[i].begin(), tokens[i].end(), flat.data() + cu[i]);
     }
     RowMatrix<Scalar> x = embedded(flat);  // checks every id
-    for (Index l = 0; l < config().num_layers; ++l) {
-      auto& layer_cache = cache.layers_[static_cast<std::size_t>(l)];
-      std::visit([&](auto& c) { c.check_appends(ids, token_counts(cu)); }, layer_cache);
+    std::vector<std::pair<SequenceId, Index>> appends;
+    for (std::size_t i = 0; i < ids.size(); ++i) appends.emplace_back(ids[i], cu[i + 1] - cu[i]);
+    for (const auto& layer_cache : cache.layers_) {
+      std::visit([&](const auto& c) { c.check_appends(appends); }, layer_cache);
     }
     RowMatrix<Scalar> normed(x.rows(), x.cols());
     RowMatrix<Scalar> attended(x.rows(), x.cols());
@@ -619,6 +620,7 @@ class AttentionStack {
       const auto at = static_cast<std::size_t>(l);
       rms_norm(x, norm_gammas_[at], norm, normed);
       std::vector<PositionMask> rules;
+      rules.reserve(ids.size());
       for (const SequenceId id : ids) {
         rules.push_back(layer_mask(
             l, LayerMaskParams{cache.prefix(id), config().window, config().global_every}));
@@ -829,13 +831,6 @@ class AttentionStack {
                "[stack] the cache was not made by this stack's make_cache (its layers "
                "do not match the stack's "
                    << config().num_layers << " layers)");
-  }
-
-  /// The token counts of the sequences of row offsets cu.
-  static std::vector<Index> token_counts(const std::vector<Index>& cu) {
-    std::vector<Index> counts;
-    for (std::size_t i = 0; i + 1 < cu.size(); ++i) counts.push_back(cu[i + 1] - cu[i]);
-    return counts;
   }
 
   /// The checks of serve() that come before the embedding (which checks the token ids) and the

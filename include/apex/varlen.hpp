@@ -71,6 +71,7 @@ struct RaggedBatch {
 namespace detail {
 
 /// Throws unless `cu` (named `name`) is N + 1 offsets from 0, never decreasing, to `rows`.
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, the counts of one call
 inline void check_offsets(const std::vector<Index>& cu, Index sequences, Index rows, const char* op,
                           const char* name) {
   APEX_CHECK(static_cast<Index>(cu.size()) == sequences + 1,
