@@ -226,11 +226,12 @@ void set_score_params(P& p, const SdpaParams& params, Index d_qk) {
 /// num_segments >= 1 key segments of one [B, H_kv] shape, s_k keys in all, under a rule and
 /// parameters that have passed sdpa's checks (the params and segments must outlive the
 /// problem). No dense mask, no bias and no user rules: the caller adds those it has.
+// Internal, three callers. NOLINTBEGIN(bugprone-easily-swappable-parameters)
 template <class TQ, class TK, class TV, class TB = TQ, class Rules = NoRules>
-// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, three callers
 AttentionProblem<TQ, TK, TV, TB, Rules> attention_problem(
     const HeadsView<const TQ>& q, const KeySegment<TK, TV>* segments, Index num_segments, Index s_k,
     const PositionMask& positions, Index first_query, const SdpaParams& params) {
+  // NOLINTEND(bugprone-easily-swappable-parameters)
   AttentionProblem<TQ, TK, TV, TB, Rules> p;
   p.q = q;
   p.segments = segments;
