@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -331,6 +332,71 @@ TEST(PagedLatentCache, AttentionEqualsContiguousRows) {
       expect_paged_equals_contiguous(out.view().head(0, h).row(row), one.view().head(0, h).row(0));
     }
   }
+}
+
+/// A pool and block tables of the caller's own (sdpa_block_tables): the pages of three
+/// sequences in shuffled order, one sequence empty of queries; equals contiguous attention over
+/// the gathered tokens. A table that points outside the pool, or is too short, is rejected.
+TEST(PagedKvCache, BlockTablesOfTheCallersOwn) {
+  std::mt19937 rng(21);
+  const Index page = 8, pages = 40, q_heads = 4;
+  Heads<float> k_pool(pages, kHeads, page, kDim), v_pool(pages, kHeads, page, kDim);
+  k_pool.randomize(rng);
+  v_pool.randomize(rng);
+  std::vector<Index> order(pages);
+  for (Index p = 0; p < pages; ++p) order[std::size_t(p)] = p;
+  std::shuffle(order.begin(), order.end(), rng);
+  apex::BlockTables<float, float> tables{k_pool.view(), v_pool.view(), {}, {100, 37, 5}};
+  std::size_t next = 0;
+  for (const Index length : tables.lengths) {
+    tables.block_tables.emplace_back(order.begin() + long(next),
+                                     order.begin() + long(next + std::size_t((length + 7) / 8)));
+    next += std::size_t((length + 7) / 8);
+  }
+  const std::vector<Index> cu = {0, 3, 3, 4};  // 3, 0 and 1 queries
+  Heads<float> q(1, q_heads, 4, kDim), out(1, q_heads, 4, kDim);
+  q.randomize(rng);
+  apex::sdpa_block_tables(q.view(), cu, tables, {apex::causal_mask()}, apex::SdpaParams{},
+                          out.view());
+  for (std::size_t i = 0; i < 3; ++i) {
+    const Index length = tables.lengths[i], nq = cu[i + 1] - cu[i];
+    if (nq == 0) continue;
+    Heads<float> k(1, kHeads, length, kDim), v(1, kHeads, length, kDim), one(1, q_heads, nq, kDim);
+    for (Index t = 0; t < length; ++t) {
+      const Index p = tables.block_tables[i][std::size_t(t / page)];
+      for (Index h = 0; h < kHeads; ++h) {
+        k.head_map(0, h).row(t) = k_pool.view().head(p, h).row(t % page);
+        v.head_map(0, h).row(t) = v_pool.view().head(p, h).row(t % page);
+      }
+    }
+    apex::sdpa(q.view().middle_rows(cu[i], nq), k.view(), v.view(),
+               apex::AttentionMask<float>{apex::causal_mask(), {}, {}}, apex::SdpaParams{},
+               one.view());
+    for (Index h = 0; h < q_heads; ++h) {
+      expect_paged_equals_contiguous(out.view().head(0, h).middleRows(cu[i], nq),
+                                     one.view().head(0, h));
+    }
+  }
+  out.fill(float(apex::testing::kSentinel));
+  const auto attend = [&](const apex::BlockTables<float, float>& t) {
+    return [&, t] {
+      apex::sdpa_block_tables(q.view(), cu, t, {apex::causal_mask()}, apex::SdpaParams{},
+                              out.view());
+    };
+  };
+  auto outside = tables;
+  outside.block_tables[1][2] = pages;
+  apex::testing::expect_invalid(attend(outside), {"[sdpa_block_tables] block_tables[1][2] (40)",
+                                                  "points outside the pool of 40 pages"});
+  outside.block_tables[1][2] = -1;
+  apex::testing::expect_invalid(attend(outside), "block_tables[1][2] (-1)");
+  auto short_table = tables;
+  short_table.block_tables[0].pop_back();
+  apex::testing::expect_invalid(attend(short_table), "holds 100 tokens in 12 pages of 8");
+  auto missing = tables;
+  missing.lengths.pop_back();
+  apex::testing::expect_invalid(attend(missing), "one entry per sequence");
+  EXPECT_TRUE(out.all_equal(float(apex::testing::kSentinel)));
 }
 
 /// Bad input: a clear std::invalid_argument, and nothing changes.

@@ -82,6 +82,19 @@ struct PagedLatentCacheShape {
 
 namespace detail {
 
+/// The kernel's key segment of `rows` keys from position `first` in pages `table` of the pools k
+/// and v; with no keys, an empty contiguous segment (a table of no pages may be null, which
+/// would otherwise mean "contiguous").
+template <class TK, class TV>
+KeySegment<TK, TV> paged_segment(const HeadsView<const TK>& k, const HeadsView<const TV>& v,
+                                 Index first, const Index* table, Index rows) {
+  if (rows == 0) {
+    return {k.middle_rows(0, 0).middle_batches(0, 1), v.middle_rows(0, 0).middle_batches(0, 1),
+            first};
+  }
+  return {k, v, first, table, rows};
+}
+
 /// The page bookkeeping of a paged cache and its pools ("planes": K and V, or the latent rows),
 /// each a HeadsTensor [pages, H, page_size, width] whose batch axis is the page. A sequence
 /// holds its length and its block table; pages before `first_page` were forgotten (-1).
@@ -448,7 +461,8 @@ class PagedKvCache {
   detail::KeySegment<Storage, Storage> segment(SequenceId id) const {
     const auto& s = pool_.sequence(id, "paged_kv_cache");
     const Index first = s.first_page * page_size();
-    return {pool_.plane(0), pool_.plane(1), first, s.pages.data() + s.first_page, s.length - first};
+    return detail::paged_segment(pool_.plane(0), pool_.plane(1), first,
+                                 s.pages.data() + s.first_page, s.length - first);
   }
 
  private:
@@ -558,8 +572,9 @@ class PagedLatentCache {
     const HeadsView<const Storage> rows = pool_.plane(0);
     HeadsShape latent = rows.shape();
     latent.dim = latent_dim_;
-    return {rows, HeadsView<const Storage>(rows.data(), latent, rows.strides()), first,
-            s.pages.data() + s.first_page, s.length - first};
+    return detail::paged_segment(rows,
+                                 HeadsView<const Storage>(rows.data(), latent, rows.strides()),
+                                 first, s.pages.data() + s.first_page, s.length - first);
   }
 
  private:
@@ -685,6 +700,78 @@ void sdpa_paged(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q, c
     detail::check_sequence_rule(rule, nq, keys.size(), "sequence", ids[at].value, op);
     if (i == 0) detail::check_no_overlap(HeadsView<const TQ>(q), keys.k, keys.v, out, lse, op);
     sequences[at] = {q.middle_rows(q0, nq), keys, rule, out.middle_rows(q0, nq),
+                     lse.empty() ? HeadsView<TO>() : lse.middle_rows(q0, nq)};
+  }
+  detail::attend_sequences(sequences, params, {});
+}
+
+/// K and V of many sequences in pages of a pool that the caller owns (vLLM's layout): sequence i
+/// holds lengths[i] tokens, token t in row t mod P of page block_tables[i][t / P], P the pools'
+/// page size. Views, not copies: the pools and the tables must outlive the call.
+template <class TK, class TV>
+struct BlockTables {
+  HeadsView<const TK> k_pages;                   ///< [num_pages, H_kv, P, d_qk]
+  HeadsView<const TV> v_pages;                   ///< [num_pages, H_kv, P, d_v]
+  std::vector<std::vector<Index>> block_tables;  ///< per sequence, >= ⌈lengths[i] / P⌉ pages
+  std::vector<Index> lengths;                    ///< per sequence, tokens held
+};
+
+/// sdpa_paged over a pool and block tables of the caller's (BlockTables): the queries of
+/// sequence i are rows [cu_seqlens_q[i], cu_seqlens_q[i + 1]) of q and are its last S_q tokens,
+/// at positions lengths[i] − S_q + s; rules[i] (or rules[0]) as for sdpa_paged. Checks first
+/// (the pools' shapes, one table and length per sequence, every page of a table inside the pool,
+/// S_q <= lengths[i], the rules, the outputs) and changes nothing when one fails. Equals sdpa
+/// over the same tokens stored contiguously, as sdpa_paged does.
+///   q: [1, H_q, total_q, d_qk] -> out: [1, H_q, total_q, d_v], lse (optional).
+template <class Q, class TK, class TV, class TO>
+void sdpa_block_tables(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q,
+                       const BlockTables<TK, TV>& pages, const std::vector<PositionMask>& rules,
+                       const SdpaParams& params, const HeadsView<TO>& out,
+                       const HeadsView<TO>& lse = {}) {
+  using TQ = std::remove_const_t<Q>;
+  const char* op = "sdpa_block_tables";
+  const HeadsView<const TK>& k = pages.k_pages;
+  const HeadsView<const TV>& v = pages.v_pages;
+  APEX_CHECK(q.batch() == 1, "[" << op << "] q batch (" << q.batch()
+                                 << ") must be 1: the sequences are packed along the rows");
+  APEX_CHECK(k.batch() == v.batch() && k.seq() == v.seq() && k.seq() >= 1,
+             "[" << op << "] k_pages [" << k.batch() << ", " << k.heads() << ", " << k.seq() << ", "
+                 << k.dim() << "] and v_pages [" << v.batch() << ", " << v.heads() << ", "
+                 << v.seq() << ", " << v.dim()
+                 << "] must have the same pages of the same size (>= 1)");
+  detail::check_sdpa(q, k.middle_rows(0, 0).middle_batches(0, 1),
+                     v.middle_rows(0, 0).middle_batches(0, 1), AttentionMask<TO>{}, params, out,
+                     lse, op);
+  const auto n = static_cast<Index>(pages.lengths.size());
+  APEX_CHECK(static_cast<Index>(pages.block_tables.size()) == n,
+             "[" << op << "] block_tables (" << pages.block_tables.size() << ") and lengths (" << n
+                 << ") must have one entry per sequence");
+  detail::check_offsets(cu_seqlens_q, n, q.seq(), op, "cu_seqlens_q");
+  APEX_CHECK(rules.size() == 1 || static_cast<Index>(rules.size()) == n,
+             "[" << op << "] rules holds " << rules.size()
+                 << " position masks; expected 1 (shared) or one per sequence (" << n << ")");
+  detail::check_no_overlap(HeadsView<const TQ>(q), k, v, out, lse, op);
+  const Index page = k.seq();
+  std::vector<detail::SequenceViews<TQ, TK, TV, TO>> sequences(static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i) {
+    const auto at = static_cast<std::size_t>(i);
+    const Index q0 = cu_seqlens_q[at], nq = cu_seqlens_q[at + 1] - q0;
+    const Index length = pages.lengths[at];
+    const std::vector<Index>& table = pages.block_tables[at];
+    APEX_CHECK(length >= nq && static_cast<Index>(table.size()) >= (length + page - 1) / page,
+               "[" << op << "] sequence " << i << " holds " << length << " tokens in "
+                   << table.size() << " pages of " << page << "; it needs >= " << nq
+                   << " tokens (its queries are its last ones) and ⌈length / page⌉ pages");
+    for (std::size_t j = 0; j < table.size(); ++j) {
+      APEX_CHECK(table[j] >= 0 && table[j] < k.batch(),
+                 "[" << op << "] block_tables[" << i << "][" << j << "] (" << table[j]
+                     << ") points outside the pool of " << k.batch() << " pages");
+    }
+    const PositionMask& rule = rules[rules.size() == 1 ? 0 : at];
+    detail::check_cache_rule(rule, rules.size() == 1 ? 0 : i, op);
+    detail::check_sequence_rule(rule, nq, length, "sequence", i, op);
+    sequences[at] = {q.middle_rows(q0, nq), detail::paged_segment(k, v, 0, table.data(), length),
+                     rule, out.middle_rows(q0, nq),
                      lse.empty() ? HeadsView<TO>() : lse.middle_rows(q0, nq)};
   }
   detail::attend_sequences(sequences, params, {});
