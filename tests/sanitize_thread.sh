@@ -22,7 +22,7 @@ build="$src/build/tsan"
 
 start=$(date +%s.%N)
 cmake -S "$src" -B "$build" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
   -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" \
   -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" \
   -DAPEX_USE_OPENMP="$openmp" -DAPEX_BUILD_TESTS=ON -DAPEX_BUILD_EXAMPLES=OFF \
