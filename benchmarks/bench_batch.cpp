@@ -10,7 +10,10 @@
 //   BM_PagedDecode/block:P/S  one new token (H_q = 32) against S tokens (H_kv = 8) of a
 //                             PagedKvCache with pages of P tokens, through its block table.
 //                             GBps counts the K and V bytes read: compare with
-//                             BM_Decode_Fast/f32/S (the same keys stored contiguously).
+//                             BM_Decode_Fast/f32/S (the same keys stored contiguously). The
+//                             sequence's pages follow one another in the pool (a pool is stored
+//                             head-major, so each head then reads as one stream); with
+//                             /scattered:8 they lie 8 pages apart, as after churn.
 //   BM_BatchDecode/seqs:64    one decoding step of 64 sequences of a PagedKvCache (pages of 64),
 //                             lengths spread geometrically over 256 .. 32768 (439 K tokens in
 //                             all), H_q = 16, H_kv = 2: one sdpa_paged call. GBps counts the K
@@ -72,30 +75,37 @@ void run_varlen(benchmark::State& state) {
 }
 
 /// A PagedKvCache holding sequences of the given lengths of random K/V, appended 512 tokens at
-/// a time; returns the cache and the sequences' ids.
+/// a time, so that each sequence's pages follow one another in the pool; returns the cache and
+/// the sequences' ids. With `scatter` > 1, `scatter` − 1 other sequences are appended a page at
+/// a time in turn with each one and then freed: its pages lie `scatter` apart, as after churn.
 std::pair<apex::PagedKvCache<float>, std::vector<apex::SequenceId>> filled_cache(
-    const std::vector<Index>& lengths, Index kv_heads, Index page) {
+    const std::vector<Index>& lengths, Index kv_heads, Index page, Index scatter = 1) {
   Index pages = 0;
   for (const Index l : lengths) pages += (l + page - 1) / page;
-  apex::PagedKvCache<float> cache({kv_heads, kHeadDim, page, pages});
+  apex::PagedKvCache<float> cache({kv_heads, kHeadDim, page, pages * scatter});
   const Packed block(kv_heads, 512, 5);
   std::vector<apex::SequenceId> ids;
   for (const Index l : lengths) {
     ids.push_back(cache.add());
+    std::vector<apex::SequenceId> others;
+    for (Index o = 1; o < scatter; ++o) others.push_back(cache.add());
+    const Index chunk = scatter > 1 ? page : 512;
     for (Index done = 0; done < l;) {
-      const Index n = std::min<Index>(512, l - done);
+      const Index n = std::min<Index>(chunk, l - done);
       const auto rows = block.view.middle_rows(0, n);
       cache.append(ids.back(), rows, rows);
+      for (const apex::SequenceId other : others) cache.append(other, rows, rows);
       done += n;
     }
+    for (const apex::SequenceId other : others) cache.free(other);
   }
   return {std::move(cache), std::move(ids)};
 }
 
 /// One query per sequence against its whole paged history; GBps counts the K/V bytes held.
 void run_paged_decode(benchmark::State& state, const std::vector<Index>& lengths, Index q_heads,
-                      Index kv_heads, Index page) {
-  const auto [cache, ids] = filled_cache(lengths, kv_heads, page);
+                      Index kv_heads, Index page, Index scatter = 1) {
+  const auto [cache, ids] = filled_cache(lengths, kv_heads, page, scatter);
   const auto n = static_cast<Index>(ids.size());
   std::vector<Index> cu;
   for (Index i = 0; i <= n; ++i) cu.push_back(i);
@@ -135,6 +145,12 @@ const bool kRegistered = [] {
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark(
+      "BM_PagedDecode/block:16/scattered:8",
+      [](benchmark::State& state) { run_paged_decode(state, {state.range(0)}, 32, 8, 16, 8); })
+      ->Arg(32768)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark(
       "BM_BatchDecode/seqs:64",
       [](benchmark::State& state) { run_paged_decode(state, spread_lengths(), 16, 2, 64); })

@@ -14,6 +14,10 @@
 //                     §7.4, §8.3): pools [pages, H_kv, page, d_h] of K and of V.
 //   PagedLatentCache  multi-head latent attention's rows [c_kv ‖ K_rope] (§9.4, as LatentCache):
 //                     a pool [pages, 1, page, d_kv + H_kr·d_r].
+// The pools are stored head-major ([H, pages, page, width] in memory, viewed page first): a
+// head's pages lie one after another, so a sequence whose pages were taken in order is read as
+// one stream per head, as a contiguous cache is (BM_PagedDecode measures both that and scattered
+// pages).
 //
 // Operations: add a sequence, append tokens, fork (the new sequence shares every page; a page is
 // copied only when a sequence writes into a page that another still holds: copy on write),
@@ -122,7 +126,7 @@ class PagePool {
       heads_tensor_size<Storage>({num_pages, heads, page_size, width}, op);
     }
     for (const auto& [heads, width] : planes) {
-      planes_.emplace_back(HeadsShape{num_pages, heads, page_size, width});
+      planes_.emplace_back(HeadsShape{heads, num_pages, page_size, width});  // head-major
     }
     page_size_ = page_size;
     refs_.assign(static_cast<std::size_t>(num_pages), 0);
@@ -148,8 +152,15 @@ class PagePool {
   /// How many sequences hold page p.
   Index references(Index page) const { return refs_[static_cast<std::size_t>(page)]; }
   /// Pool `plane`, [pages, H, page_size, width].
-  HeadsView<const Storage> plane(std::size_t i) const { return planes_[i].view(); }
-  HeadsView<Storage> plane(std::size_t i) { return planes_[i].view(); }
+  /// The pools are stored head-major, [H, pages, page_size, width], so that each head's pages
+  /// lie one after another: a sequence whose pages were taken in order reads every head as one
+  /// stream, as from a contiguous cache. plane() views them with the page first.
+  HeadsView<const Storage> plane(std::size_t i) const {
+    return pages_first(planes_[i].data(), planes_[i].shape());
+  }
+  HeadsView<Storage> plane(std::size_t i) {
+    return pages_first(planes_[i].data(), planes_[i].shape());
+  }
 
   /// The sequence `id`; throws unless it is live.
   const Sequence& sequence(SequenceId id, const char* op) const {
@@ -267,8 +278,9 @@ class PagePool {
     if (s.length % page_size_ != 0 && references(s.pages.back()) > 1) {
       const Index from = s.pages.back();
       const Index to = take();
-      for (auto& plane : planes_) {
-        for (Index h = 0; h < plane.heads(); ++h) plane.head(to, h) = plane.head(from, h);
+      for (std::size_t i = 0; i < planes_.size(); ++i) {
+        const HeadsView<Storage> pool = plane(i);
+        for (Index h = 0; h < pool.heads(); ++h) pool.head(to, h) = pool.head(from, h);
       }
       release(from);
       s.pages.back() = to;
@@ -303,6 +315,14 @@ class PagePool {
 
  private:
   Index pages_for(Index tokens) const { return (tokens + page_size_ - 1) / page_size_; }
+
+  /// A head-major pool [H, pages, P, width] viewed as [pages, H, P, width].
+  template <class T>
+  static HeadsView<T> pages_first(T* data, const HeadsShape& stored) {
+    const Index page = stored.seq * stored.dim;
+    return HeadsView<T>(data, {stored.heads, stored.batch, stored.seq, stored.dim},
+                        {page, stored.heads * page, stored.dim});
+  }
 
   /// The pages a sequence still holds.
   static std::vector<Index> held(const Sequence& s) {
