@@ -16,8 +16,9 @@
 //                             /scattered:8 they lie 8 pages apart, as after churn.
 //   BM_BatchDecode/seqs:64    one decoding step of 64 sequences of a PagedKvCache (pages of 64),
 //                             lengths spread geometrically over 256 .. 32768 (439 K tokens in
-//                             all), H_q = 16, H_kv = 2: one sdpa_paged call. GBps counts the K
-//                             and V bytes of every sequence: compare with BM_MemRead.
+//                             all), H_q = 8, H_kv = 2 (the group of 4 of BM_Decode_Fast): one
+//                             sdpa_paged call. GBps counts the K and V bytes of every sequence:
+//                             compare with BM_MemRead.
 // Threads: OpenMP, as many as OMP_NUM_THREADS says (the figures are meant for 2).
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 // GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers when Eigen's
@@ -153,7 +154,7 @@ const bool kRegistered = [] {
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark(
       "BM_BatchDecode/seqs:64",
-      [](benchmark::State& state) { run_paged_decode(state, spread_lengths(), 16, 2, 64); })
+      [](benchmark::State& state) { run_paged_decode(state, spread_lengths(), 8, 2, 64); })
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
   return true;
