@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// Continuous batching: an 8-layer APEX-1 stack (d = 128, random weights) serves 64 requests of
+// Continuous batching: a 6-layer APEX-1 stack (d = 512, random weights) serves 64 requests of
 // random prompt and output lengths, at most 16 at a time, from one ServingCache (paged caches:
 // each local layer holds a window's pages per sequence, each global layer the whole history).
 // New requests are admitted as others finish, and their prompts go through the stack in the
@@ -37,17 +37,17 @@ std::int64_t argmax(const apex::RowMatrix<float>& logits, apex::Index row) {
 apex::StackConfig config() {
   apex::StackConfig c;
   c.vocab_size = 1000;
-  c.d_model = 128;
-  c.num_layers = 8;  // layer 5 global (MLA), the others local (GQA with a window)
+  c.d_model = 512;
+  c.num_layers = 6;  // layer 5 global (MLA), the others local (GQA with a window)
   c.window = 32;
-  c.local = apex::GqaConfig{128, 4, 2, 32};
-  c.global.d_model = 128;
-  c.global.d_q = 64;
-  c.global.d_kv = 64;
-  c.global.num_q_heads = 4;
+  c.local = apex::GqaConfig{512, 8, 2, 64};
+  c.global.d_model = 512;
+  c.global.d_q = 256;
+  c.global.d_kv = 128;
+  c.global.num_q_heads = 8;
   c.global.num_kv_heads = 2;
-  c.global.head_dim = 32;
-  c.global.rope_dim = 16;
+  c.global.head_dim = 64;
+  c.global.rope_dim = 32;
   c.max_positions = 512;
   return c;
 }
@@ -163,7 +163,7 @@ int run() {
   for (const Request& q : requests) tokens += q.prompt.size() + q.outputs;
   std::printf(
       "Serving 64 requests (prompts 8-48 tokens, 4-24 outputs; every fourth continues a\n"
-      "32-token system prompt) with an 8-layer stack, d = 128, at most 16 at a time:\n");
+      "32-token system prompt) with a 6-layer stack, d = 512, at most 16 at a time:\n");
   const double batched = serve_all(stack, system, requests);
   const auto [alone, worst] = one_at_a_time(stack, system, requests);
   std::size_t alone_tokens = 0;
