@@ -400,9 +400,10 @@ class GroupedQueryAttention {
   ///   masks with their offsets unset (the positions are the cache's); params: RoPE table
   ///   covering every new position, scale and soft-cap, position_offset 0 (unused)
   ///   -> out: [T, d].
-  /// A sequence fed its tokens this way, in any chunks, gets what forward_cached gets. A window
-  /// layer's caller may then forget the pages its window has passed (forget_before). Every check
-  /// runs before the cache or out is written: on error both are unchanged. out may be x itself.
+  /// A sequence fed its tokens this way, in any chunks, gets what forward_cached gets, to the
+  /// rounding of the other order of its key blocks. A window layer's caller may then forget the
+  /// pages its window has passed (forget_before). Every check runs before the cache or out is
+  /// written: on error both are unchanged. out may be x itself.
   /// Allocates the projections, the positions and the [T, H_q·d_h] concatenation.
   template <class Derived, class Storage>
   void forward_paged(const Eigen::MatrixBase<Derived>& x, const std::vector<Index>& cu_seqlens,
