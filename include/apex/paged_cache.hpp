@@ -356,6 +356,83 @@ class PagePool {
 
 }  // namespace detail
 
+/// The sequences and pages of a paged cache, shared by PagedKvCache and PagedLatentCache: the
+/// live sequences with their block tables, and the pool's memory figures. A default-constructed
+/// or moved-from one has no pages and no sequences, and every add throws.
+template <class Storage>
+class PagedSequences {
+ public:
+  /// Tokens per page.
+  Index page_size() const { return pool_.page_size(); }
+  /// Pages of the pool.
+  Index num_pages() const { return pool_.num_pages(); }
+  /// Pages no sequence holds.
+  Index free_pages() const { return pool_.free_pages(); }
+  /// Pages some sequence holds (a shared page counts once).
+  Index pages_in_use() const { return pool_.pages_in_use(); }
+  /// How many sequences hold page p (0 <= p < num_pages()).
+  Index references(Index page) const { return pool_.references(page); }
+  /// Exact bytes of the pools, whatever is in use.
+  std::int64_t bytes() const { return pool_.bytes(); }
+  /// The fraction of the rows of the pages in use that hold no token.
+  double fragmentation() const { return pool_.fragmentation(); }
+  /// Number of live sequences.
+  Index sequences() const { return static_cast<Index>(pool_.sequences().size()); }
+  /// Tokens of sequence id (positions [0, length)); throws unless it is live.
+  Index length(SequenceId id) const { return pool_.sequence(id, op_).length; }
+  /// Absolute position of the first token still held (0 unless forget_before released pages).
+  Index first_position(SequenceId id) const {
+    return pool_.sequence(id, op_).first_page * page_size();
+  }
+  /// The block table of sequence id: the page of positions [i·page, (i + 1)·page), or -1 for a
+  /// page forgotten by forget_before. Valid until the sequence changes.
+  const std::vector<Index>& block_table(SequenceId id) const {
+    return pool_.sequence(id, op_).pages;
+  }
+
+  /// Adds an empty sequence and returns its id. Throws on an empty cache.
+  SequenceId add() { return pool_.add(op_); }
+  /// Adds a sequence holding the tokens of `id` in the same pages (copy on write; see the top
+  /// of this header) and returns its id. Throws unless `id` is live.
+  SequenceId fork(SequenceId id) { return pool_.fork(id, op_); }
+  /// Frees sequence `id` (its id is then invalid). Throws unless it is live.
+  void free(SequenceId id) { pool_.free(id, op_); }
+  /// Keeps the first new_length tokens of `id`, first_position(id) <= new_length <= length(id).
+  void truncate(SequenceId id, Index new_length) { pool_.truncate(id, new_length, op_); }
+  /// Releases the pages of `id` that hold only positions before `position` (0 <= position <=
+  /// length(id)): for a sliding window of W, position = length − W + 1 before the next token
+  /// (no later query sees them).
+  void forget_before(SequenceId id, Index position) { pool_.forget_before(id, position, op_); }
+  /// Throws unless n tokens can be appended to sequence id for every (id, n) of `appends` in one
+  /// step (distinct live ids): the pages they need together fit in the free pages.
+  void check_appends(const std::vector<std::pair<SequenceId, Index>>& appends) const {
+    pool_.check_grow_all(appends, op_);
+  }
+
+ protected:
+  /// No pages, no sequences.
+  PagedSequences() = default;
+  /// The pools of detail::PagePool; `op` (a literal) prefixes every message.
+  PagedSequences(Index page_size, Index num_pages,
+                 const std::vector<std::pair<Index, Index>>& planes, const char* op)
+      : pool_(page_size, num_pages, planes, op), op_(op) {}
+
+  /// The held tokens of sequence id as a paged key segment of the kernel, keys read from pool
+  /// view k and values from v; valid until the sequence changes.
+  detail::KeySegment<Storage, Storage> held_segment(SequenceId id,
+                                                    const HeadsView<const Storage>& k,
+                                                    const HeadsView<const Storage>& v) const {
+    const auto& s = pool_.sequence(id, op_);
+    const Index first = s.first_page * page_size();
+    return detail::paged_segment(k, v, first, s.pages.data() + s.first_page, s.length - first);
+  }
+
+  /// The pages, their reference counts, the pools and the sequences' block tables.
+  detail::PagePool<Storage> pool_;
+  /// The name that prefixes every message of the cache.
+  const char* op_ = "paged_cache";
+};
+
 /// The paged K/V cache of one multi-head or grouped-query attention layer (§7.4, §8.3) for many
 /// sequences: pools of K and V pages, [num_pages, H_kv, page_size, d_h] each, shared by every
 /// sequence through its block table (see the top of this header). Scalar is the type of the
@@ -363,7 +440,10 @@ class PagePool {
 /// element is rounded once as it is written). Memory: 2·num_pages·H_kv·page_size·d_h elements of
 /// Storage, allocated (zeroed) at construction, plus a block table per sequence.
 template <class Scalar, class Storage = Scalar>
-class PagedKvCache {
+class PagedKvCache : public PagedSequences<Storage> {
+  using Base = PagedSequences<Storage>;
+  using Base::pool_;
+
  public:
   /// The type of the appended tokens, and of the attention computed over them.
   using ScalarType = Scalar;
@@ -374,9 +454,9 @@ class PagedKvCache {
   PagedKvCache() = default;
   /// Allocates the pools. Throws unless every extent is >= 1 and the bytes fit in 64 bits.
   explicit PagedKvCache(const PagedKvCacheShape& shape)
-      : pool_(shape.page_size, shape.num_pages,
-              {{shape.num_kv_heads, shape.head_dim}, {shape.num_kv_heads, shape.head_dim}},
-              "paged_kv_cache") {
+      : Base(shape.page_size, shape.num_pages,
+             {{shape.num_kv_heads, shape.head_dim}, {shape.num_kv_heads, shape.head_dim}},
+             "paged_kv_cache") {
     detail::require_supported_scalar<Scalar>();
   }
 
@@ -388,52 +468,6 @@ class PagedKvCache {
   Index key_dim() const { return head_dim(); }
   /// Width of a value as attention reads it: d_h.
   Index value_dim() const { return head_dim(); }
-  /// Tokens per page.
-  Index page_size() const { return pool_.page_size(); }
-  /// Pages of the pool.
-  Index num_pages() const { return pool_.num_pages(); }
-  /// Pages no sequence holds.
-  Index free_pages() const { return pool_.free_pages(); }
-  /// Pages some sequence holds (a shared page counts once).
-  Index pages_in_use() const { return pool_.pages_in_use(); }
-  /// How many sequences hold page p (0 <= p < num_pages()).
-  Index references(Index page) const { return pool_.references(page); }
-  /// Exact bytes of the pools: 2·num_pages·H_kv·page_size·d_h·sizeof(Storage).
-  std::int64_t bytes() const { return pool_.bytes(); }
-  /// The fraction of the rows of the pages in use that hold no token.
-  double fragmentation() const { return pool_.fragmentation(); }
-  /// Number of live sequences.
-  Index sequences() const { return static_cast<Index>(pool_.sequences().size()); }
-  /// Tokens of sequence id (positions [0, length)); throws unless it is live.
-  Index length(SequenceId id) const { return pool_.sequence(id, "paged_kv_cache").length; }
-  /// Absolute position of the first token still held (0 unless forget_before released pages).
-  Index first_position(SequenceId id) const {
-    return pool_.sequence(id, "paged_kv_cache").first_page * page_size();
-  }
-  /// The block table of sequence id: the page of positions [i·page, (i + 1)·page), or -1 for a
-  /// page forgotten by forget_before. Valid until the sequence changes.
-  const std::vector<Index>& block_table(SequenceId id) const {
-    return pool_.sequence(id, "paged_kv_cache").pages;
-  }
-
-  /// Adds an empty sequence and returns its id. Throws on an empty cache.
-  SequenceId add() { return pool_.add("paged_kv_cache"); }
-  /// Adds a sequence holding the tokens of `id` in the same pages (copy on write; see the top
-  /// of this header) and returns its id. Throws unless `id` is live.
-  SequenceId fork(SequenceId id) { return pool_.fork(id, "paged_kv_cache"); }
-  /// Frees sequence `id` (its id is then invalid). Throws unless it is live.
-  void free(SequenceId id) { pool_.free(id, "paged_kv_cache"); }
-  /// Keeps the first new_length tokens of `id`, first_position(id) <= new_length <= length(id).
-  void truncate(SequenceId id, Index new_length) {
-    pool_.truncate(id, new_length, "paged_kv_cache");
-  }
-  /// Releases the pages of `id` that hold only positions before `position` (0 <= position <=
-  /// length(id)): for a sliding window of W, position = length − W + 1 before the next token
-  /// (no later query sees them).
-  void forget_before(SequenceId id, Index position) {
-    pool_.forget_before(id, position, "paged_kv_cache");
-  }
-
   /// Appends n tokens to sequence id, at positions [length, length + n): k, v [1, H_kv, n, d_h]
   /// views of any layout. Checks everything first (a live id, the shapes, room in the pool) and
   /// changes nothing when one fails; k and v must not overlap the pools. Allocates only the
@@ -470,23 +504,11 @@ class PagedKvCache {
     pool_.check_grow(id, k.seq(), op);
   }
 
-  /// Throws unless n tokens can be appended to sequence id for every (id, n) of `appends` in one
-  /// step (distinct live ids): the pages they need together fit in the free pages.
-  void check_appends(const std::vector<std::pair<SequenceId, Index>>& appends) const {
-    pool_.check_grow_all(appends, "paged_kv_cache");
-  }
-
   /// The keys of sequence id as a paged key segment of the kernel (its held positions), valid
   /// until the sequence changes.
   detail::KeySegment<Storage, Storage> segment(SequenceId id) const {
-    const auto& s = pool_.sequence(id, "paged_kv_cache");
-    const Index first = s.first_page * page_size();
-    return detail::paged_segment(pool_.plane(0), pool_.plane(1), first,
-                                 s.pages.data() + s.first_page, s.length - first);
+    return this->held_segment(id, pool_.plane(0), pool_.plane(1));
   }
-
- private:
-  detail::PagePool<Storage> pool_;
 };
 
 /// The paged cache of one multi-head latent attention layer (§9.4) for many sequences: per
@@ -497,7 +519,10 @@ class PagedKvCache {
 /// H_kr·d_r) elements of Storage, allocated (zeroed) at construction, plus a block table per
 /// sequence.
 template <class Scalar, class Storage = Scalar>
-class PagedLatentCache {
+class PagedLatentCache : public PagedSequences<Storage> {
+  using Base = PagedSequences<Storage>;
+  using Base::pool_;
+
  public:
   /// The type of the appended rows, and of the attention computed over them.
   using ScalarType = Scalar;
@@ -509,7 +534,7 @@ class PagedLatentCache {
   /// Allocates the pool. Throws unless every extent is >= 1, rope_dim is even and the bytes fit
   /// in 64 bits.
   explicit PagedLatentCache(const PagedLatentCacheShape& shape)
-      : pool_(shape.page_size, shape.num_pages, {{1, row_width(shape)}}, "paged_latent_cache"),
+      : Base(shape.page_size, shape.num_pages, {{1, row_width(shape)}}, "paged_latent_cache"),
         latent_dim_(shape.latent_dim) {
     detail::require_supported_scalar<Scalar>();
   }
@@ -524,44 +549,6 @@ class PagedLatentCache {
   Index key_dim() const { return row_dim(); }
   /// Width of a value as attention reads it: d_kv.
   Index value_dim() const { return latent_dim(); }
-  /// Tokens per page.
-  Index page_size() const { return pool_.page_size(); }
-  /// Pages of the pool.
-  Index num_pages() const { return pool_.num_pages(); }
-  /// Pages no sequence holds.
-  Index free_pages() const { return pool_.free_pages(); }
-  /// Pages some sequence holds (a shared page counts once).
-  Index pages_in_use() const { return pool_.pages_in_use(); }
-  /// How many sequences hold page p (0 <= p < num_pages()).
-  Index references(Index page) const { return pool_.references(page); }
-  /// Exact bytes of the pool: num_pages·page_size·(d_kv + H_kr·d_r)·sizeof(Storage).
-  std::int64_t bytes() const { return pool_.bytes(); }
-  /// The fraction of the rows of the pages in use that hold no token.
-  double fragmentation() const { return pool_.fragmentation(); }
-  /// Number of live sequences.
-  Index sequences() const { return static_cast<Index>(pool_.sequences().size()); }
-  /// Tokens of sequence id; throws unless it is live.
-  Index length(SequenceId id) const { return pool_.sequence(id, kOp).length; }
-  /// Absolute position of the first token still held.
-  Index first_position(SequenceId id) const {
-    return pool_.sequence(id, kOp).first_page * page_size();
-  }
-  /// The block table of sequence id (-1: a forgotten page). Valid until the sequence changes.
-  const std::vector<Index>& block_table(SequenceId id) const {
-    return pool_.sequence(id, kOp).pages;
-  }
-
-  /// Adds an empty sequence and returns its id. Throws on an empty cache.
-  SequenceId add() { return pool_.add(kOp); }
-  /// Adds a sequence sharing the pages of `id` (copy on write) and returns its id.
-  SequenceId fork(SequenceId id) { return pool_.fork(id, kOp); }
-  /// Frees sequence `id` (its id is then invalid).
-  void free(SequenceId id) { pool_.free(id, kOp); }
-  /// Keeps the first new_length tokens of `id`, first_position(id) <= new_length <= length(id).
-  void truncate(SequenceId id, Index new_length) { pool_.truncate(id, new_length, kOp); }
-  /// Releases the pages of `id` that hold only positions before `position`.
-  void forget_before(SequenceId id, Index position) { pool_.forget_before(id, position, kOp); }
-
   /// Appends n tokens from their rows [n, d_kv + H_kr·d_r] = [c_kv ‖ K_rope] (the layout of
   /// LatentCache::rows()). Checks everything first and changes nothing when one fails.
   void append(SequenceId id, const ConstRowRef<Scalar>& rows) {
@@ -578,23 +565,14 @@ class PagedLatentCache {
     }
   }
 
-  /// Throws unless n tokens can be appended to sequence id for every (id, n) of `appends` in one
-  /// step (distinct live ids).
-  void check_appends(const std::vector<std::pair<SequenceId, Index>>& appends) const {
-    pool_.check_grow_all(appends, kOp);
-  }
-
   /// The rows of sequence id as a paged key segment of the kernel: keys the whole rows, values
   /// their first d_kv columns. Valid until the sequence changes.
   detail::KeySegment<Storage, Storage> segment(SequenceId id) const {
-    const auto& s = pool_.sequence(id, kOp);
-    const Index first = s.first_page * page_size();
     const HeadsView<const Storage> rows = pool_.plane(0);
     HeadsShape latent = rows.shape();
     latent.dim = latent_dim_;
-    return detail::paged_segment(rows,
-                                 HeadsView<const Storage>(rows.data(), latent, rows.strides()),
-                                 first, s.pages.data() + s.first_page, s.length - first);
+    return this->held_segment(id, rows,
+                              HeadsView<const Storage>(rows.data(), latent, rows.strides()));
   }
 
  private:
@@ -610,7 +588,6 @@ class PagedLatentCache {
            detail::checked_product(shape.rope_heads, shape.rope_dim, kOp, "H_kr·d_r");
   }
 
-  detail::PagePool<Storage> pool_;
   detail::ResetOnMove<Index> latent_dim_;
 };
 

@@ -640,10 +640,7 @@ class AttentionStack {
       }
       x += attended;
     }
-    RowMatrix<Scalar> last(static_cast<Index>(ids.size()), x.cols());
-    for (std::size_t i = 0; i < ids.size(); ++i) last.row(Index(i)) = x.row(cu[i + 1] - 1);
-    rms_norm(last, final_gamma_, norm, RowRef<Scalar>(last));
-    return detail::matmul_transposed<Scalar>(last, embedding_);
+    return last_logits(x, std::vector<Index>(cu.begin() + 1, cu.end()));
   }
 
   /// The cache memory of this stack for `batch` sequences of `context` tokens in this scalar
@@ -833,6 +830,16 @@ class AttentionStack {
                    << config().num_layers << " layers)");
   }
 
+  /// The logits of rows ends[i] − 1 of the residual stream x (the last token of each sequence):
+  /// the final RMSNorm and the tied LM head (§2.5), logits = h · W_Eᵀ, as lm_head computes it
+  /// (detail::matmul: fixed tiles, bit-identical for any thread count). -> [ends.size(), V].
+  RowMatrix<Scalar> last_logits(const RowMatrix<Scalar>& x, const std::vector<Index>& ends) const {
+    RowMatrix<Scalar> last(static_cast<Index>(ends.size()), x.cols());
+    for (std::size_t i = 0; i < ends.size(); ++i) last.row(Index(i)) = x.row(ends[i] - 1);
+    rms_norm(last, final_gamma_, RmsNormParams{config().norm_eps}, RowRef<Scalar>(last));
+    return detail::matmul_transposed<Scalar>(last, embedding_);
+  }
+
   /// The checks of serve() that come before the embedding (which checks the token ids) and the
   /// pools' room: the cache is this stack's, the ids are live and distinct, every sequence gets
   /// tokens, its prefix lies inside its first call, and its positions stay below max_positions.
@@ -943,10 +950,9 @@ class AttentionStack {
     // The tied LM head (§2.5), logits = h · W_Eᵀ, as lm_head computes it (detail::matmul: spread
     // over threads in fixed tiles, bit-identical for any thread count).
     if (options.logits == LogitRows::kLast) {
-      RowMatrix<Scalar> last(batch, x.cols());
-      for (Index b = 0; b < batch; ++b) last.row(b) = x.row(b * n + n - 1);
-      rms_norm(last, final_gamma_, norm, RowRef<Scalar>(last));
-      return detail::matmul_transposed<Scalar>(last, embedding_);
+      std::vector<Index> ends;
+      for (Index b = 1; b <= batch; ++b) ends.push_back(b * n);
+      return last_logits(x, ends);
     }
     rms_norm(x, final_gamma_, norm, normed);
     return detail::matmul_transposed<Scalar>(normed, embedding_);
