@@ -7,6 +7,7 @@
 #include <apex/cache_memory.hpp>
 #include <apex/cached_attention.hpp>
 #include <apex/config.hpp>
+#include <apex/cpu.hpp>
 #include <apex/embedding.hpp>
 #include <apex/gqa.hpp>
 #include <apex/kv_cache.hpp>

@@ -25,10 +25,10 @@
 //   row r = g·Bq + i is query position q0 + i of query head kv_head·G + g.
 //
 // A tile folds in one key block at a time, in four named steps (AttentionTile::add_keys):
-//   score       S = Qs·K_jᵀ                       TileGemm (packed) or stream_scores
+//   score       S = Qs·K_jᵀ                       gemm, TileGemm (packed) or stream_scores
 //   mask        softcap, + ALiBi, + bias, position rule, dense mask: forbidden → -inf
 //   softmax     m, l and P = exp(S − m) per row    softmax_update (online_softmax.hpp)
-//   accumulate  acc = diag(α)·acc + P·V_j          TileGemm (packed) or stream_update
+//   accumulate  acc = diag(α)·acc + P·V_j          gemm, TileGemm (packed) or stream_update
 // and finish_row() ends each row with softmax_finish: out = acc / l, lse = m + log l (with the
 // sink, which joins there once: THE SINK in online_softmax.hpp).
 //
@@ -64,7 +64,13 @@
 // adds only the keys that take part (accumulate_visible). A NaN score among a row's keys makes
 // the row NaN (out and lse), tracked explicitly rather than left to NaN arithmetic.
 //
-// PRODUCTS. The GEMM path (M > stream_rows) runs both products on Eigen's GEMM micro-kernel over
+// PRODUCTS. In float, where the CPU runs AVX2 or AVX-512 (kernel_isa(), cpu.hpp), the GEMM path
+// (M > stream_rows) runs both products on apex's own register-blocked kernel (gemm,
+// simd_kernels.hpp), with K_j transposed into its panels once per block and P and V_j read as
+// they are; the softmax's block maximum, exponentials and sums run there too. These kernels are
+// compiled for each level whatever the build targets, so a baseline -O2 build runs them as a
+// -march=native one does. Otherwise (double, or KernelIsa::kPortable) the GEMM path runs both
+// products on Eigen's GEMM micro-kernel over
 // buffers owned by this kernel (TileGemm, eigen_adapter.hpp): Qs is packed once per task,
 // nothing is allocated, and Eigen never splits a product over threads (its thread-dependent
 // blocking would make results depend on the number of threads). Each K_j, V_j block is first
@@ -122,6 +128,8 @@
 //   Streaming path: M·d_qk + M·Bk + M·d_v + Bq·Bk + 3·M, plus 32·(d_qk + d_v) when K and V are
 //   widened before they are streamed (a panel of kStreamPanel = 32 keys at a time: a storage
 //   type the streaming products do not widen in registers themselves, kStreamsFrom).
+//   On apex's float kernels the GEMM path needs less: no packed Q, P or V, and the transposed
+//   K is ⌈Bk / panel⌉·panel·d_qk (panel = 16 or 32 keys).
 //   With ALiBi, both paths add G·Bk (the term of each head's first row).
 // Split-key decoding also keeps, on the calling thread, the partial results of every chunk,
 // at most partial_budget = 2^19 scalars (2 MiB of float) whatever S_k, and each merging thread
@@ -134,6 +142,7 @@
 #include <apex/detail/online_softmax.hpp>
 #include <apex/detail/parallel.hpp>
 #include <apex/detail/scratch.hpp>
+#include <apex/detail/simd_kernels.hpp>
 #include <apex/detail/widen.hpp>
 #include <apex/mask.hpp>
 #include <apex/storage.hpp>
@@ -382,6 +391,7 @@ class AttentionTile {
                 bool streaming)
       : p_(p),
         streaming_(streaming),
+        simd_(std::is_same_v<C, float> && !streaming ? float_kernels() : nullptr),
         b_(b),
         kv_head_(kv_head),
         q0_(q0),
@@ -458,7 +468,9 @@ class AttentionTile {
     const Index copied = gemm ? key_block : std::min(key_block, kStreamPanel);
     if (gemm || widen_k) k_copy_ = get(ScratchSlot::kKCopy, copied * p_.d_qk);
     if (gemm || widen_v) v_copy_ = get(ScratchSlot::kVCopy, copied * p_.d_v);
-    if (gemm && TileGemm<C>::kPacks) {
+    if (simd_ != nullptr) {
+      k_packed_ = get(ScratchSlot::kKPacked, simd_->packed_size(key_block, p_.d_qk));
+    } else if (gemm && TileGemm<C>::kPacks) {
       q_packed_ = get(ScratchSlot::kQPacked, rows_ * p_.d_qk);
       k_packed_ = get(ScratchSlot::kKPacked, key_block * p_.d_qk);
       p_packed_ = get(ScratchSlot::kPPacked, rows_ * key_block);
@@ -479,7 +491,9 @@ class AttentionTile {
       Eigen::Map<RowMatrix<C>>(q_stacked_ + g * bq_ * p_.d_qk, bq_, p_.d_qk) =
           p_.q.head(b_, kv_head_ * p_.group + g).middleRows(q0_, bq_).template cast<C>() * scale;
     }
-    if (!streaming_) TileGemm<C>::pack_queries(q_packed_, q_stacked_, rows_, p_.d_qk);
+    if (!streaming_ && simd_ == nullptr) {
+      TileGemm<C>::pack_queries(q_packed_, q_stacked_, rows_, p_.d_qk);
+    }
   }
 
   /// score: S (rows × n, leading dimension ld_s) = Qs·Kᵀ for the block's keys. A float pass
@@ -495,14 +509,41 @@ class AttentionTile {
       });
     } else {
       load_rows<C>(k_head, keys.row, keys.n, k_copy_);
-      TileGemm<C>::scores(scores_, ld_s_, k_copy_, k_packed_, q_packed_, q_stacked_, rows_, keys.n,
-                          p_.d_qk);
+      tile_scores(keys.n);
     }
     if constexpr (std::is_same_v<C, float>) {
       if (masked && !non_finite_score_) {
         non_finite_score_ = !all_finite(scores_, rows_, keys.n, ld_s_);
       }
     }
+  }
+
+  /// S = Qs·Kᵀ on the GEMM path for the n keys in k_copy_: on apex's kernels (K transposed into
+  /// their panels) or on Eigen's.
+  void tile_scores(Index n) {
+    const Index d = p_.d_qk;
+    if constexpr (std::is_same_v<C, float>) {
+      if (simd_ != nullptr) {
+        simd_->pack_transposed(k_packed_, k_copy_, d, n, d);
+        simd_->gemm(scores_, ld_s_, q_stacked_, d, k_packed_, simd_->panel, d * simd_->panel, rows_,
+                    n, d, false);
+        return;
+      }
+    }
+    TileGemm<C>::scores(scores_, ld_s_, k_copy_, k_packed_, q_packed_, q_stacked_, rows_, n, d);
+  }
+
+  /// acc += P·V on the GEMM path for the n values in v_copy_, on apex's kernels or Eigen's.
+  void tile_update(Index n) {
+    if constexpr (std::is_same_v<C, float>) {
+      if (simd_ != nullptr) {
+        simd_->gemm(acc_, ld_acc_, scores_, ld_s_, v_copy_, p_.d_v, simd_->panel, rows_, p_.d_v, n,
+                    true);
+        return;
+      }
+    }
+    TileGemm<C>::update(acc_, ld_acc_, scores_, ld_s_, p_packed_, v_copy_, v_packed_, rows_, n,
+                        p_.d_v);
   }
 
   /// mask: every row's scores are modified (modify_row), then the rules forbid keys
@@ -601,7 +642,7 @@ class AttentionTile {
     bool rescale = false;
     bool hidden = false;
     for (Index r = 0; r < rows_; ++r) {
-      alpha_[r] = softmax_update(stats_[r], scores_ + r * ld_s_, n, hidden);
+      alpha_[r] = softmax_update(stats_[r], scores_ + r * ld_s_, n, hidden, simd_);
       rescale = rescale || alpha_[r] != C(1);
     }
     if (rescale) {
@@ -634,8 +675,7 @@ class AttentionTile {
     if (hidden && !all_finite(v.data, keys.n, p_.d_v, v.stride)) {
       accumulate_visible(v, 0, keys.n);
     } else {
-      TileGemm<C>::update(acc_, ld_acc_, scores_, ld_s_, p_packed_, v_copy_, v_packed_, rows_,
-                          keys.n, p_.d_v);
+      tile_update(keys.n);
     }
   }
 
@@ -672,6 +712,7 @@ class AttentionTile {
 
   const P& p_;
   bool streaming_;
+  const FloatKernels* simd_;  // the products and the softmax on apex's own kernels (float)
   bool non_finite_score_ = false;
   Index b_, kv_head_, q0_, bq_, rows_, ld_s_, ld_acc_;
   C* q_stacked_ = nullptr;

@@ -21,6 +21,7 @@
 
 #include <apex/config.hpp>
 #include <apex/detail/eigen_adapter.hpp>
+#include <apex/detail/simd_kernels.hpp>
 #include <apex/storage.hpp>
 
 #include <cmath>
@@ -46,19 +47,42 @@ bool finite_stats(const SoftmaxStats<C>& stats) {
          (std::isfinite(stats.max) || stats.max == -std::numeric_limits<C>::infinity());
 }
 
+/// max_j s_j of n > 0 scores, NaN when one is NaN.
+template <class C>
+APEX_ALWAYS_INLINE C block_maximum(const C* s, Index n, const FloatKernels* simd) {
+  if constexpr (std::is_same_v<C, float>) {
+    if (simd != nullptr) return simd->max_of(s, n);
+  }
+  return Eigen::Map<const Eigen::Array<C, 1, Eigen::Dynamic>>(s, n)
+      .template maxCoeff<Eigen::PropagateNaN>();
+}
+
+/// exp_weights, then the sum of the weights (with Eigen, a separate pass measured faster than
+/// summing in exp's).
+template <class C>
+APEX_ALWAYS_INLINE C exp_and_sum(C* s, Index n, C max, bool& hidden, const FloatKernels* simd) {
+  if constexpr (std::is_same_v<C, float>) {
+    if (simd != nullptr) return simd->exp_sum(s, n, max, hidden);
+  }
+  exp_weights(s, n, max, hidden);
+  return Eigen::Map<const Eigen::Array<C, 1, Eigen::Dynamic>>(s, n).sum();
+}
+
 /// Folds one block of a row's scores into its running statistics (the online softmax):
 ///   m' = max(m, max_j s_j),  s_j <- exp(s_j − m') (−0.0 where s_j = -inf),
 ///   α = exp(m − m'),         l <- α·l + Σ_j s_j,   m <- m'
 /// and returns α, the factor by which the row's running Σ_j exp(s_j − m)·v_j must be multiplied
 /// (exactly 1 when the maximum did not move). On return `s` holds the block's weights, and
 /// `hidden` is set when some key of the block takes no part in the row. A NaN score, now or
-/// earlier, makes the row NaN; its weights are then all −0.0 (nothing is added).
+/// earlier, makes the row NaN; its weights are then all −0.0 (nothing is added). The maximum, the
+/// exponentials and their sum run on apex's own kernels where `simd` gives them (float), else on
+/// Eigen's.
 ///   s: n scores, -inf for keys that take no part.
 template <class C>
-APEX_ALWAYS_INLINE C softmax_update(SoftmaxStats<C>& row, C* s, Index n, bool& hidden) {
+APEX_ALWAYS_INLINE C softmax_update(SoftmaxStats<C>& row, C* s, Index n, bool& hidden,
+                                    const FloatKernels* simd = nullptr) {
   constexpr C kNegInf = -std::numeric_limits<C>::infinity();
-  const auto scores = Eigen::Map<Eigen::Array<C, 1, Eigen::Dynamic>>(s, n);
-  const C block_max = n == 0 ? kNegInf : scores.template maxCoeff<Eigen::PropagateNaN>();
+  const C block_max = n == 0 ? kNegInf : block_maximum(s, n, simd);
   const C new_max = std::isnan(block_max) || std::isnan(row.max)
                         ? std::numeric_limits<C>::quiet_NaN()
                         : std::max(row.max, block_max);
@@ -69,8 +93,7 @@ APEX_ALWAYS_INLINE C softmax_update(SoftmaxStats<C>& row, C* s, Index n, bool& h
     hidden = hidden || n > 0;
     return C(1);
   }
-  exp_weights(s, n, new_max, hidden);
-  const C block_sum = scores.sum();  // a separate pass measured faster than summing in exp's
+  const C block_sum = exp_and_sum(s, n, new_max, hidden, simd);
   const C alpha = row.max == new_max ? C(1) : std::exp(row.max - new_max);
   row.sum = alpha * row.sum + block_sum;
   row.max = new_max;

@@ -1,0 +1,141 @@
+// SPDX-License-Identifier: MIT
+// Which instruction set apex's own float kernels run on (detail/simd_kernels.hpp): chosen at run
+// time, so that one binary built for baseline x86-64 (a plain `-O2` Release build, no -march
+// flag) still runs its attention products with AVX2 or AVX-512 where the CPU has them.
+//
+//   KernelIsa::kPortable  Eigen's products and packets, for whatever the compiler targets: the
+//                         only path off x86-64, with compilers other than GCC and clang, and
+//                         with EIGEN_DONT_VECTORIZE.
+//   KernelIsa::kAvx2      AVX2 + FMA + F16C, 8 floats a vector.
+//   KernelIsa::kAvx512    AVX-512 F, BW, DQ and VL (and the AVX2 set), 16 floats a vector.
+//
+// The default is the widest level this CPU and its operating system run (best_kernel_isa()).
+// Two ways to force another one, where the CPU runs it (else the best one it does is kept):
+//   - the environment variable APEX_KERNEL_ISA=portable|avx2|avx512, read at the first call of
+//     an apex kernel (the tests run the attention suites once per level this way);
+//   - compiling with the macro APEX_KERNEL_ISA defined to 0 (portable), 1 (AVX2) or 2 (AVX-512),
+//     which the environment variable overrides.
+// set_kernel_isa() changes the level at run time; call it while no apex call is running. Results
+// are bit-identical for any number of threads under one level; two levels round differently (to
+// float's rounding: the order of the sums differs).
+#pragma once
+
+#include <apex/config.hpp>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(EIGEN_DONT_VECTORIZE)
+/// 1 where apex compiles its AVX2 and AVX-512 kernels (x86-64 with GCC or clang, Eigen's
+/// vectorisation not switched off), 0 elsewhere.
+#define APEX_X86_KERNELS 1
+#include <cpuid.h>
+#else
+#define APEX_X86_KERNELS 0
+#endif
+
+namespace apex {
+
+/// An instruction-set level of apex's own kernels (see the top of cpu.hpp).
+enum class KernelIsa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+/// "portable", "avx2" or "avx512".
+inline const char* to_string(KernelIsa isa) {
+  switch (isa) {
+    case KernelIsa::kAvx2:
+      return "avx2";
+    case KernelIsa::kAvx512:
+      return "avx512";
+    case KernelIsa::kPortable:
+      break;
+  }
+  return "portable";
+}
+
+/// Whether this CPU and its operating system run apex's kernels of level `isa` (the compiler's
+/// checks, which include the OS's support for the vector registers). kPortable always.
+inline bool cpu_supports(KernelIsa isa) {
+#if APEX_X86_KERNELS
+  switch (isa) {
+    case KernelIsa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+             cpu_supports(KernelIsa::kAvx2);
+    case KernelIsa::kAvx2: {
+      // F16C from CPUID leaf 1 (ECX bit 29): not every compiler's check knows it.
+      unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1U << 29)) != 0;
+    }
+    case KernelIsa::kPortable:
+      break;
+  }
+  return true;
+#else
+  return isa == KernelIsa::kPortable;
+#endif
+}
+
+/// The widest level this CPU runs, asked once.
+inline KernelIsa best_kernel_isa() {
+  static const KernelIsa best = [] {
+    if (cpu_supports(KernelIsa::kAvx512)) return KernelIsa::kAvx512;
+    if (cpu_supports(KernelIsa::kAvx2)) return KernelIsa::kAvx2;
+    return KernelIsa::kPortable;
+  }();
+  return best;
+}
+
+namespace detail {
+/// The level the environment variable APEX_KERNEL_ISA names, or -1 when it is unset or names
+/// none.
+inline int kernel_isa_from_environment() {
+  const char* name = std::getenv("APEX_KERNEL_ISA");  // NOLINT(concurrency-mt-unsafe): read once
+  if (name == nullptr) return -1;
+  for (const KernelIsa isa : {KernelIsa::kPortable, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+    if (std::strcmp(name, to_string(isa)) == 0) return static_cast<int>(isa);
+  }
+  return -1;
+}
+
+/// The level in use (an int of KernelIsa), initialised from the environment, the macro or the
+/// best level (see the top of cpu.hpp).
+inline std::atomic<int>& kernel_isa_state() {
+  static std::atomic<int> state = [] {
+#if defined(APEX_KERNEL_ISA)
+    static_assert(APEX_KERNEL_ISA >= 0 && APEX_KERNEL_ISA <= 2,
+                  "APEX_KERNEL_ISA must be 0 (portable), 1 (avx2) or 2 (avx512)");
+    int wanted = APEX_KERNEL_ISA;
+#else
+    int wanted = -1;
+#endif
+    if (kernel_isa_from_environment() >= 0) wanted = kernel_isa_from_environment();
+    if (wanted >= 0 && cpu_supports(static_cast<KernelIsa>(wanted))) return wanted;
+    return static_cast<int>(best_kernel_isa());
+  }();
+  return state;
+}
+}  // namespace detail
+
+/// The level apex's kernels run on now.
+inline KernelIsa kernel_isa() {
+  return static_cast<KernelIsa>(detail::kernel_isa_state().load(std::memory_order_relaxed));
+}
+
+/// Makes apex's kernels run on level `isa` from now on (for every thread). Throws
+/// std::invalid_argument, changing nothing, when `isa` is not a level or this CPU does not run it.
+/// Not to be called while an apex call is running.
+inline void set_kernel_isa(KernelIsa isa) {
+  const int level = static_cast<int>(isa);
+  APEX_CHECK(level >= 0 && level <= 2,
+             "[set_kernel_isa] isa (" << level << ") must be a KernelIsa (0, 1 or 2)");
+  APEX_CHECK(cpu_supports(isa), "[set_kernel_isa] isa ("
+                                    << to_string(isa)
+                                    << ") must be one this CPU runs; the best it runs is "
+                                    << to_string(best_kernel_isa()));
+  detail::kernel_isa_state().store(level, std::memory_order_relaxed);
+}
+
+}  // namespace apex

@@ -1,0 +1,221 @@
+// SPDX-License-Identifier: MIT
+// detail/simd_kernels.hpp: apex's own float kernels, on every level this CPU runs, against plain
+// double loops. The attention suites run again on every level (tests/CMakeLists.txt), which
+// checks them inside the tiled kernel; these check each kernel alone, at its edges.
+#include <apex/detail/simd_kernels.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using apex::Index;
+using apex::KernelIsa;
+using apex::detail::FloatKernels;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr double kEps = std::numeric_limits<float>::epsilon() / 2;  // u, float's unit roundoff
+
+/// The levels with kernels of their own that this CPU runs.
+std::vector<KernelIsa> levels() {
+  std::vector<KernelIsa> out;
+  for (const KernelIsa isa : {KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+    if (apex::cpu_supports(isa)) out.push_back(isa);
+  }
+  return out;
+}
+
+std::vector<float> normal(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> out(n);
+  for (float& x : out) x = dist(rng);
+  return out;
+}
+
+/// c [rows × cols] (ld_c) = (add ? c : 0) + a [rows × depth] · b [depth × cols] (ld_b), with
+/// the gemm of level `k`: b transposed into panels first when `transposed` (b given as
+/// [cols × depth], the scores' K), else as it is (the update's V).
+void run_gemm(const FloatKernels& k, std::vector<float>& c, Index ld_c, const std::vector<float>& a,
+              const std::vector<float>& b, Index rows, Index cols, Index depth, bool add,
+              bool transposed) {
+  if (transposed) {
+    std::vector<float> packed(static_cast<std::size_t>(k.packed_size(cols, depth)) + 1);
+    k.pack_transposed(packed.data(), b.data(), depth, cols, depth);
+    k.gemm(c.data(), ld_c, a.data(), depth, packed.data(), k.panel, depth * k.panel, rows, cols,
+           depth, add);
+  } else {
+    k.gemm(c.data(), ld_c, a.data(), depth, b.data(), cols, k.panel, rows, cols, depth, add);
+  }
+}
+
+TEST(SimdKernels, GemmEqualsTheDoubleLoopsAndWritesOnlyItsColumns) {
+  if (levels().empty()) GTEST_SKIP() << "this CPU runs neither AVX2 nor AVX-512 kernels";
+  for (const KernelIsa isa : levels()) {
+    const FloatKernels& k = *apex::detail::float_kernels(isa);
+    for (const bool transposed : {true, false}) {
+      for (const Index rows : {1, 5, 6, 7, 11, 12, 13, 25}) {
+        for (const Index cols : {1, 7, 8, 15, 16, 17, 31, 32, 33, 64, 70}) {
+          for (const Index depth : {0, 1, 3, 64, 129}) {
+            for (const bool add : {false, true}) {
+              const auto a = normal(static_cast<std::size_t>(rows * depth), 1);
+              const auto b = normal(static_cast<std::size_t>(depth * cols), 2);
+              const Index ld_c = cols + 5;
+              auto c = normal(static_cast<std::size_t>(rows * ld_c), 3);
+              for (Index i = 0; i < rows; ++i) {  // beyond the columns: sentinels
+                std::fill(c.data() + i * ld_c + cols, c.data() + (i + 1) * ld_c, 1234.5F);
+              }
+              const std::vector<float> c0 = c;
+              run_gemm(k, c, ld_c, a, b, rows, cols, depth, add, transposed);
+              const float* cp = c.data();
+              const float* ap = a.data();
+              const float* bp = b.data();
+              for (Index i = 0; i < rows; ++i) {
+                for (Index j = 0; j < cols; ++j) {
+                  double sum = add ? c0.data()[i * ld_c + j] : 0.0;
+                  double magnitude = std::abs(sum);
+                  for (Index t = 0; t < depth; ++t) {
+                    const double bt = transposed ? bp[j * depth + t] : bp[t * cols + j];
+                    sum += double(ap[i * depth + t]) * bt;
+                    magnitude += std::abs(double(ap[i * depth + t]) * bt);
+                  }
+                  // A chain of depth + 1 roundings: |error| <= (depth + 1)·u·Σ|terms|.
+                  const double bound = double(depth + 1) * kEps * magnitude;
+                  ASSERT_LE(std::abs(cp[i * ld_c + j] - sum), bound)
+                      << apex::to_string(isa) << " rows " << rows << " cols " << cols << " depth "
+                      << depth << " at (" << i << ", " << j << ")";
+                }
+                for (Index j = cols; j < ld_c; ++j) ASSERT_EQ(cp[i * ld_c + j], 1234.5F);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SimdKernels, GemmGivesARowTheSameBitsWhateverTheRowsBesideIt) {
+  if (levels().empty()) GTEST_SKIP() << "this CPU runs neither AVX2 nor AVX-512 kernels";
+  for (const KernelIsa isa : levels()) {
+    const FloatKernels& k = *apex::detail::float_kernels(isa);
+    const Index rows = 29, cols = 45, depth = 70;
+    const auto a = normal(static_cast<std::size_t>(rows * depth), 4);
+    const auto b = normal(static_cast<std::size_t>(depth * cols), 5);
+    std::vector<float> all(static_cast<std::size_t>(rows * cols));
+    run_gemm(k, all, cols, a, b, rows, cols, depth, false, true);
+    for (Index i = 0; i < rows; ++i) {
+      const std::vector<float> row_a(a.begin() + i * depth, a.begin() + (i + 1) * depth);
+      std::vector<float> one(static_cast<std::size_t>(cols));
+      run_gemm(k, one, cols, row_a, b, 1, cols, depth, false, true);
+      EXPECT_EQ(std::memcmp(one.data(), all.data() + i * cols, sizeof(float) * cols), 0)
+          << apex::to_string(isa) << " row " << i;
+    }
+  }
+}
+
+TEST(SimdKernels, PackTransposedPadsThePanelsWithZeros) {
+  if (levels().empty()) GTEST_SKIP() << "this CPU runs neither AVX2 nor AVX-512 kernels";
+  for (const KernelIsa isa : levels()) {
+    const FloatKernels& k = *apex::detail::float_kernels(isa);
+    const Index n = k.panel + 3, d = 5, ld = 7;
+    const auto keys = normal(static_cast<std::size_t>(n * ld), 6);
+    std::vector<float> packed(static_cast<std::size_t>(k.packed_size(n, d)), -1.0F);
+    ASSERT_EQ(k.packed_size(n, d), 2 * k.panel * d);
+    k.pack_transposed(packed.data(), keys.data(), ld, n, d);
+    for (Index j = 0; j < 2 * k.panel; ++j) {
+      for (Index c = 0; c < d; ++c) {
+        const float got = packed.data()[(j / k.panel * d + c) * k.panel + j % k.panel];
+        EXPECT_EQ(got, j < n ? keys.data()[j * ld + c] : 0.0F) << "key " << j << " column " << c;
+      }
+    }
+  }
+}
+
+TEST(SimdKernels, MaxOfPropagatesNaNAndKeepsInfinities) {
+  if (levels().empty()) GTEST_SKIP() << "this CPU runs neither AVX2 nor AVX-512 kernels";
+  for (const KernelIsa isa : levels()) {
+    const FloatKernels& k = *apex::detail::float_kernels(isa);
+    EXPECT_EQ(k.max_of(nullptr, 0), -kInf);
+    for (const Index n : {1, 7, 16, 17, 40}) {
+      auto s = normal(static_cast<std::size_t>(n), 7);
+      float expected = -kInf;
+      for (const float x : s) expected = std::max(expected, x);
+      EXPECT_EQ(k.max_of(s.data(), n), expected) << n;
+      for (Index at = 0; at < n; ++at) {
+        auto t = s;
+        t.data()[at] = std::numeric_limits<float>::quiet_NaN();
+        EXPECT_TRUE(std::isnan(k.max_of(t.data(), n))) << apex::to_string(isa) << " " << at;
+        t.data()[at] = kInf;
+        EXPECT_EQ(k.max_of(t.data(), n), kInf);
+      }
+      std::vector<float> hidden(static_cast<std::size_t>(n), -kInf);
+      EXPECT_EQ(k.max_of(hidden.data(), n), -kInf);
+    }
+  }
+}
+
+/// Units in the last place between a float and the double it approximates.
+double ulps(float got, double want) {
+  const double ulp = std::ldexp(1.0, std::ilogb(static_cast<float>(want)) - 23);
+  return std::abs(got - want) / ulp;
+}
+
+TEST(SimdKernels, ExpSumIsWithinTwoUlpsAndMarksHiddenKeys) {
+  if (levels().empty()) GTEST_SKIP() << "this CPU runs neither AVX2 nor AVX-512 kernels";
+  for (const KernelIsa isa : levels()) {
+    const FloatKernels& k = *apex::detail::float_kernels(isa);
+    // Every float step of 2^-10 over [-90, 0], against a maximum of 0.5.
+    std::vector<float> s;
+    for (float x = -90.0F; x <= 0.5F; x += 1.0F / 1024) s.push_back(x);
+    std::vector<float> w = s;
+    bool hidden = false;
+    const float sum = k.exp_sum(w.data(), static_cast<Index>(w.size()), 0.5F, hidden);
+    EXPECT_FALSE(hidden);
+    double expected_sum = 0;
+    double worst = 0;
+    for (std::size_t j = 0; j < s.size(); ++j) {
+      const double want = std::exp(double(s[j]) - 0.5);
+      expected_sum += double(w[j]);
+      if (double(s[j]) - 0.5 < -87.33654) {
+        EXPECT_EQ(w[j], 0.0F) << s[j];
+        EXPECT_FALSE(std::signbit(w[j]));
+      } else {
+        worst = std::max(worst, ulps(w[j], want));
+      }
+    }
+    EXPECT_LE(worst, 2.0) << apex::to_string(isa);
+    EXPECT_NEAR(sum, expected_sum, expected_sum * double(s.size()) * kEps);
+
+    // -inf gives -0.0 and sets hidden; the sign of every other weight is clear.
+    for (const Index n : {1, 9, 16, 33}) {
+      std::vector<float> t(static_cast<std::size_t>(n), -1.0F);
+      t[static_cast<std::size_t>(n - 1)] = -kInf;
+      bool h = false;
+      const float total = k.exp_sum(t.data(), n, 0.0F, h);
+      EXPECT_TRUE(h) << n;
+      EXPECT_EQ(t[static_cast<std::size_t>(n - 1)], 0.0F);
+      EXPECT_TRUE(std::signbit(t[static_cast<std::size_t>(n - 1)]));
+      for (Index j = 0; j + 1 < n; ++j) EXPECT_FALSE(std::signbit(t[static_cast<std::size_t>(j)]));
+      EXPECT_NEAR(total, double(n - 1) * std::exp(-1.0), 1e-5 * double(n));
+    }
+    // A maximum of +inf: the +inf score's weight is NaN (inf − inf), a finite one's +0, as with
+    // Eigen's exp, and the sum is NaN.
+    std::vector<float> inf_row = {1.0F, kInf};
+    bool h = false;
+    EXPECT_TRUE(std::isnan(k.exp_sum(inf_row.data(), 2, kInf, h)));
+    EXPECT_EQ(inf_row[0], 0.0F);
+    EXPECT_FALSE(std::signbit(inf_row[0]));
+    EXPECT_TRUE(std::isnan(inf_row[1]));
+  }
+}
+
+}  // namespace
