@@ -50,10 +50,10 @@ void run_gemm(const FloatKernels& k, std::vector<float>& c, Index ld_c, const st
   if (transposed) {
     std::vector<float> packed(static_cast<std::size_t>(k.packed_size(cols, depth)) + 1);
     k.pack_transposed(packed.data(), b.data(), depth, cols, depth);
-    k.gemm(c.data(), ld_c, a.data(), depth, packed.data(), k.panel, depth * k.panel, rows, cols,
-           depth, add);
+    k.f32.gemm(c.data(), ld_c, a.data(), depth, packed.data(), k.panel, depth * k.panel, rows, cols,
+               depth, add);
   } else {
-    k.gemm(c.data(), ld_c, a.data(), depth, b.data(), cols, k.panel, rows, cols, depth, add);
+    k.f32.gemm(c.data(), ld_c, a.data(), depth, b.data(), cols, k.panel, rows, cols, depth, add);
   }
 }
 
@@ -120,6 +120,83 @@ TEST(SimdKernels, GemmGivesARowTheSameBitsWhateverTheRowsBesideIt) {
           << apex::to_string(isa) << " row " << i;
     }
   }
+}
+
+/// x rounded to storage type T and read back as float, and the T values themselves.
+template <class T>
+std::vector<T> stored(const std::vector<float>& x) {
+  std::vector<T> out;
+  for (const float v : x) out.push_back(static_cast<T>(v));
+  return out;
+}
+template <class T>
+std::vector<float> widened(const std::vector<T>& x) {
+  std::vector<float> out;
+  for (const T v : x) out.push_back(static_cast<float>(v));
+  return out;
+}
+
+/// The streaming products on rows stored as T: gemm with a 16-bit b (the values of a decoding
+/// step) and dots (its scores), against the double loops on the widened values, and the same
+/// bits for a row whatever the rows beside it.
+template <class T>
+void check_streaming_products(const char* type) {
+  for (const KernelIsa isa : levels()) {
+    const FloatKernels& k = *apex::detail::float_kernels(isa);
+    const auto& kernels = k.rows<T>();
+    for (const Index rows : {1, 3, 4, 5, 8, 13}) {
+      for (const Index d : {1, 7, 8, 16, 17, 33, 64, 130}) {
+        const Index n = 37, stride = d + 3;
+        const auto q = normal(static_cast<std::size_t>(rows * d), 8);
+        const auto keys = stored<T>(normal(static_cast<std::size_t>(n * stride), 9));
+        const auto keys_f = widened(keys);
+        std::vector<float> s(static_cast<std::size_t>(rows * n));
+        kernels.dots(s.data(), n, q.data(), rows, apex::detail::simd_elements(keys.data()), stride,
+                     n, d);
+        std::vector<float> acc = normal(static_cast<std::size_t>(rows * d), 10);
+        const std::vector<float> acc0 = acc;
+        const auto p = normal(static_cast<std::size_t>(rows * n), 11);
+        kernels.gemm(acc.data(), d, p.data(), n, apex::detail::simd_elements(keys.data()), stride,
+                     k.panel, rows, d, n, true);
+        for (Index i = 0; i < rows; ++i) {
+          for (Index j = 0; j < n; ++j) {
+            double dot = 0, size = 0;
+            for (Index c = 0; c < d; ++c) {
+              const double term = double(q.data()[i * d + c]) * keys_f.data()[j * stride + c];
+              dot += term;
+              size += std::abs(term);
+            }
+            ASSERT_LE(std::abs(s.data()[i * n + j] - dot), double(d + 1) * kEps * size)
+                << type << " " << apex::to_string(isa) << " dots rows " << rows << " d " << d;
+          }
+          for (Index c = 0; c < d; ++c) {
+            double sum = acc0.data()[i * d + c], size = std::abs(sum);
+            for (Index j = 0; j < n; ++j) {
+              const double term = double(p.data()[i * n + j]) * keys_f.data()[j * stride + c];
+              sum += term;
+              size += std::abs(term);
+            }
+            ASSERT_LE(std::abs(acc.data()[i * d + c] - sum), double(n + 1) * kEps * size)
+                << type << " " << apex::to_string(isa) << " gemm rows " << rows << " d " << d;
+          }
+        }
+        for (Index i = 0; i < rows; ++i) {  // one row alone
+          std::vector<float> one(static_cast<std::size_t>(n));
+          kernels.dots(one.data(), n, q.data() + i * d, 1, apex::detail::simd_elements(keys.data()),
+                       stride, n, d);
+          EXPECT_EQ(std::memcmp(one.data(), s.data() + i * n, sizeof(float) * n), 0)
+              << type << " dots row " << i << " of " << rows;
+        }
+      }
+    }
+  }
+}
+
+TEST(SimdKernels, StreamingProductsReadFloatBfloat16AndHalfRows) {
+  if (levels().empty()) GTEST_SKIP() << "this CPU runs neither AVX2 nor AVX-512 kernels";
+  check_streaming_products<float>("float");
+  check_streaming_products<Eigen::bfloat16>("bfloat16");
+  check_streaming_products<Eigen::half>("half");
 }
 
 TEST(SimdKernels, PackTransposedPadsThePanelsWithZeros) {

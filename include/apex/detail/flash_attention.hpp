@@ -312,18 +312,62 @@ void load_rows(const SegmentHead<T>& head, Index row, Index n, C* dst) {
   }
 }
 
-/// The row reader: rows [row, row + n) of one head, inside one run (n <= head.run(row)), in place
-/// when the streaming products read the storage type directly (C itself, or a 16-bit type they
-/// widen in registers: kStreamsFrom), else widened into `buffer` (n × cols) by load_rows and read
-/// as C.
+/// Whether the streaming products read rows of T in place for compute type C: Eigen's when
+/// kStreamsFrom<C, T> (the build's target widens T in registers), apex's float kernels when
+/// `simd` is set and reads T (float, bfloat16, half); else rows are widened first (load_rows).
 template <class C, class T>
-auto read_rows(const SegmentHead<T>& head, Index row, Index n, C* buffer) {
+bool streams_in_place(const FloatKernels* simd) {
+  if constexpr (kStreamsFrom<C, T>) return true;
+  return std::is_same_v<C, float> && !std::is_void_v<SimdElement<T>> && simd != nullptr;
+}
+
+/// The row reader: calls f(data, stride) for rows [row, row + n) of one head, inside one run
+/// (n <= head.run(row)): in place (data a T*) when `in_place` (streams_in_place), else widened
+/// into `buffer` (n × cols) by load_rows (data a C*).
+template <class C, class T, class F>
+void read_rows(const SegmentHead<T>& head, Index row, Index n, C* buffer, bool in_place, F&& f) {
   APEX_ASSERT(n <= head.run(row));
-  if constexpr (kStreamsFrom<C, T>) {
-    return head.rows(row);
+  if (in_place) {
+    const ConstRows<T> rows = head.rows(row);
+    f(rows.data, rows.stride);
   } else {
     load_rows(head, row, n, buffer);
-    return ConstRows<C>{buffer, head.cols()};
+    f(static_cast<const C*>(buffer), head.cols());
+  }
+}
+
+/// The streaming products for rows of U (C, or T read in place), on apex's float kernels where
+/// `simd` is set and reads U, else on Eigen's (stream_scores and stream_update, which read U:
+/// streams_in_place said so):
+///   scores:  s [rows × n] (ld_s) = q [rows × d] · kᵀ, key row j at k + j·stride;
+///   update:  acc [rows × d_v] (ld_acc) += p [rows × n] (ld_p) · v, value row j at v + j·stride.
+template <class C, class U>
+void streamed_scores(const FloatKernels* simd, C* s, Index ld_s, const C* q, Index rows, const U* k,
+                     Index stride, Index n, Index d) {
+  if constexpr (std::is_same_v<C, float> && !std::is_void_v<SimdElement<U>>) {
+    if (simd != nullptr) {
+      return simd->rows<U>().dots(s, ld_s, q, rows, simd_elements(k), stride, n, d);
+    }
+  }
+  if constexpr (kStreamsFrom<C, U>) {
+    stream_scores(s, ld_s, q, rows, k, stride, n, d);
+  } else {
+    APEX_ASSERT(false);  // streams_in_place never reads such rows in place
+  }
+}
+template <class C, class U>
+void streamed_update(const FloatKernels* simd, C* acc, Index ld_acc, const C* p, Index ld_p,
+                     Index rows, const U* v, Index stride, Index n, Index d_v) {
+  if constexpr (std::is_same_v<C, float> && !std::is_void_v<SimdElement<U>>) {
+    if (simd != nullptr) {
+      return simd->rows<U>().gemm(acc, ld_acc, p, ld_p, simd_elements(v), stride, simd->panel, rows,
+                                  d_v, n, true);
+    }
+  }
+  if constexpr (kStreamsFrom<C, U>) {
+    stream_update(acc, ld_acc, p, ld_p, rows, v, stride, n, d_v);
+  } else {
+    APEX_ASSERT(false);  // streams_in_place never reads such rows in place
   }
 }
 
@@ -391,7 +435,9 @@ class AttentionTile {
                 bool streaming)
       : p_(p),
         streaming_(streaming),
-        simd_(std::is_same_v<C, float> && !streaming ? float_kernels() : nullptr),
+        simd_(std::is_same_v<C, float> ? float_kernels() : nullptr),
+        k_in_place_(streams_in_place<C, typename P::Key>(simd_)),
+        v_in_place_(streams_in_place<C, typename P::Value>(simd_)),
         b_(b),
         kv_head_(kv_head),
         q0_(q0),
@@ -461,14 +507,14 @@ class AttentionTile {
     ThreadScratch& scratch = ThreadScratch::local();
     const auto get = [&](ScratchSlot slot, Index count) { return scratch.get<C>(slot, count); };
     const bool gemm = !streaming_;
-    const bool widen_k = !kStreamsFrom<C, typename P::Key>;
-    const bool widen_v = !kStreamsFrom<C, typename P::Value>;
+    const bool widen_k = !k_in_place_;
+    const bool widen_v = !v_in_place_;
     q_stacked_ = get(ScratchSlot::kQStacked, rows_ * p_.d_qk);
     // The streaming path widens one panel of keys at a time (kStreamPanel rows).
     const Index copied = gemm ? key_block : std::min(key_block, kStreamPanel);
     if (gemm || widen_k) k_copy_ = get(ScratchSlot::kKCopy, copied * p_.d_qk);
     if (gemm || widen_v) v_copy_ = get(ScratchSlot::kVCopy, copied * p_.d_v);
-    if (simd_ != nullptr) {
+    if (gemm && simd_ != nullptr) {
       k_packed_ = get(ScratchSlot::kKPacked, simd_->packed_size(key_block, p_.d_qk));
     } else if (gemm && TileGemm<C>::kPacks) {
       q_packed_ = get(ScratchSlot::kQPacked, rows_ * p_.d_qk);
@@ -504,8 +550,9 @@ class AttentionTile {
     const auto k_head = key_head(*keys.segment, b_, kv_head_);
     if (streaming_) {
       for_each_panel(k_head, keys, [&](Index j0, Index m) {
-        const auto k = read_rows<C>(k_head, keys.row + j0, m, k_copy_);
-        stream_scores(scores_ + j0, ld_s_, q_stacked_, rows_, k.data, k.stride, m, p_.d_qk);
+        read_rows(k_head, keys.row + j0, m, k_copy_, k_in_place_, [&](const auto* k, Index stride) {
+          streamed_scores(simd_, scores_ + j0, ld_s_, q_stacked_, rows_, k, stride, m, p_.d_qk);
+        });
       });
     } else {
       load_rows<C>(k_head, keys.row, keys.n, k_copy_);
@@ -525,8 +572,8 @@ class AttentionTile {
     if constexpr (std::is_same_v<C, float>) {
       if (simd_ != nullptr) {
         simd_->pack_transposed(k_packed_, k_copy_, d, n, d);
-        simd_->gemm(scores_, ld_s_, q_stacked_, d, k_packed_, simd_->panel, d * simd_->panel, rows_,
-                    n, d, false);
+        simd_->f32.gemm(scores_, ld_s_, q_stacked_, d, k_packed_, simd_->panel, d * simd_->panel,
+                        rows_, n, d, false);
         return;
       }
     }
@@ -537,8 +584,8 @@ class AttentionTile {
   void tile_update(Index n) {
     if constexpr (std::is_same_v<C, float>) {
       if (simd_ != nullptr) {
-        simd_->gemm(acc_, ld_acc_, scores_, ld_s_, v_copy_, p_.d_v, simd_->panel, rows_, p_.d_v, n,
-                    true);
+        simd_->f32.gemm(acc_, ld_acc_, scores_, ld_s_, v_copy_, p_.d_v, simd_->panel, rows_, p_.d_v,
+                        n, true);
         return;
       }
     }
@@ -661,12 +708,14 @@ class AttentionTile {
     const auto v_head = value_head(*keys.segment, b_, kv_head_);
     if (streaming_) {
       for_each_panel(v_head, keys, [&](Index j0, Index m) {
-        const auto v = read_rows<C>(v_head, keys.row + j0, m, v_copy_);
-        if (hidden && !all_finite(v.data, m, p_.d_v, v.stride)) {
-          accumulate_visible(v, j0, m);
-        } else {
-          stream_update(acc_, ld_acc_, scores_ + j0, ld_s_, rows_, v.data, v.stride, m, p_.d_v);
-        }
+        read_rows(v_head, keys.row + j0, m, v_copy_, v_in_place_, [&](const auto* v, Index stride) {
+          using U = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
+          if (hidden && !all_finite(v, m, p_.d_v, stride)) {
+            accumulate_visible(ConstRows<U>{v, stride}, j0, m);
+          } else {
+            streamed_update(simd_, acc_, ld_acc_, scores_ + j0, ld_s_, rows_, v, stride, m, p_.d_v);
+          }
+        });
       });
       return;
     }
@@ -712,7 +761,8 @@ class AttentionTile {
 
   const P& p_;
   bool streaming_;
-  const FloatKernels* simd_;  // the products and the softmax on apex's own kernels (float)
+  const FloatKernels* simd_;      // the products and the softmax on apex's own kernels (float)
+  bool k_in_place_, v_in_place_;  // streams_in_place for K and V
   bool non_finite_score_ = false;
   Index b_, kv_head_, q0_, bq_, rows_, ld_s_, ld_acc_;
   C* q_stacked_ = nullptr;

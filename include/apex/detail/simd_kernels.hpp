@@ -8,14 +8,17 @@
 //                    broadcast element by element, b is read a row of vectors at a time. It
 //                    computes both products of a tile: S = Qs·Kᵀ (b = K transposed into panels
 //                    by pack_transposed) and acc += P·V (b = V's rows as they are).
+//   dots             s = q · kᵀ for a few query rows, streaming each key row once (decoding)
 //   max_of, exp_sum  the block maximum and the weights e^(s − m) with their sum, for the online
 //                    softmax (online_softmax.hpp).
 //
 // HOW ONE SOURCE BECOMES TWO KERNELS. Each level is a namespace (simd_avx2, simd_avx512) compiled
 // under that level's target (GCC's and clang's target pragmas), holding the level's vector
 // operations, written with intrinsics, and then the shared body, simd_kernels.inl, included
-// into it. float_kernels() hands out the level in use as a table of function pointers, or
-// nullptr for KernelIsa::kPortable, where the caller uses Eigen's products.
+// into it. b and the keys may be float or a 16-bit format (bfloat16, half), widened to float in
+// registers as they are loaded; the sums are float. float_kernels() hands out the level in use as a
+// table of function pointers, or nullptr for KernelIsa::kPortable, where the caller uses Eigen's
+// products.
 //
 // Register tiles: AVX-512, 12 rows × 32 columns (24 of the 32 vector registers); AVX2, 6 rows ×
 // 16 columns (12 of the 16), the shapes of BLIS's sgemm kernels for these targets.
@@ -24,9 +27,13 @@
 #include <apex/config.hpp>
 #include <apex/cpu.hpp>
 
+#include <Eigen/Core>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if APEX_X86_KERNELS
 #include <immintrin.h>
@@ -34,12 +41,44 @@
 
 namespace apex::detail {
 
-/// The float kernels of one level (see the top of this header).
-struct FloatKernels {
+/// The bits of a bfloat16 and of an IEEE half (the layouts of Eigen::bfloat16 and Eigen::half),
+/// as the kernels' widening loads read them.
+struct Bf16Bits {
+  std::uint16_t bits;
+};
+struct HalfBits {
+  std::uint16_t bits;
+};
+
+/// The element type the kernels read for a storage type T: float, Bf16Bits, HalfBits, or void
+/// where they read no T.
+template <class T>
+using SimdElement = std::conditional_t<
+    std::is_same_v<T, float>, float,
+    std::conditional_t<std::is_same_v<T, Eigen::bfloat16>, Bf16Bits,
+                       std::conditional_t<std::is_same_v<T, Eigen::half>, HalfBits, void>>>;
+
+/// The kernels of one level that read rows of a storage element E (float, Bf16Bits, HalfBits).
+template <class E>
+struct RowKernels {
   /// c [rows × cols] (+= when add) a [rows × depth] (row stride lda) · b, b in panels of
   /// `panel` columns, panel p at b + p·panel_step with row stride ldb. Allocates nothing.
-  void (*gemm)(float* c, Index ldc, const float* a, Index lda, const float* b, Index ldb,
+  void (*gemm)(float* c, Index ldc, const float* a, Index lda, const E* b, Index ldb,
                Index panel_step, Index rows, Index cols, Index depth, bool add);
+  /// s [rows × n] (ld_s) = q [rows × d] (contiguous) · kᵀ, key row j at k + j·k_stride.
+  void (*dots)(float* s, Index ld_s, const float* q, Index rows, const E* k, Index k_stride,
+               Index n, Index d);
+};
+
+template <class E>
+const RowKernels<E>& row_kernels(KernelIsa isa);
+
+/// The float kernels of one level (see the top of this header).
+struct FloatKernels {
+  /// The level.
+  KernelIsa isa;
+  /// gemm and dots reading float rows.
+  RowKernels<float> f32;
   /// packed = kᵀ in panels for gemm (panel_step = d·panel, ldb = panel), k [n × d] with row
   /// stride ld_k; writes packed_size(n, d) floats.
   void (*pack_transposed)(float* packed, const float* k, Index ld_k, Index n, Index d);
@@ -53,7 +92,25 @@ struct FloatKernels {
 
   /// Floats that pack_transposed writes for n rows of d.
   Index packed_size(Index n, Index d) const { return (n + panel - 1) / panel * panel * d; }
+
+  /// The row kernels for storage type T (SimdElement<T> not void). Those of the 16-bit formats
+  /// have tables of their own, so that only a program that reads 16-bit rows compiles them.
+  template <class T>
+  const RowKernels<SimdElement<T>>& rows() const {
+    using E = SimdElement<T>;
+    if constexpr (std::is_same_v<E, float>) {
+      return f32;
+    } else {
+      return row_kernels<E>(isa);
+    }
+  }
 };
+
+/// p as the kernels' element type of T (the same bits).
+template <class T>
+const SimdElement<T>* simd_elements(const T* p) {
+  return reinterpret_cast<const SimdElement<T>*>(p);  // NOLINT: the same 16 or 32 bits
+}
 
 #if APEX_X86_KERNELS
 
@@ -109,6 +166,22 @@ inline float reduce_add(V v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+inline V load(const Bf16Bits* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline V load(const HalfBits* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+/// The lanes of m of a 16-bit row, through a zeroed copy (AVX2 has no 16-bit masked load).
+template <class H>
+V load(const H* p, Mask m) {
+  const auto count = static_cast<std::size_t>(
+      __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(m)))));
+  H part[kLanes] = {};
+  std::memcpy(part, p, count * sizeof(H));
+  return load(static_cast<const H*>(part));
 }
 inline float reduce_max(V v) {
   const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -171,6 +244,20 @@ inline Mask no_lanes() { return 0; }
 inline Mask mask_or(Mask a, Mask b) { return static_cast<Mask>(a | b); }
 inline bool any_of(Mask m, Mask lanes) { return (m & lanes) != 0; }
 inline V select(Mask m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }
+inline V widen_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(
+      _mm512_maskz_slli_epi32(kAll, _mm512_maskz_cvtepu16_epi32(kAll, bits), 16));
+}
+inline V load(const Bf16Bits* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline V load(const Bf16Bits* p, Mask m) { return widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
+inline V load(const HalfBits* p) {
+  return _mm512_maskz_cvtph_ps(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline V load(const HalfBits* p, Mask m) {
+  return _mm512_maskz_cvtph_ps(kAll, _mm256_maskz_loadu_epi16(m, p));
+}
 inline float reduce_add(V v) {
   return simd_avx2::reduce_add(_mm256_add_ps(_mm512_maskz_extractf32x8_ps(0xFF, v, 0),
                                              _mm512_maskz_extractf32x8_ps(0xFF, v, 1)));
@@ -191,21 +278,66 @@ inline float reduce_max(V v) {
 
 #endif
 
+#if APEX_X86_KERNELS
+/// The two levels' namespaces as types, for table_of.
+struct Avx2 {
+  template <class E>
+  static constexpr RowKernels<E> rows() {
+    return {&simd_avx2::gemm<E>, &simd_avx2::dots<E>};
+  }
+  static constexpr auto pack_transposed = &simd_avx2::pack_transposed;
+  static constexpr auto max_of = &simd_avx2::max_of;
+  static constexpr auto exp_sum = &simd_avx2::exp_sum;
+  static constexpr Index kPanel = simd_avx2::kPanel;
+  static constexpr KernelIsa kIsa = KernelIsa::kAvx2;
+};
+struct Avx512 {
+  template <class E>
+  static constexpr RowKernels<E> rows() {
+    return {&simd_avx512::gemm<E>, &simd_avx512::dots<E>};
+  }
+  static constexpr auto pack_transposed = &simd_avx512::pack_transposed;
+  static constexpr auto max_of = &simd_avx512::max_of;
+  static constexpr auto exp_sum = &simd_avx512::exp_sum;
+  static constexpr Index kPanel = simd_avx512::kPanel;
+  static constexpr KernelIsa kIsa = KernelIsa::kAvx512;
+};
+
+/// The table of one level.
+template <class Level>
+const FloatKernels& table_of() {
+  static const FloatKernels table{Level::kIsa,
+                                  Level::template rows<float>(),
+                                  Level::pack_transposed,
+                                  Level::max_of,
+                                  Level::exp_sum,
+                                  Level::kPanel};
+  return table;
+}
+#endif
+
+/// The row kernels of level `isa` (AVX2 or AVX-512) for rows of E.
+template <class E>
+const RowKernels<E>& row_kernels(KernelIsa isa) {
+#if APEX_X86_KERNELS
+  static const RowKernels<E> avx2 = Avx2::rows<E>();
+  static const RowKernels<E> avx512 = Avx512::rows<E>();
+  return isa == KernelIsa::kAvx512 ? avx512 : avx2;
+#else
+  (void)isa;
+  static const RowKernels<E> none{};
+  return none;
+#endif
+}
+
 /// The float kernels of level `isa` (which the CPU must run), nullptr for KernelIsa::kPortable.
 inline const FloatKernels* float_kernels(KernelIsa isa) {
 #if APEX_X86_KERNELS
   switch (isa) {
-    case KernelIsa::kAvx512: {
-      static const FloatKernels table{&simd_avx512::gemm, &simd_avx512::pack_transposed,
-                                      &simd_avx512::max_of, &simd_avx512::exp_sum,
-                                      simd_avx512::kPanel};
-      return &table;
-    }
-    case KernelIsa::kAvx2: {
-      static const FloatKernels table{&simd_avx2::gemm, &simd_avx2::pack_transposed,
-                                      &simd_avx2::max_of, &simd_avx2::exp_sum, simd_avx2::kPanel};
-      return &table;
-    }
+    case KernelIsa::kAvx512:
+      return &table_of<Avx512>();
+    case KernelIsa::kAvx2:
+      return &table_of<Avx2>();
     case KernelIsa::kPortable:
       break;
   }

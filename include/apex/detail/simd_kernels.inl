@@ -13,12 +13,12 @@ constexpr Index kPanel = 2 * kLanes;
 
 /// c[R × (kVecs·kLanes)] (+)= a[R × depth] · b[depth × kVecs·kLanes], the register-blocked micro
 /// kernel: the R·kVecs accumulators stay in registers across the whole depth, a broadcasts, b is
-/// loaded a row of vectors at a time. Row i of a at a + i·lda, row k of b at b + k·ldb, row i of c
-/// at c + i·ldc. Each c(i, j) is one chain of fused multiply-adds over k = 0, 1, …, depth − 1,
-/// starting from c(i, j) when `add` is set, else from 0. The last vector reads and writes only
-/// the lanes of `last` (kMasked).
-template <int R, int kVecs, bool kMasked>
-APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const float* a, Index lda, const float* b,
+/// loaded a row of vectors at a time (widened to float in registers when T is a 16-bit format).
+/// Row i of a at a + i·lda, row k of b at b + k·ldb, row i of c at c + i·ldc. Each c(i, j) is
+/// one chain of fused multiply-adds over k = 0, 1, …, depth − 1, starting from c(i, j) when `add`
+/// is set, else from 0. The last vector reads and writes only the lanes of `last` (kMasked).
+template <int R, int kVecs, bool kMasked, class T>
+APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const float* a, Index lda, const T* b,
                                   Index ldb, Index depth, bool add, Mask last) {
   V acc[R][kVecs];
 #pragma GCC unroll 16
@@ -59,9 +59,9 @@ APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const float* a, Index lda
 }
 
 /// madd_tile for a panel of `cols` <= kPanel columns: full, or with its last vector masked.
-template <int R>
-void madd_panel(float* c, Index ldc, const float* a, Index lda, const float* b, Index ldb,
-                Index depth, bool add, Index cols) {
+template <int R, class T>
+void madd_panel(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb, Index depth,
+                bool add, Index cols) {
   if (cols == kPanel) {
     madd_tile<R, 2, false>(c, ldc, a, lda, b, ldb, depth, add, Mask{});
   } else if (cols > kLanes) {
@@ -71,38 +71,89 @@ void madd_panel(float* c, Index ldc, const float* a, Index lda, const float* b, 
   }
 }
 
-/// The rows of a row block below kTileRows: madd_panel with R = rows.
-template <int R = kTileRows - 1>
-void madd_panel_rows(Index rows, float* c, Index ldc, const float* a, Index lda, const float* b,
-                     Index ldb, Index depth, bool add, Index cols) {
-  if constexpr (R > 0) {
-    if (rows == R) {
-      madd_panel<R>(c, ldc, a, lda, b, ldb, depth, add, cols);
-    } else {
-      madd_panel_rows<R - 1>(rows, c, ldc, a, lda, b, ldb, depth, add, cols);
-    }
-  }
-}
+/// Rows of the tiles that take what is left below kTileRows rows, before single rows (three
+/// tile heights in all keep the kernels' compile time down; a row's bits do not depend on it).
+constexpr Index kMidRows = 4;
 
 /// c [rows × cols] (+)= a [rows × depth] · b, b given as panels of kPanel columns: panel p
 /// (columns [p·kPanel, p·kPanel + kPanel)) starts at b + p·panel_step, its row k at + k·ldb.
-/// Row blocks of kTileRows rows, each through every panel while its rows of a stay in L1.
+/// Row blocks of kTileRows rows (then kMidRows, then single rows), each through every panel
+/// while its rows of a stay in L1. b is float, or a 16-bit format widened as it is loaded.
 /// Allocates nothing.
-inline void gemm(float* c, Index ldc, const float* a, Index lda, const float* b, Index ldb,
-                 Index panel_step, Index rows, Index cols, Index depth, bool add) {
-  for (Index r = 0; r < rows; r += kTileRows) {
-    const Index block = std::min<Index>(kTileRows, rows - r);
+template <class T>
+void gemm(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb, Index panel_step,
+          Index rows, Index cols, Index depth, bool add) {
+  for (Index r = 0; r < rows;) {
+    const Index left = rows - r;
+    const Index block = left >= kTileRows ? kTileRows : left >= kMidRows ? kMidRows : 1;
     for (Index j = 0, p = 0; j < cols; j += kPanel, ++p) {
       const Index width = std::min(kPanel, cols - j);
       float* cp = c + r * ldc + j;
       const float* ap = a + r * lda;
-      const float* bp = b + p * panel_step;
+      const T* bp = b + p * panel_step;
       if (block == kTileRows) {
         madd_panel<kTileRows>(cp, ldc, ap, lda, bp, ldb, depth, add, width);
+      } else if (block == kMidRows) {
+        madd_panel<kMidRows>(cp, ldc, ap, lda, bp, ldb, depth, add, width);
       } else {
-        madd_panel_rows(block, cp, ldc, ap, lda, bp, ldb, depth, add, width);
+        madd_panel<1>(cp, ldc, ap, lda, bp, ldb, depth, add, width);
       }
     }
+    r += block;
+  }
+}
+
+/// s(i, 0) = q_i · key for R query rows q (row i at q + i·d), one key row of d elements widened
+/// in registers: two vector accumulators over alternating chunks of d (the last chunk masked),
+/// added, then summed across lanes; the same operations for every row, whatever R.
+template <int R, class T>
+APEX_ALWAYS_INLINE void dot_rows(float* s, Index ld_s, const float* q, Index d, const T* key) {
+  V even[R];
+  V odd[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) even[i] = odd[i] = zero();
+  Index c = 0;
+  for (; c + 2 * kLanes <= d; c += 2 * kLanes) {
+    const V k0 = load(key + c);
+    const V k1 = load(key + c + kLanes);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      even[i] = fmadd(load(q + i * d + c), k0, even[i]);
+      odd[i] = fmadd(load(q + i * d + c + kLanes), k1, odd[i]);
+    }
+  }
+  if (c + kLanes <= d) {
+    const V k0 = load(key + c);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) even[i] = fmadd(load(q + i * d + c), k0, even[i]);
+    c += kLanes;
+  }
+  if (c < d) {
+    const Mask lanes = first_lanes(d - c);
+    const V k1 = load(key + c, lanes);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) odd[i] = fmadd(load(q + i * d + c, lanes), k1, odd[i]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) s[i * ld_s] = reduce_add(add(even[i], odd[i]));
+}
+
+/// s(r, j) = q_r · k_j for `rows` query rows q (contiguous, rows × d) and n key rows (row j at
+/// k + j·k_stride): the streaming product of the scores (a few rows, bound by reading the keys).
+/// Each key row is read once, in memory order, widened in registers, and used at once by four
+/// query rows (dot_rows); 16-bit rows are prefetched 16 rows ahead (eigen_adapter.hpp's
+/// prefetch_ahead says why). Allocates nothing.
+template <class T>
+void dots(float* s, Index ld_s, const float* q, Index rows, const T* k, Index k_stride, Index n,
+          Index d) {
+  for (Index j = 0; j < n; ++j) {
+    const T* key = k + j * k_stride;
+    if constexpr (sizeof(T) < sizeof(float)) {
+      for (Index c = 0; c < d; c += 32) _mm_prefetch(key + 16 * k_stride + c, _MM_HINT_T0);
+    }
+    Index r = 0;
+    for (; r + 4 <= rows; r += 4) dot_rows<4>(s + r * ld_s + j, ld_s, q + r * d, d, key);
+    for (; r < rows; ++r) dot_rows<1>(s + r * ld_s + j, ld_s, q + r * d, d, key);
   }
 }
 
