@@ -41,19 +41,20 @@ std::vector<float> normal(std::size_t n, unsigned seed) {
   return out;
 }
 
-/// c [rows × cols] (ld_c) = (add ? c : 0) + a [rows × depth] · b [depth × cols] (ld_b), with
+/// c [rows × cols] (ld_c) = (add ? diag(scale)·c : 0) + a [rows × depth] · b [depth × cols], with
 /// the gemm of level `k`: b transposed into panels first when `transposed` (b given as
 /// [cols × depth], the scores' K), else as it is (the update's V).
 void run_gemm(const FloatKernels& k, std::vector<float>& c, Index ld_c, const std::vector<float>& a,
               const std::vector<float>& b, Index rows, Index cols, Index depth, bool add,
-              bool transposed) {
+              bool transposed, const float* scale = nullptr) {
   if (transposed) {
     std::vector<float> packed(static_cast<std::size_t>(k.packed_size(cols, depth)) + 1);
     k.pack_transposed(packed.data(), b.data(), depth, cols, depth);
     k.f32.gemm(c.data(), ld_c, a.data(), depth, packed.data(), k.panel, depth * k.panel, rows, cols,
-               depth, add);
+               depth, add, scale);
   } else {
-    k.f32.gemm(c.data(), ld_c, a.data(), depth, b.data(), cols, k.panel, rows, cols, depth, add);
+    k.f32.gemm(c.data(), ld_c, a.data(), depth, b.data(), cols, k.panel, rows, cols, depth, add,
+               scale);
   }
 }
 
@@ -157,7 +158,7 @@ void check_streaming_products(const char* type) {
         const std::vector<float> acc0 = acc;
         const auto p = normal(static_cast<std::size_t>(rows * n), 11);
         kernels.gemm(acc.data(), d, p.data(), n, apex::detail::simd_elements(keys.data()), stride,
-                     k.panel, rows, d, n, true);
+                     k.panel, rows, d, n, true, nullptr);
         for (Index i = 0; i < rows; ++i) {
           for (Index j = 0; j < n; ++j) {
             double dot = 0, size = 0;
@@ -197,6 +198,30 @@ TEST(SimdKernels, StreamingProductsReadFloatBfloat16AndHalfRows) {
   check_streaming_products<float>("float");
   check_streaming_products<Eigen::bfloat16>("bfloat16");
   check_streaming_products<Eigen::half>("half");
+}
+
+TEST(SimdKernels, GemmScalesEachRowAsScalingFirstWould) {
+  if (levels().empty()) GTEST_SKIP() << "this CPU runs neither AVX2 nor AVX-512 kernels";
+  for (const KernelIsa isa : levels()) {
+    const FloatKernels& k = *apex::detail::float_kernels(isa);
+    const Index rows = 19, cols = 45, depth = 33;
+    const auto a = normal(static_cast<std::size_t>(rows * depth), 12);
+    const auto b = normal(static_cast<std::size_t>(depth * cols), 13);
+    const auto c0 = normal(static_cast<std::size_t>(rows * cols), 14);
+    std::vector<float> scale(static_cast<std::size_t>(rows));
+    for (Index i = 0; i < rows; ++i) {
+      scale.data()[i] = i % 3 == 0 ? 1.0F : std::exp(-0.3F * static_cast<float>(i));
+    }
+    std::vector<float> fused = c0;
+    run_gemm(k, fused, cols, a, b, rows, cols, depth, true, false, scale.data());
+    std::vector<float> first = c0;
+    for (Index i = 0; i < rows; ++i) {
+      for (Index j = 0; j < cols; ++j) first.data()[i * cols + j] *= scale.data()[i];
+    }
+    run_gemm(k, first, cols, a, b, rows, cols, depth, true, false);
+    EXPECT_EQ(std::memcmp(fused.data(), first.data(), sizeof(float) * fused.size()), 0)
+        << apex::to_string(isa);
+  }
 }
 
 TEST(SimdKernels, PackTransposedPadsThePanelsWithZeros) {

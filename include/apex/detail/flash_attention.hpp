@@ -361,7 +361,7 @@ void streamed_update(const FloatKernels* simd, C* acc, Index ld_acc, const C* p,
   if constexpr (std::is_same_v<C, float> && !std::is_void_v<SimdElement<U>>) {
     if (simd != nullptr) {
       return simd->rows<U>().gemm(acc, ld_acc, p, ld_p, simd_elements(v), stride, simd->panel, rows,
-                                  d_v, n, true);
+                                  d_v, n, true, nullptr);
     }
   }
   if constexpr (kStreamsFrom<C, U>) {
@@ -573,22 +573,25 @@ class AttentionTile {
       if (simd_ != nullptr) {
         simd_->pack_transposed(k_packed_, k_copy_, d, n, d);
         simd_->f32.gemm(scores_, ld_s_, q_stacked_, d, k_packed_, simd_->panel, d * simd_->panel,
-                        rows_, n, d, false);
+                        rows_, n, d, false, nullptr);
         return;
       }
     }
     TileGemm<C>::scores(scores_, ld_s_, k_copy_, k_packed_, q_packed_, q_stacked_, rows_, n, d);
   }
 
-  /// acc += P·V on the GEMM path for the n values in v_copy_, on apex's kernels or Eigen's.
+  /// acc = diag(α)·acc + P·V on the GEMM path for the n values in v_copy_: on apex's kernels,
+  /// which scale each row as they load it (the same bits as scaling first: x·1 = x), or on
+  /// Eigen's after rescale_acc.
   void tile_update(Index n) {
     if constexpr (std::is_same_v<C, float>) {
       if (simd_ != nullptr) {
         simd_->f32.gemm(acc_, ld_acc_, scores_, ld_s_, v_copy_, p_.d_v, simd_->panel, rows_, p_.d_v,
-                        n, true);
+                        n, true, rescale_ ? alpha_ : nullptr);
         return;
       }
     }
+    rescale_acc();
     TileGemm<C>::update(acc_, ld_acc_, scores_, ld_s_, p_packed_, v_copy_, v_packed_, rows_, n,
                         p_.d_v);
   }
@@ -686,18 +689,21 @@ class AttentionTile {
   /// softmax: the online-softmax update of every row (softmax_update), then acc *= α for the
   /// rows whose maximum moved. Returns whether some key of the block takes no part in some row.
   bool softmax(Index n) {
-    bool rescale = false;
+    rescale_ = false;
     bool hidden = false;
     for (Index r = 0; r < rows_; ++r) {
       alpha_[r] = softmax_update(stats_[r], scores_ + r * ld_s_, n, hidden, simd_);
-      rescale = rescale || alpha_[r] != C(1);
-    }
-    if (rescale) {
-      for (Index r = 0; r < rows_; ++r) {
-        if (alpha_[r] != C(1)) RowArray(acc_ + r * ld_acc_, p_.d_v) *= alpha_[r];
-      }
+      rescale_ = rescale_ || alpha_[r] != C(1);
     }
     return hidden;
+  }
+
+  /// acc *= α for the rows whose maximum moved (softmax), unless the update does it itself.
+  void rescale_acc() {
+    if (!rescale_) return;
+    for (Index r = 0; r < rows_; ++r) {
+      if (alpha_[r] != C(1)) RowArray(acc_ + r * ld_acc_, p_.d_v) *= alpha_[r];
+    }
   }
 
   /// accumulate: acc += P·V for the block's values. Where some key takes no part (`hidden`)
@@ -707,6 +713,7 @@ class AttentionTile {
     if (p_.d_v == 0) return;
     const auto v_head = value_head(*keys.segment, b_, kv_head_);
     if (streaming_) {
+      rescale_acc();
       for_each_panel(v_head, keys, [&](Index j0, Index m) {
         read_rows(v_head, keys.row + j0, m, v_copy_, v_in_place_, [&](const auto* v, Index stride) {
           using U = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
@@ -722,6 +729,7 @@ class AttentionTile {
     load_rows<C>(v_head, keys.row, keys.n, v_copy_);
     const ConstRows<C> v{v_copy_, p_.d_v};
     if (hidden && !all_finite(v.data, keys.n, p_.d_v, v.stride)) {
+      rescale_acc();
       accumulate_visible(v, 0, keys.n);
     } else {
       tile_update(keys.n);
@@ -763,6 +771,7 @@ class AttentionTile {
   bool streaming_;
   const FloatKernels* simd_;      // the products and the softmax on apex's own kernels (float)
   bool k_in_place_, v_in_place_;  // streams_in_place for K and V
+  bool rescale_ = false;          // some α of the last softmax is not 1
   bool non_finite_score_ = false;
   Index b_, kv_head_, q0_, bq_, rows_, ld_s_, ld_acc_;
   C* q_stacked_ = nullptr;

@@ -61,10 +61,11 @@ using SimdElement = std::conditional_t<
 /// The kernels of one level that read rows of a storage element E (float, Bf16Bits, HalfBits).
 template <class E>
 struct RowKernels {
-  /// c [rows × cols] (+= when add) a [rows × depth] (row stride lda) · b, b in panels of
-  /// `panel` columns, panel p at b + p·panel_step with row stride ldb. Allocates nothing.
+  /// c [rows × cols] = (add ? diag(scale)·c : 0) + a [rows × depth] (row stride lda) · b, b in
+  /// panels of `panel` columns, panel p at b + p·panel_step with row stride ldb; scale: one
+  /// factor per row, or nullptr for none. Allocates nothing.
   void (*gemm)(float* c, Index ldc, const float* a, Index lda, const E* b, Index ldb,
-               Index panel_step, Index rows, Index cols, Index depth, bool add);
+               Index panel_step, Index rows, Index cols, Index depth, bool add, const float* scale);
   /// s [rows × n] (ld_s) = q [rows × d] (contiguous) · kᵀ, key row j at k + j·k_stride.
   void (*dots)(float* s, Index ld_s, const float* q, Index rows, const E* k, Index k_stride,
                Index n, Index d);

@@ -16,10 +16,11 @@ constexpr Index kPanel = 2 * kLanes;
 /// loaded a row of vectors at a time (widened to float in registers when T is a 16-bit format).
 /// Row i of a at a + i·lda, row k of b at b + k·ldb, row i of c at c + i·ldc. Each c(i, j) is
 /// one chain of fused multiply-adds over k = 0, 1, …, depth − 1, starting from c(i, j) when `add`
-/// is set, else from 0. The last vector reads and writes only the lanes of `last` (kMasked).
+/// is set (times scale[i] where scale is given: the online softmax's rescaling, in registers),
+/// else from 0. The last vector reads and writes only the lanes of `last` (kMasked).
 template <int R, int kVecs, bool kMasked, class T>
 APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const float* a, Index lda, const T* b,
-                                  Index ldb, Index depth, bool add, Mask last) {
+                                  Index ldb, Index depth, bool add, const float* scale, Mask last) {
   V acc[R][kVecs];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
@@ -29,6 +30,7 @@ APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const float* a, Index lda
       acc[i][u] = !add   ? zero()
                   : part ? load(c + i * ldc + u * kLanes, last)
                          : load(c + i * ldc + u * kLanes);
+      if (add && scale != nullptr) acc[i][u] = mul(acc[i][u], set1(scale[i]));
     }
   }
   for (Index k = 0; k < depth; ++k) {
@@ -61,13 +63,13 @@ APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const float* a, Index lda
 /// madd_tile for a panel of `cols` <= kPanel columns: full, or with its last vector masked.
 template <int R, class T>
 void madd_panel(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb, Index depth,
-                bool add, Index cols) {
+                bool add, const float* scale, Index cols) {
   if (cols == kPanel) {
-    madd_tile<R, 2, false>(c, ldc, a, lda, b, ldb, depth, add, Mask{});
+    madd_tile<R, 2, false>(c, ldc, a, lda, b, ldb, depth, add, scale, Mask{});
   } else if (cols > kLanes) {
-    madd_tile<R, 2, true>(c, ldc, a, lda, b, ldb, depth, add, first_lanes(cols - kLanes));
+    madd_tile<R, 2, true>(c, ldc, a, lda, b, ldb, depth, add, scale, first_lanes(cols - kLanes));
   } else {
-    madd_tile<R, 1, true>(c, ldc, a, lda, b, ldb, depth, add, first_lanes(cols));
+    madd_tile<R, 1, true>(c, ldc, a, lda, b, ldb, depth, add, scale, first_lanes(cols));
   }
 }
 
@@ -82,7 +84,7 @@ constexpr Index kMidRows = 4;
 /// Allocates nothing.
 template <class T>
 void gemm(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb, Index panel_step,
-          Index rows, Index cols, Index depth, bool add) {
+          Index rows, Index cols, Index depth, bool add, const float* scale) {
   for (Index r = 0; r < rows;) {
     const Index left = rows - r;
     const Index block = left >= kTileRows ? kTileRows : left >= kMidRows ? kMidRows : 1;
@@ -91,12 +93,13 @@ void gemm(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb,
       float* cp = c + r * ldc + j;
       const float* ap = a + r * lda;
       const T* bp = b + p * panel_step;
+      const float* sp = scale == nullptr ? nullptr : scale + r;
       if (block == kTileRows) {
-        madd_panel<kTileRows>(cp, ldc, ap, lda, bp, ldb, depth, add, width);
+        madd_panel<kTileRows>(cp, ldc, ap, lda, bp, ldb, depth, add, sp, width);
       } else if (block == kMidRows) {
-        madd_panel<kMidRows>(cp, ldc, ap, lda, bp, ldb, depth, add, width);
+        madd_panel<kMidRows>(cp, ldc, ap, lda, bp, ldb, depth, add, sp, width);
       } else {
-        madd_panel<1>(cp, ldc, ap, lda, bp, ldb, depth, add, width);
+        madd_panel<1>(cp, ldc, ap, lda, bp, ldb, depth, add, sp, width);
       }
     }
     r += block;
