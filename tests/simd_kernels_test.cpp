@@ -157,8 +157,8 @@ void check_streaming_products(const char* type) {
         std::vector<float> acc = normal(static_cast<std::size_t>(rows * d), 10);
         const std::vector<float> acc0 = acc;
         const auto p = normal(static_cast<std::size_t>(rows * n), 11);
-        kernels.gemm(acc.data(), d, p.data(), n, apex::detail::simd_elements(keys.data()), stride,
-                     k.panel, rows, d, n, true, nullptr);
+        kernels.update(acc.data(), d, p.data(), n, rows, apex::detail::simd_elements(keys.data()),
+                       stride, n, d);
         for (Index i = 0; i < rows; ++i) {
           for (Index j = 0; j < n; ++j) {
             double dot = 0, size = 0;

@@ -360,8 +360,7 @@ void streamed_update(const FloatKernels* simd, C* acc, Index ld_acc, const C* p,
                      Index rows, const U* v, Index stride, Index n, Index d_v) {
   if constexpr (std::is_same_v<C, float> && !std::is_void_v<SimdElement<U>>) {
     if (simd != nullptr) {
-      return simd->rows<U>().gemm(acc, ld_acc, p, ld_p, simd_elements(v), stride, simd->panel, rows,
-                                  d_v, n, true, nullptr);
+      return simd->rows<U>().update(acc, ld_acc, p, ld_p, rows, simd_elements(v), stride, n, d_v);
     }
   }
   if constexpr (kStreamsFrom<C, U>) {

@@ -8,6 +8,7 @@
 //                    broadcast element by element, b is read a row of vectors at a time. It
 //                    computes both products of a tile: S = Qs·Kᵀ (b = K transposed into panels
 //                    by pack_transposed) and acc += P·V (b = V's rows as they are).
+//   stream_update    acc += p · v for a few rows, streaming each value row once (decoding)
 //   dots             s = q · kᵀ for a few query rows, streaming each key row once (decoding)
 //   max_of, exp_sum  the block maximum and the weights e^(s − m) with their sum, for the online
 //                    softmax (online_softmax.hpp).
@@ -66,6 +67,10 @@ struct RowKernels {
   /// factor per row, or nullptr for none. Allocates nothing.
   void (*gemm)(float* c, Index ldc, const float* a, Index lda, const E* b, Index ldb,
                Index panel_step, Index rows, Index cols, Index depth, bool add, const float* scale);
+  /// acc [rows × d_v] (ld_acc) += p [rows × n] (ld_p) · v, value row j at v + j·stride, each
+  /// value row read once, in memory order (decoding). Allocates nothing.
+  void (*update)(float* acc, Index ld_acc, const float* p, Index ld_p, Index rows, const E* v,
+                 Index stride, Index n, Index d_v);
   /// s [rows × n] (ld_s) = q [rows × d] (contiguous) · kᵀ, key row j at k + j·k_stride.
   void (*dots)(float* s, Index ld_s, const float* q, Index rows, const E* k, Index k_stride,
                Index n, Index d);
@@ -284,7 +289,7 @@ inline float reduce_max(V v) {
 struct Avx2 {
   template <class E>
   static constexpr RowKernels<E> rows() {
-    return {&simd_avx2::gemm<E>, &simd_avx2::dots<E>};
+    return {&simd_avx2::gemm<E>, &simd_avx2::stream_update<E>, &simd_avx2::dots<E>};
   }
   static constexpr auto pack_transposed = &simd_avx2::pack_transposed;
   static constexpr auto max_of = &simd_avx2::max_of;
@@ -295,7 +300,7 @@ struct Avx2 {
 struct Avx512 {
   template <class E>
   static constexpr RowKernels<E> rows() {
-    return {&simd_avx512::gemm<E>, &simd_avx512::dots<E>};
+    return {&simd_avx512::gemm<E>, &simd_avx512::stream_update<E>, &simd_avx512::dots<E>};
   }
   static constexpr auto pack_transposed = &simd_avx512::pack_transposed;
   static constexpr auto max_of = &simd_avx512::max_of;

@@ -24,7 +24,7 @@ APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const float* a, Index lda
   V acc[R][kVecs];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int u = 0; u < kVecs; ++u) {
       const bool part = kMasked && u == kVecs - 1;
       acc[i][u] = !add   ? zero()
@@ -35,21 +35,24 @@ APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const float* a, Index lda
   }
   for (Index k = 0; k < depth; ++k) {
     V row[kVecs];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int u = 0; u < kVecs; ++u) {
       const bool part = kMasked && u == kVecs - 1;
       row[u] = part ? load(b + k * ldb + u * kLanes, last) : load(b + k * ldb + u * kLanes);
+      // Keeps the row in a register: compilers otherwise fold its load into every row's
+      // multiply-add, reading it R times (measured: a 4-row streaming update at half speed).
+      asm("" : "+v"(row[u]));
     }
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const V x = set1(a[i * lda + k]);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int u = 0; u < kVecs; ++u) acc[i][u] = fmadd(x, row[u], acc[i][u]);
     }
   }
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int u = 0; u < kVecs; ++u) {
       if (kMasked && u == kVecs - 1) {
         store(c + i * ldc + u * kLanes, acc[i][u], last);
@@ -80,11 +83,11 @@ constexpr Index kMidRows = 4;
 /// c [rows × cols] (+)= a [rows × depth] · b, b given as panels of kPanel columns: panel p
 /// (columns [p·kPanel, p·kPanel + kPanel)) starts at b + p·panel_step, its row k at + k·ldb.
 /// Row blocks of kTileRows rows (then kMidRows, then single rows), each through every panel
-/// while its rows of a stay in L1. b is float, or a 16-bit format widened as it is loaded.
-/// Allocates nothing.
+/// while its rows of a stay in L1.
 template <class T>
-void gemm(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb, Index panel_step,
-          Index rows, Index cols, Index depth, bool add, const float* scale) {
+void gemm_pass(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb,
+               Index panel_step, Index rows, Index cols, Index depth, bool add,
+               const float* scale) {
   for (Index r = 0; r < rows;) {
     const Index left = rows - r;
     const Index block = left >= kTileRows ? kTileRows : left >= kMidRows ? kMidRows : 1;
@@ -103,6 +106,69 @@ void gemm(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb,
       }
     }
     r += block;
+  }
+}
+
+/// c (+)= a · b on the compute-bound path: gemm_pass over the whole depth at once, each block of
+/// rows of a in L1 through every panel. b is float, or a 16-bit format widened as it is loaded.
+/// Allocates nothing.
+template <class T>
+void gemm(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb, Index panel_step,
+          Index rows, Index cols, Index depth, bool add, const float* scale) {
+  gemm_pass(c, ldc, a, lda, b, ldb, panel_step, rows, cols, depth, add, scale);
+}
+
+/// Vectors of columns of a streaming tile: four rows × four vectors (16 of AVX-512's 32
+/// registers) or × two (8 of AVX2's 16). Fewer columns per tile measured slower: each loaded
+/// value feeds fewer multiply-adds (a 4 × 2 tile of AVX-512 streamed at half the speed).
+constexpr int kStreamVecs = kLanes == 16 ? 4 : 2;
+/// Keys of one group of the streaming update: every column of their rows before the next group.
+constexpr Index kStreamGroup = 8;
+
+/// acc [R × d_v] += p [R × n] · v [n × d_v] (value row j at v + j·stride) for n <= kStreamGroup
+/// keys: tiles of kStreamVecs vectors across the columns, then single vectors, the last masked.
+template <int R, class T>
+void stream_group(float* acc, Index ld_acc, const float* p, Index ld_p, const T* v, Index stride,
+                  Index n, Index d_v) {
+  constexpr Index kWide = kStreamVecs * kLanes;
+  Index c = 0;
+  for (; c + kWide <= d_v; c += kWide) {
+    madd_tile<R, kStreamVecs, false>(acc + c, ld_acc, p, ld_p, v + c, stride, n, true, nullptr,
+                                     Mask{});
+  }
+  for (; c + kLanes <= d_v; c += kLanes) {
+    madd_tile<R, 1, false>(acc + c, ld_acc, p, ld_p, v + c, stride, n, true, nullptr, Mask{});
+  }
+  if (c < d_v) {
+    madd_tile<R, 1, true>(acc + c, ld_acc, p, ld_p, v + c, stride, n, true, nullptr,
+                          first_lanes(d_v - c));
+  }
+}
+
+/// acc_r += Σ_j p(r, j) v_j for `rows` rows and n value rows (row j at v + j·stride): the
+/// streaming update of decoding (a few rows, bound by reading v). Groups of kStreamGroup keys,
+/// every column of them before the next group, so that each value row is read once, whole, in
+/// memory order; 16-bit rows are prefetched 16 rows ahead. Each acc(r, c) is one chain of
+/// fused multiply-adds over the keys in order, whatever the groups and the rows beside it.
+/// Allocates nothing.
+template <class T>
+void stream_update(float* acc, Index ld_acc, const float* p, Index ld_p, Index rows, const T* v,
+                   Index stride, Index n, Index d_v) {
+  for (Index j0 = 0; j0 < n; j0 += kStreamGroup) {
+    const Index m = std::min(kStreamGroup, n - j0);
+    const T* values = v + j0 * stride;
+    if constexpr (sizeof(T) < sizeof(float)) {
+      for (Index j = 16; j < 16 + m; ++j) {
+        for (Index c = 0; c < d_v; c += 32) _mm_prefetch(values + j * stride + c, _MM_HINT_T0);
+      }
+    }
+    Index r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      stream_group<4>(acc + r * ld_acc, ld_acc, p + r * ld_p + j0, ld_p, values, stride, m, d_v);
+    }
+    for (; r < rows; ++r) {
+      stream_group<1>(acc + r * ld_acc, ld_acc, p + r * ld_p + j0, ld_p, values, stride, m, d_v);
+    }
   }
 }
 
