@@ -131,8 +131,8 @@ const SimdElement<T>* simd_elements(const T* p) {
 namespace simd_avx2 {
 using V = __m256;
 using Mask = __m256i;  // all ones in a lane that takes part
-constexpr int kLanes = 8;
-constexpr int kTileRows = 6;
+constexpr Index kLanes = 8;
+constexpr Index kTileRows = 6;
 inline V zero() { return _mm256_setzero_ps(); }
 inline V set1(float x) { return _mm256_set1_ps(x); }
 inline V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -213,8 +213,8 @@ inline float reduce_max(V v) {
 namespace simd_avx512 {
 using V = __m512;
 using Mask = __mmask16;
-constexpr int kLanes = 16;
-constexpr int kTileRows = 12;
+constexpr Index kLanes = 16;
+constexpr Index kTileRows = 12;
 inline V zero() { return _mm512_setzero_ps(); }
 inline V set1(float x) { return _mm512_set1_ps(x); }
 inline V load(const float* p) { return _mm512_loadu_ps(p); }

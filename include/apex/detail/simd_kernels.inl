@@ -8,6 +8,9 @@
 // tails use the same operations, tails through masks), so a result does not depend on how its
 // rows or columns were cut: the bits of a row are the same in a tile of 1 row or of 256.
 
+// BLAS-style (pointer, leading dimension, rows, columns) lists, as in every GEMM's signatures.
+// NOLINTBEGIN(bugprone-easily-swappable-parameters)
+
 /// Columns of one panel of a product: two vectors.
 constexpr Index kPanel = 2 * kLanes;
 
@@ -305,3 +308,5 @@ inline float exp_sum(float* s, Index n, float max, bool& hidden) {
   hidden = hidden || any;
   return reduce_add(sum);
 }
+
+// NOLINTEND(bugprone-easily-swappable-parameters)
