@@ -37,7 +37,8 @@
 // Every read of K and V goes through one loader per path: load_rows (the block copy of the GEMM
 // path, which widens while it copies, with the vector conversions of widen.hpp) and read_rows
 // (the row reader of the streaming path, in place when the storage is C or a 16-bit type that
-// the streaming products widen packet by packet in registers, else widened a panel at a time by
+// the streaming products widen packet by packet in registers, streams_in_place: always on apex's
+// float kernels, on Eigen's where the build targets AVX, else widened a panel at a time by
 // load_rows). Q is widened and scaled once per task (load_queries).
 //
 // COMPUTE TYPE. A call computes in double when any input is double. Otherwise it computes in
@@ -127,7 +128,7 @@
 //   0.7 MiB per thread, whatever S is.
 //   Streaming path: M·d_qk + M·Bk + M·d_v + Bq·Bk + 3·M, plus 32·(d_qk + d_v) when K and V are
 //   widened before they are streamed (a panel of kStreamPanel = 32 keys at a time: a storage
-//   type the streaming products do not widen in registers themselves, kStreamsFrom).
+//   type the streaming products do not widen in registers themselves, streams_in_place).
 //   On apex's float kernels the GEMM path needs less: no packed Q, P or V, and the transposed
 //   K is ⌈Bk / panel⌉·panel·d_qk (panel = 16 or 32 keys).
 //   With ALiBi, both paths add G·Bk (the term of each head's first row).
