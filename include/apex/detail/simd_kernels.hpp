@@ -131,6 +131,7 @@ const SimdElement<T>* simd_elements(const T* p) {
 namespace simd_avx2 {
 using V = __m256;
 using Mask = __m256i;  // all ones in a lane that takes part
+constexpr KernelIsa kIsa = KernelIsa::kAvx2;
 constexpr Index kLanes = 8;
 constexpr Index kTileRows = 6;
 inline V zero() { return _mm256_setzero_ps(); }
@@ -213,6 +214,7 @@ inline float reduce_max(V v) {
 namespace simd_avx512 {
 using V = __m512;
 using Mask = __mmask16;
+constexpr KernelIsa kIsa = KernelIsa::kAvx512;
 constexpr Index kLanes = 16;
 constexpr Index kTileRows = 12;
 inline V zero() { return _mm512_setzero_ps(); }
@@ -284,51 +286,11 @@ inline float reduce_max(V v) {
 
 #endif
 
-#if APEX_X86_KERNELS
-/// The two levels' namespaces as types, for table_of.
-struct Avx2 {
-  template <class E>
-  static constexpr RowKernels<E> rows() {
-    return {&simd_avx2::gemm<E>, &simd_avx2::stream_update<E>, &simd_avx2::dots<E>};
-  }
-  static constexpr auto pack_transposed = &simd_avx2::pack_transposed;
-  static constexpr auto max_of = &simd_avx2::max_of;
-  static constexpr auto exp_sum = &simd_avx2::exp_sum;
-  static constexpr Index kPanel = simd_avx2::kPanel;
-  static constexpr KernelIsa kIsa = KernelIsa::kAvx2;
-};
-struct Avx512 {
-  template <class E>
-  static constexpr RowKernels<E> rows() {
-    return {&simd_avx512::gemm<E>, &simd_avx512::stream_update<E>, &simd_avx512::dots<E>};
-  }
-  static constexpr auto pack_transposed = &simd_avx512::pack_transposed;
-  static constexpr auto max_of = &simd_avx512::max_of;
-  static constexpr auto exp_sum = &simd_avx512::exp_sum;
-  static constexpr Index kPanel = simd_avx512::kPanel;
-  static constexpr KernelIsa kIsa = KernelIsa::kAvx512;
-};
-
-/// The table of one level.
-template <class Level>
-const FloatKernels& table_of() {
-  static const FloatKernels table{Level::kIsa,
-                                  Level::template rows<float>(),
-                                  Level::pack_transposed,
-                                  Level::max_of,
-                                  Level::exp_sum,
-                                  Level::kPanel};
-  return table;
-}
-#endif
-
 /// The row kernels of level `isa` (AVX2 or AVX-512) for rows of E.
 template <class E>
 const RowKernels<E>& row_kernels(KernelIsa isa) {
 #if APEX_X86_KERNELS
-  static const RowKernels<E> avx2 = Avx2::rows<E>();
-  static const RowKernels<E> avx512 = Avx512::rows<E>();
-  return isa == KernelIsa::kAvx512 ? avx512 : avx2;
+  return isa == KernelIsa::kAvx512 ? simd_avx512::row_table<E>() : simd_avx2::row_table<E>();
 #else
   (void)isa;
   static const RowKernels<E> none{};
@@ -341,9 +303,9 @@ inline const FloatKernels* float_kernels(KernelIsa isa) {
 #if APEX_X86_KERNELS
   switch (isa) {
     case KernelIsa::kAvx512:
-      return &table_of<Avx512>();
+      return &simd_avx512::float_table();
     case KernelIsa::kAvx2:
-      return &table_of<Avx2>();
+      return &simd_avx2::float_table();
     case KernelIsa::kPortable:
       break;
   }

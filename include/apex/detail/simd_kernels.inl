@@ -309,4 +309,18 @@ inline float exp_sum(float* s, Index n, float max, bool& hidden) {
   return reduce_add(sum);
 }
 
+/// This level's kernels reading rows of E, as a table (simd_kernels.hpp's row_kernels).
+template <class E>
+const RowKernels<E>& row_table() {
+  static const RowKernels<E> table{&gemm<E>, &stream_update<E>, &dots<E>};
+  return table;
+}
+
+/// This level's float kernels, as a table (simd_kernels.hpp's float_kernels).
+inline const FloatKernels& float_table() {
+  static const FloatKernels table{kIsa,    row_table<float>(), &pack_transposed,
+                                  &max_of, &exp_sum,           kPanel};
+  return table;
+}
+
 // NOLINTEND(bugprone-easily-swappable-parameters)
