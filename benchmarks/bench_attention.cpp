@@ -11,8 +11,10 @@
 //                written as a user rule with its block classifier (both the causal pairs). Compare
 //                with BM_Gemm, and each rule's GFLOPS with causal's at the same S: equal GFLOPS
 //                means a time in proportion to the allowed pairs. BM_Sdpa_Fast/causal/f16 and /bf16
-//                store K and V in 16 bits (Q and the output in float). Compare with
-//                BM_Sdpa_Fast/causal at the same S.
+//                store K and V in 16 bits (Q and the output in float); /bf16_products also
+//                permits bfloat16 products (SdpaParams::allow_bf16_products: AVX512-BF16's dot
+//                products where the CPU has them). Compare with BM_Sdpa_Fast/causal at the same S
+//                and with BM_FmaPeak.
 //   BM_Decode_Fast/<precision>  one new token against a cache of S tokens, H_q = 32, H_kv = 8,
 //                d_h = 128, K and V stored as f32, f16 or bf16: GBps counts the K and V bytes
 //                as stored, which every call reads once. Compare with BM_MemRead.
@@ -124,8 +126,10 @@ struct HeadsInput {
   apex::HeadsView<const T> view;
 };
 
-/// The storage types of K and V that the benchmarks compare, named as in their names.
-enum class Precision { kF32, kF16, kBF16 };
+/// The storage types of K and V that the benchmarks compare, named as in their names;
+/// kBF16Products stores them as bfloat16 and permits bfloat16 products
+/// (SdpaParams::allow_bf16_products).
+enum class Precision { kF32, kF16, kBF16, kBF16Products };
 
 /// Calls f(T{}) with T the storage type of `precision`.
 template <class F>
@@ -136,6 +140,7 @@ void with_precision(Precision precision, F&& f) {
     case Precision::kF16:
       return f(Eigen::half{});
     case Precision::kBF16:
+    case Precision::kBF16Products:
       return f(Eigen::bfloat16{});
   }
 }
@@ -165,6 +170,7 @@ void run_prefill(benchmark::State& state, Mask mask, bool reference, Precision p
     attention_mask.positions = position_mask(mask, ids);
     apex::SdpaParams params;
     if (mask == Mask::kAlibi) params.alibi_slopes = apex::alibi_slopes(kQueryHeads);
+    params.allow_bf16_products = precision == Precision::kBF16Products;
     const auto rules = user_causal_rule();
     for (auto _ : state) {
       if (reference) {
@@ -284,6 +290,8 @@ const bool kRegistered = [] {
   prefill("BM_Sdpa_Fast/user_causal", Mask::kUserCausal, false)->Arg(4096);
   prefill("BM_Sdpa_Fast/causal/f16", Mask::kCausal, false, Precision::kF16)->Arg(4096);
   prefill("BM_Sdpa_Fast/causal/bf16", Mask::kCausal, false, Precision::kBF16)->Arg(4096);
+  prefill("BM_Sdpa_Fast/causal/bf16_products", Mask::kCausal, false, Precision::kBF16Products)
+      ->Arg(4096);
   for (const auto& [name, precision] :
        {std::pair{"f32", Precision::kF32}, std::pair{"f16", Precision::kF16},
         std::pair{"bf16", Precision::kBF16}}) {

@@ -13,7 +13,8 @@ namespace {
 
 using apex::KernelIsa;
 
-constexpr KernelIsa kLevels[] = {KernelIsa::kPortable, KernelIsa::kAvx2, KernelIsa::kAvx512};
+constexpr KernelIsa kLevels[] = {KernelIsa::kPortable, KernelIsa::kAvx2, KernelIsa::kAvx512,
+                                 KernelIsa::kAvx512Bf16};
 
 /// Restores the level a test found when it ends.
 class KeepLevel {
@@ -53,6 +54,9 @@ TEST(Cpu, TheBestLevelIsOneTheCpuRuns) {
     }
   }
   // A wider level implies the narrower ones.
+  if (apex::cpu_supports(KernelIsa::kAvx512Bf16)) {
+    EXPECT_TRUE(apex::cpu_supports(KernelIsa::kAvx512));
+  }
   if (apex::cpu_supports(KernelIsa::kAvx512)) {
     EXPECT_TRUE(apex::cpu_supports(KernelIsa::kAvx2));
   }
@@ -80,7 +84,7 @@ TEST(Cpu, SetKernelIsaTakesEveryLevelTheCpuRunsAndRejectsTheOthers) {
 TEST(Cpu, SetKernelIsaRejectsAValueThatIsNoLevel) {
   const KeepLevel keep;
   const KernelIsa before = apex::kernel_isa();
-  for (const int value : {-1, 3, 42}) {
+  for (const int value : {-1, 4, 42}) {
     try {
       apex::set_kernel_isa(static_cast<KernelIsa>(value));
       ADD_FAILURE() << value << " was taken";
@@ -97,6 +101,7 @@ TEST(Cpu, LevelsHaveNames) {
   EXPECT_STREQ(apex::to_string(KernelIsa::kPortable), "portable");
   EXPECT_STREQ(apex::to_string(KernelIsa::kAvx2), "avx2");
   EXPECT_STREQ(apex::to_string(KernelIsa::kAvx512), "avx512");
+  EXPECT_STREQ(apex::to_string(KernelIsa::kAvx512Bf16), "avx512bf16");
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "test_util.hpp"
@@ -63,22 +64,27 @@ TEST(Scratch, SdpaScratchIsBoundedWhateverTheCacheLength) {
   const double bound = documented_scratch_bytes(d, threads);
   // What a new thread and its OpenMP team cost before any scratch: stacks and the runtime's own.
   constexpr double kThreadSlackBytes = 4.0 * 1024 * 1024;
-  for (const Index s_q : {Index{1}, Index{64}, Index{65}}) {
+  // With bfloat16 products too (where the CPU has them), whose pairs must fit the same bound.
+  for (const auto& [s_q, bf16] : {std::pair{Index{1}, false}, std::pair{Index{64}, false},
+                                  std::pair{Index{65}, false}, std::pair{Index{65}, true}}) {
     HeadsTensor<float> q({1, 32, s_q, d}), out({1, 32, s_q, d});
     Eigen::Map<Vector<float>>(q.data(), 32 * s_q * d).setConstant(0.02f);
     AttentionMask<float> mask;  // a window keeps the work small; the scratch does not depend on it
     mask.positions = apex::sliding_window_mask(1024);
+    apex::SdpaParams params;
+    params.allow_bf16_products = bf16;
     double extra_bytes = -1.0;
     std::thread fresh([&] {  // a thread whose scratch starts empty
       const double before = resident_kib();
-      apex::sdpa<float>(q.view(), k, v, mask, {}, out.view());
+      apex::sdpa<float>(q.view(), k, v, mask, params, out.view());
       extra_bytes = 1024.0 * (resident_kib() - before);  // its buffers are still held here
     });
     fresh.join();
     ASSERT_GE(extra_bytes, -4096.0) << "no /proc/self/status";
-    std::printf("S_q = %ld: %.2f MiB of extra resident memory (bound %.2f MiB + %.0f MiB slack)\n",
-                static_cast<long>(s_q), extra_bytes / 1048576, bound / 1048576,
-                kThreadSlackBytes / 1048576);
+    std::printf(
+        "S_q = %ld%s: %.2f MiB of extra resident memory (bound %.2f MiB + %.0f MiB slack)\n",
+        static_cast<long>(s_q), bf16 ? ", bfloat16 products" : "", extra_bytes / 1048576,
+        bound / 1048576, kThreadSlackBytes / 1048576);
     EXPECT_LE(extra_bytes, bound + kThreadSlackBytes)
         << "S_q = " << s_q << ": " << extra_bytes / 1048576 << " MiB of scratch, bound "
         << bound / 1048576 << " MiB";

@@ -3,6 +3,7 @@
 // double loops. The attention suites run again on every level (tests/CMakeLists.txt), which
 // checks them inside the tiled kernel; these check each kernel alone, at its edges.
 #include <apex/detail/simd_kernels.hpp>
+#include <apex/storage.hpp>
 
 #include <gtest/gtest.h>
 
@@ -19,6 +20,8 @@ namespace {
 
 using apex::Index;
 using apex::KernelIsa;
+using apex::detail::Bf16Kernels;
+using apex::detail::Bf16Pair;
 using apex::detail::FloatKernels;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -238,6 +241,145 @@ TEST(SimdKernels, PackTransposedPadsThePanelsWithZeros) {
         const float got = packed.data()[(j / k.panel * d + c) * k.panel + j % k.panel];
         EXPECT_EQ(got, j < n ? keys.data()[j * ld + c] : 0.0F) << "key " << j << " column " << c;
       }
+    }
+  }
+}
+
+/// The bfloat16 dot-product kernels, or nullptr (with the reason in `why`) where this CPU lacks
+/// them.
+const Bf16Kernels* bf16_kernels(std::string& why) {
+  if (!apex::cpu_supports(KernelIsa::kAvx512Bf16)) {
+    why = "this CPU lacks AVX512-BF16: the bfloat16 dot-product kernels are not run";
+    return nullptr;
+  }
+  return apex::detail::float_kernels(KernelIsa::kAvx512Bf16)->bf16;
+}
+
+/// x rounded to bfloat16 (Eigen's conversion, to nearest even) and back.
+double bf16_value(float x) { return double(static_cast<float>(Eigen::bfloat16(x))); }
+
+/// The bfloat16 gemm, as run_gemm: a rounded into pairs along the depth, b packed as the keys
+/// ([cols × depth], `transposed`) or as the values ([depth × cols]).
+void run_bf16_gemm(const Bf16Kernels& k, std::vector<float>& c, Index ld_c,
+                   const std::vector<float>& a, const std::vector<float>& b, Index rows, Index cols,
+                   Index depth, bool add, bool transposed, const float* scale = nullptr) {
+  const Index pairs = Bf16Kernels::pairs(depth);
+  std::vector<Bf16Pair> a_pairs(static_cast<std::size_t>(rows * pairs) + 1);
+  k.round_pairs(a_pairs.data(), pairs, a.data(), depth, rows, depth);
+  if (transposed) {
+    std::vector<Bf16Pair> packed(static_cast<std::size_t>(k.packed_pairs(cols, depth)) + 1);
+    k.pack_keys(packed.data(), b.data(), depth, cols, depth);
+    k.gemm(c.data(), ld_c, a_pairs.data(), pairs, packed.data(), k.panel, pairs * k.panel, rows,
+           cols, pairs, add, scale);
+  } else {
+    std::vector<Bf16Pair> packed(static_cast<std::size_t>(pairs * cols) + 1);
+    k.pack_values(packed.data(), b.data(), cols, depth, cols);
+    k.gemm(c.data(), ld_c, a_pairs.data(), pairs, packed.data(), cols, k.panel, rows, cols, pairs,
+           add, scale);
+  }
+}
+
+TEST(SimdKernels, Bf16GemmEqualsTheDoubleLoopsOnTheRoundedFactors) {
+  std::string why;
+  const Bf16Kernels* k = bf16_kernels(why);
+  if (k == nullptr) GTEST_SKIP() << why;
+  for (const bool transposed : {true, false}) {
+    for (const Index rows : {1, 5, 11, 12, 13, 25}) {
+      for (const Index cols : {1, 15, 16, 17, 31, 32, 33, 70}) {
+        for (const Index depth : {0, 1, 3, 64, 129}) {
+          for (const bool add : {false, true}) {
+            const auto a = normal(static_cast<std::size_t>(rows * depth), 1);
+            const auto b = normal(static_cast<std::size_t>(depth * cols), 2);
+            const auto scale = normal(static_cast<std::size_t>(rows), 6);
+            const Index ld_c = cols + 5;
+            auto c = normal(static_cast<std::size_t>(rows * ld_c), 3);
+            for (Index i = 0; i < rows; ++i) {
+              std::fill(c.data() + i * ld_c + cols, c.data() + (i + 1) * ld_c, 1234.5F);
+            }
+            const std::vector<float> c0 = c;
+            run_bf16_gemm(*k, c, ld_c, a, b, rows, cols, depth, add, transposed, scale.data());
+            for (Index i = 0; i < rows; ++i) {
+              for (Index j = 0; j < cols; ++j) {
+                // The start is rounded once (c·scale), each product of two bfloat16 values is
+                // exact in float, and each pair step rounds at most twice.
+                const double start =
+                    add ? double(c0[std::size_t(i * ld_c + j)] * scale[std::size_t(i)]) : 0.0;
+                double sum = start, magnitude = std::abs(start);
+                for (Index t = 0; t < depth; ++t) {
+                  const float bt =
+                      transposed ? b[std::size_t(j * depth + t)] : b[std::size_t(t * cols + j)];
+                  const double term = bf16_value(a[std::size_t(i * depth + t)]) * bf16_value(bt);
+                  sum += term;
+                  magnitude += std::abs(term);
+                }
+                const double bound = double(depth + 1) * kEps * magnitude;
+                ASSERT_LE(std::abs(c[std::size_t(i * ld_c + j)] - sum), bound)
+                    << (transposed ? "keys" : "values") << " rows " << rows << " cols " << cols
+                    << " depth " << depth << " add " << add << " at (" << i << ", " << j << ")";
+              }
+              for (Index j = cols; j < ld_c; ++j) ASSERT_EQ(c[std::size_t(i * ld_c + j)], 1234.5F);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SimdKernels, Bf16PackingOfStoredRowsEqualsPackingTheirFloatValues) {
+  std::string why;
+  const Bf16Kernels* k = bf16_kernels(why);
+  if (k == nullptr) GTEST_SKIP() << why;
+  for (const Index n : {1, 15, 16, 17, 33, 64}) {
+    for (const Index d : {1, 2, 21, 64, 129}) {
+      const Index ld = d + 3;  // rows with a stride
+      auto x = normal(static_cast<std::size_t>(n * ld), 7);
+      for (float& value : x) value = static_cast<float>(bf16_value(value));
+      std::vector<Eigen::bfloat16> stored(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) stored[i] = Eigen::bfloat16(x[i]);
+      const auto* bits = reinterpret_cast<const apex::detail::Bf16Bits*>(stored.data());
+      const auto packed_size = static_cast<std::size_t>(k->packed_pairs(n, d));
+      std::vector<Bf16Pair> from_float(packed_size, Bf16Pair{1U}),
+          from_stored(packed_size, Bf16Pair{2U});
+      k->pack_keys(from_float.data(), x.data(), ld, n, d);
+      k->pack_keys_bf16(from_stored.data(), bits, ld, n, d);
+      EXPECT_EQ(std::memcmp(from_float.data(), from_stored.data(), packed_size * sizeof(Bf16Pair)),
+                0)
+          << "keys n " << n << " d " << d;
+      const auto value_size = static_cast<std::size_t>(Bf16Kernels::pairs(n) * d);
+      std::vector<Bf16Pair> v_float(value_size, Bf16Pair{1U}), v_stored(value_size, Bf16Pair{2U});
+      k->pack_values(v_float.data(), x.data(), ld, n, d);
+      k->pack_values_bf16(v_stored.data(), bits, ld, n, d);
+      EXPECT_EQ(std::memcmp(v_float.data(), v_stored.data(), value_size * sizeof(Bf16Pair)), 0)
+          << "values n " << n << " d " << d;
+    }
+  }
+}
+
+TEST(SimdKernels, Bf16RoundingIsToNearestEvenAndKeepsNaN) {
+  std::string why;
+  const Bf16Kernels* k = bf16_kernels(why);
+  if (k == nullptr) GTEST_SKIP() << why;
+  // Ties below and above an even bfloat16, values just past them, ±inf, NaN, a float subnormal
+  // (which the instructions take as zero), and an odd count (the last pair's second half is 0).
+  const std::vector<std::uint32_t> bits = {0x3F808000U, 0x3F818000U, 0x3F808001U,
+                                           0xBF818000U, 0x7F800000U, 0xFF800000U,
+                                           0x7FC00001U, 0x00010000U, 0x42F6E979U};
+  std::vector<float> x(bits.size());
+  std::memcpy(x.data(), bits.data(), sizeof(float) * bits.size());
+  const Index n = static_cast<Index>(x.size());
+  std::vector<Bf16Pair> pairs(static_cast<std::size_t>(Bf16Kernels::pairs(n)), Bf16Pair{~0U});
+  k->round_pairs(pairs.data(), 0, x.data(), n, 1, n);
+  std::vector<std::uint16_t> halves(2 * pairs.size());
+  std::memcpy(halves.data(), pairs.data(), sizeof(std::uint16_t) * halves.size());
+  const std::vector<std::uint16_t> want = {0x3F80, 0x3F82, 0x3F81, 0xBF82, 0x7F80,
+                                           0xFF80, 0,      0x0000, 0x42F7, 0x0000};
+  for (std::size_t i = 0; i < halves.size(); ++i) {
+    if (i == 6) {
+      EXPECT_EQ(halves[i] & 0x7F80U, 0x7F80U) << "NaN keeps its exponent";
+      EXPECT_NE(halves[i] & 0x007FU, 0U) << "NaN stays NaN";
+    } else {
+      EXPECT_EQ(halves[i], want[i]) << "value " << i;
     }
   }
 }

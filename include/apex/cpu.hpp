@@ -8,13 +8,17 @@
 //                         with EIGEN_DONT_VECTORIZE.
 //   KernelIsa::kAvx2      AVX2 + FMA + F16C, 8 floats a vector.
 //   KernelIsa::kAvx512    AVX-512 F, BW, DQ and VL (and the AVX2 set), 16 floats a vector.
+//   KernelIsa::kAvx512Bf16  kAvx512 plus AVX512-BF16's dot products of bfloat16 pairs, which the
+//                         tiled kernel uses where a call permits it (SdpaParams::
+//                         allow_bf16_products); every other product is kAvx512's.
 //
 // The default is the widest level this CPU and its operating system run (best_kernel_isa()).
 // Two ways to force another one, where the CPU runs it (else the best one it does is kept):
-//   - the environment variable APEX_KERNEL_ISA=portable|avx2|avx512, read at the first call of
+//   - the environment variable APEX_KERNEL_ISA=portable|avx2|avx512|avx512bf16, read at the
+//     first call of
 //     an apex kernel (the tests run the attention suites once per level this way);
-//   - compiling with the macro APEX_KERNEL_ISA defined to 0 (portable), 1 (AVX2) or 2 (AVX-512),
-//     which the environment variable overrides.
+//   - compiling with the macro APEX_KERNEL_ISA defined to 0 (portable), 1 (AVX2), 2 (AVX-512) or
+//     3 (AVX-512 with BF16), which the environment variable overrides.
 // set_kernel_isa() changes the level at run time; call it while no apex call is running. Results
 // are bit-identical for any number of threads under one level; two levels round differently (to
 // float's rounding: the order of the sums differs).
@@ -39,11 +43,13 @@
 namespace apex {
 
 /// An instruction-set level of apex's own kernels (see the top of cpu.hpp).
-enum class KernelIsa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class KernelIsa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
-/// "portable", "avx2" or "avx512".
+/// "portable", "avx2", "avx512" or "avx512bf16".
 inline const char* to_string(KernelIsa isa) {
   switch (isa) {
+    case KernelIsa::kAvx512Bf16:
+      return "avx512bf16";
     case KernelIsa::kAvx2:
       return "avx2";
     case KernelIsa::kAvx512:
@@ -59,6 +65,12 @@ inline const char* to_string(KernelIsa isa) {
 inline bool cpu_supports(KernelIsa isa) {
 #if APEX_X86_KERNELS
   switch (isa) {
+    case KernelIsa::kAvx512Bf16: {
+      // AVX512_BF16 from CPUID leaf 7, sub-leaf 1 (EAX bit 5).
+      unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+      return cpu_supports(KernelIsa::kAvx512) &&
+             __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 && (eax & (1U << 5)) != 0;
+    }
     case KernelIsa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
@@ -81,6 +93,7 @@ inline bool cpu_supports(KernelIsa isa) {
 /// The widest level this CPU runs, asked once.
 inline KernelIsa best_kernel_isa() {
   static const KernelIsa best = [] {
+    if (cpu_supports(KernelIsa::kAvx512Bf16)) return KernelIsa::kAvx512Bf16;
     if (cpu_supports(KernelIsa::kAvx512)) return KernelIsa::kAvx512;
     if (cpu_supports(KernelIsa::kAvx2)) return KernelIsa::kAvx2;
     return KernelIsa::kPortable;
@@ -94,7 +107,8 @@ namespace detail {
 inline int kernel_isa_from_environment() {
   const char* name = std::getenv("APEX_KERNEL_ISA");  // NOLINT(concurrency-mt-unsafe): read once
   if (name == nullptr) return -1;
-  for (const KernelIsa isa : {KernelIsa::kPortable, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+  for (const KernelIsa isa :
+       {KernelIsa::kPortable, KernelIsa::kAvx2, KernelIsa::kAvx512, KernelIsa::kAvx512Bf16}) {
     if (std::strcmp(name, to_string(isa)) == 0) return static_cast<int>(isa);
   }
   return -1;
@@ -105,8 +119,8 @@ inline int kernel_isa_from_environment() {
 inline std::atomic<int>& kernel_isa_state() {
   static std::atomic<int> state = [] {
 #if defined(APEX_KERNEL_ISA)
-    static_assert(APEX_KERNEL_ISA >= 0 && APEX_KERNEL_ISA <= 2,
-                  "APEX_KERNEL_ISA must be 0 (portable), 1 (avx2) or 2 (avx512)");
+    static_assert(APEX_KERNEL_ISA >= 0 && APEX_KERNEL_ISA <= 3,
+                  "APEX_KERNEL_ISA must be 0 (portable), 1 (avx2), 2 (avx512) or 3 (avx512bf16)");
     int wanted = APEX_KERNEL_ISA;
 #else
     int wanted = -1;
@@ -129,8 +143,8 @@ inline KernelIsa kernel_isa() {
 /// Not to be called while an apex call is running.
 inline void set_kernel_isa(KernelIsa isa) {
   const int level = static_cast<int>(isa);
-  APEX_CHECK(level >= 0 && level <= 2,
-             "[set_kernel_isa] isa (" << level << ") must be a KernelIsa (0, 1 or 2)");
+  APEX_CHECK(level >= 0 && level <= 3,
+             "[set_kernel_isa] isa (" << level << ") must be a KernelIsa (0, 1, 2 or 3)");
   APEX_CHECK(cpu_supports(isa), "[set_kernel_isa] isa ("
                                     << to_string(isa)
                                     << ") must be one this CPU runs; the best it runs is "

@@ -62,6 +62,18 @@ struct SdpaParams {
   /// stored as a matrix). alibi_slopes(H) gives the standard geometric slopes. Empty: none.
   /// Without a causal rule the keys after a query get a positive term.
   std::vector<double> alibi_slopes;
+  /// Permits the tiled kernel to form both products with bfloat16 factors, summed in float, as
+  /// PyTorch's and oneDNN's bf16 attention does, where the CPU has AVX512-BF16's dot products
+  /// (KernelIsa::kAvx512Bf16, cpu.hpp): in each tile of more than 8 stacked query rows (G·Bq,
+  /// the G query heads of a key/value head: prefill, not decoding, whose products stream), in
+  /// float, Qs = scale·Q, K, the weights P and V are rounded to bfloat16 to nearest even before
+  /// their products. K and V stored as bfloat16
+  /// round to themselves; the sums, the softmax and the outputs stay float. Each weight then
+  /// carries a relative error up to 2^-8 and each score up to 2^-8·scale·Σ_c |q_c·k_c| (from Qs),
+  /// and values below 2^-126 in magnitude count as zero. Where the CPU lacks the instructions,
+  /// under another kernel level, or where the call computes in double, the products are exact as
+  /// without it. Off by default.
+  bool allow_bf16_products = false;
 };
 
 /// The standard ALiBi slopes of H heads (Press et al. 2022): for H a power of two, the
@@ -220,6 +232,7 @@ void set_score_params(P& p, const SdpaParams& params, Index d_qk) {
   p.softcap = params.softcap;
   p.sinks = params.sinks.empty() ? nullptr : params.sinks.data();
   p.alibi_slopes = params.alibi_slopes.empty() ? nullptr : params.alibi_slopes.data();
+  p.bf16_products = params.allow_bf16_products;
 }
 
 /// The kernel's problem for queries q (first at absolute position first_query) against

@@ -70,7 +70,12 @@
 // simd_kernels.hpp), with K_j transposed into its panels once per block and P and V_j read as
 // they are; the softmax's block maximum, exponentials and sums run there too. These kernels are
 // compiled for each level whatever the build targets, so a baseline -O2 build runs them as a
-// -march=native one does. Otherwise (double, or KernelIsa::kPortable) the GEMM path runs both
+// -march=native one does. Where a call permits bfloat16 products (SdpaParams::
+// allow_bf16_products) and the CPU has AVX512-BF16 (KernelIsa::kAvx512Bf16), the GEMM path's
+// products run on bfloat16 dot products instead (Bf16Kernels): Qs rounded into pairs along d_qk
+// once per task, K_j rounded and transposed into panels of pairs, P rounded into pairs along
+// the keys and V_j interleaved in pairs of rows, each once per block; the streaming path stays
+// exact. Otherwise (double, or KernelIsa::kPortable) the GEMM path runs both
 // products on Eigen's GEMM micro-kernel over
 // buffers owned by this kernel (TileGemm, eigen_adapter.hpp): Qs is packed once per task,
 // nothing is allocated, and Eigen never splits a product over threads (its thread-dependent
@@ -131,6 +136,9 @@
 //   type the streaming products do not widen in registers themselves, streams_in_place).
 //   On apex's float kernels the GEMM path needs less: no packed Q, P or V, and the transposed
 //   K is ⌈Bk / panel⌉·panel·d_qk (panel = 16 or 32 keys).
+//   With bfloat16 products the GEMM path adds, in 32-bit pairs, M·⌈d_qk/2⌉ (Qs), ⌈Bk/32⌉·32·
+//   ⌈d_qk/2⌉ (K_j), M·⌈Bk/2⌉ (P) and ⌈Bk/2⌉·d_v (V_j): no more than the packed buffers of
+//   Eigen's path above.
 //   With ALiBi, both paths add G·Bk (the term of each head's first row).
 // Split-key decoding also keeps, on the calling thread, the partial results of every chunk,
 // at most partial_budget = 2^19 scalars (2 MiB of float) whatever S_k, and each merging thread
@@ -266,6 +274,7 @@ struct AttentionProblem {
   double softcap = 0.0;                  // 0: off
   const double* sinks = nullptr;         // [H_q] extra logits of zero value; null: none
   const double* alibi_slopes = nullptr;  // [H_q] score += slope·(kp − qp); null: none
+  bool bf16_products = false;            // SdpaParams::allow_bf16_products
   Index group = 1;                       // G = H_q / H_kv
   Index s_q = 0, s_k = 0, d_qk = 0, d_v = 0;
 };
@@ -311,6 +320,23 @@ void load_rows(const SegmentHead<T>& head, Index row, Index n, C* dst) {
     n -= m;
     dst += m * cols;
   }
+}
+
+/// Rows [row, row + n) of one head as one block of evenly strided rows: in place when they lie
+/// in one run, else copied as they are stored (nothing widened) into `buffer` (n × cols).
+template <class T>
+ConstRows<T> stored_rows(const SegmentHead<T>& head, Index row, Index n, T* buffer) {
+  if (n <= head.run(row)) return head.rows(row);
+  const Index cols = head.cols();
+  for (Index done = 0; done < n;) {
+    const Index m = std::min(n - done, head.run(row + done));
+    const ConstRows<T> src = head.rows(row + done);
+    for (Index r = 0; r < m; ++r) {
+      std::copy_n(src.data + r * src.stride, cols, buffer + (done + r) * cols);
+    }
+    done += m;
+  }
+  return {buffer, cols};
 }
 
 /// Whether the streaming products read rows of T in place for compute type C: Eigen's when
@@ -436,6 +462,7 @@ class AttentionTile {
       : p_(p),
         streaming_(streaming),
         simd_(std::is_same_v<C, float> ? float_kernels() : nullptr),
+        bf16_(simd_ != nullptr && p.bf16_products && !streaming ? simd_->bf16 : nullptr),
         k_in_place_(streams_in_place<C, typename P::Key>(simd_)),
         v_in_place_(streams_in_place<C, typename P::Value>(simd_)),
         b_(b),
@@ -514,7 +541,15 @@ class AttentionTile {
     const Index copied = gemm ? key_block : std::min(key_block, kStreamPanel);
     if (gemm || widen_k) k_copy_ = get(ScratchSlot::kKCopy, copied * p_.d_qk);
     if (gemm || widen_v) v_copy_ = get(ScratchSlot::kVCopy, copied * p_.d_v);
-    if (gemm && simd_ != nullptr) {
+    if (bf16_ != nullptr) {
+      const auto pairs = [&](ScratchSlot slot, Index count) {
+        return scratch.get<Bf16Pair>(slot, count);
+      };
+      q_pairs_ = pairs(ScratchSlot::kQPacked, rows_ * Bf16Kernels::pairs(p_.d_qk));
+      k_pairs_ = pairs(ScratchSlot::kKPacked, bf16_->packed_pairs(key_block, p_.d_qk));
+      p_pairs_ = pairs(ScratchSlot::kPPacked, rows_ * Bf16Kernels::pairs(key_block));
+      v_pairs_ = pairs(ScratchSlot::kVPacked, Bf16Kernels::pairs(key_block) * p_.d_v);
+    } else if (gemm && simd_ != nullptr) {
       k_packed_ = get(ScratchSlot::kKPacked, simd_->packed_size(key_block, p_.d_qk));
     } else if (gemm && TileGemm<C>::kPacks) {
       q_packed_ = get(ScratchSlot::kQPacked, rows_ * p_.d_qk);
@@ -540,6 +575,12 @@ class AttentionTile {
     if (!streaming_ && simd_ == nullptr) {
       TileGemm<C>::pack_queries(q_packed_, q_stacked_, rows_, p_.d_qk);
     }
+    if constexpr (std::is_same_v<C, float>) {
+      if (bf16_ != nullptr) {
+        const Index d = p_.d_qk;
+        bf16_->round_pairs(q_pairs_, Bf16Kernels::pairs(d), q_stacked_, d, rows_, d);
+      }
+    }
   }
 
   /// score: S (rows × n, leading dimension ld_s) = Qs·Kᵀ for the block's keys. A float pass
@@ -555,8 +596,7 @@ class AttentionTile {
         });
       });
     } else {
-      load_rows<C>(k_head, keys.row, keys.n, k_copy_);
-      tile_scores(keys.n);
+      tile_scores(k_head, keys);
     }
     if constexpr (std::is_same_v<C, float>) {
       if (masked && !non_finite_score_) {
@@ -565,10 +605,15 @@ class AttentionTile {
     }
   }
 
-  /// S = Qs·Kᵀ on the GEMM path for the n keys in k_copy_: on apex's kernels (K transposed into
-  /// their panels) or on Eigen's.
-  void tile_scores(Index n) {
-    const Index d = p_.d_qk;
+  /// S = Qs·Kᵀ on the GEMM path for the block's keys: on the bfloat16 dot products where
+  /// allowed (paired_scores), else K_j copied to k_copy_ (widened) and on apex's float kernels
+  /// (K transposed into their panels) or on Eigen's.
+  void tile_scores(const SegmentHead<typename P::Key>& k_head, const Block& keys) {
+    const Index d = p_.d_qk, n = keys.n;
+    if constexpr (std::is_same_v<C, float>) {
+      if (bf16_ != nullptr) return paired_scores(k_head, keys);
+    }
+    load_rows<C>(k_head, keys.row, n, k_copy_);
     if constexpr (std::is_same_v<C, float>) {
       if (simd_ != nullptr) {
         simd_->pack_transposed(k_packed_, k_copy_, d, n, d);
@@ -580,11 +625,33 @@ class AttentionTile {
     TileGemm<C>::scores(scores_, ld_s_, k_copy_, k_packed_, q_packed_, q_stacked_, rows_, n, d);
   }
 
-  /// acc = diag(α)·acc + P·V on the GEMM path for the n values in v_copy_: on apex's kernels,
-  /// which scale each row as they load it (the same bits as scaling first: x·1 = x), or on
-  /// Eigen's after rescale_acc.
+  /// S = Qs·Kᵀ on the bfloat16 dot products, Qs and K rounded, in pairs along d_qk: K_j
+  /// packed into panels of pairs from its stored rows when they are bfloat16 (in place, or
+  /// copied where the block spans pages), else from its widened copy.
+  void paired_scores(const SegmentHead<typename P::Key>& k_head, const Block& keys) {
+    using Key = typename P::Key;
+    const Index d = p_.d_qk, n = keys.n, pairs = Bf16Kernels::pairs(d);
+    if constexpr (std::is_same_v<Key, Eigen::bfloat16>) {
+      const ConstRows<Key> k = stored_rows(k_head, keys.row, n, stored_copy<Key>(k_copy_));
+      bf16_->pack_keys_bf16(k_pairs_, simd_elements(k.data), k.stride, n, d);
+    } else {
+      load_rows<C>(k_head, keys.row, n, k_copy_);
+      bf16_->pack_keys(k_pairs_, k_copy_, d, n, d);
+    }
+    bf16_->gemm(scores_, ld_s_, q_pairs_, pairs, k_pairs_, bf16_->panel, pairs * bf16_->panel,
+                rows_, n, pairs, false, nullptr);
+  }
+
+  /// acc = diag(α)·acc + P·V on the GEMM path for the n values in v_copy_: on the bfloat16 dot
+  /// products (P and V rounded, in pairs along the keys) or apex's float kernels, which scale
+  /// each row as they load it (the same bits as scaling first: x·1 = x), or on Eigen's after
+  /// rescale_acc.
   void tile_update(Index n) {
     if constexpr (std::is_same_v<C, float>) {
+      if (bf16_ != nullptr) {
+        bf16_->pack_values(v_pairs_, v_copy_, p_.d_v, n, p_.d_v);
+        return paired_update(n);
+      }
       if (simd_ != nullptr) {
         simd_->f32.gemm(acc_, ld_acc_, scores_, ld_s_, v_copy_, p_.d_v, simd_->panel, rows_, p_.d_v,
                         n, true, rescale_ ? alpha_ : nullptr);
@@ -594,6 +661,23 @@ class AttentionTile {
     rescale_acc();
     TileGemm<C>::update(acc_, ld_acc_, scores_, ld_s_, p_packed_, v_copy_, v_packed_, rows_, n,
                         p_.d_v);
+  }
+
+  /// acc = diag(α)·acc + P·V on the bfloat16 dot products, V_j's n values already in v_pairs_:
+  /// P rounded into pairs along the keys first.
+  void paired_update(Index n) {
+    const Index pairs = Bf16Kernels::pairs(n);
+    bf16_->round_pairs(p_pairs_, pairs, scores_, ld_s_, rows_, n);
+    bf16_->gemm(acc_, ld_acc_, p_pairs_, pairs, v_pairs_, p_.d_v, bf16_->panel, rows_, p_.d_v,
+                pairs, true, rescale_ ? alpha_ : nullptr);
+  }
+
+  /// The scratch of a block copy (room for Bk rows of C) as room for as many rows of T stored
+  /// as they are (T no wider than C).
+  template <class T>
+  static T* stored_copy(C* buffer) {
+    static_assert(sizeof(T) <= sizeof(C));
+    return reinterpret_cast<T*>(buffer);  // NOLINT: scratch bytes, reused for narrower values
   }
 
   /// mask: every row's scores are modified (modify_row), then the rules forbid keys
@@ -726,6 +810,21 @@ class AttentionTile {
       });
       return;
     }
+    using Value = typename P::Value;
+    if constexpr (std::is_same_v<C, float> && std::is_same_v<Value, Eigen::bfloat16>) {
+      if (bf16_ != nullptr) {  // packed from the stored rows
+        const ConstRows<Value> v =
+            stored_rows(v_head, keys.row, keys.n, stored_copy<Value>(v_copy_));
+        if (hidden && !all_finite(v.data, keys.n, p_.d_v, v.stride)) {
+          rescale_acc();
+          accumulate_visible(v, 0, keys.n);
+        } else {
+          bf16_->pack_values_bf16(v_pairs_, simd_elements(v.data), v.stride, keys.n, p_.d_v);
+          paired_update(keys.n);
+        }
+        return;
+      }
+    }
     load_rows<C>(v_head, keys.row, keys.n, v_copy_);
     const ConstRows<C> v{v_copy_, p_.d_v};
     if (hidden && !all_finite(v.data, keys.n, p_.d_v, v.stride)) {
@@ -770,6 +869,7 @@ class AttentionTile {
   const P& p_;
   bool streaming_;
   const FloatKernels* simd_;      // the products and the softmax on apex's own kernels (float)
+  const Bf16Kernels* bf16_;       // the GEMM path's products on bfloat16 dot products, if allowed
   bool k_in_place_, v_in_place_;  // streams_in_place for K and V
   bool rescale_ = false;          // some α of the last softmax is not 1
   bool non_finite_score_ = false;
@@ -778,6 +878,10 @@ class AttentionTile {
   C* q_packed_ = nullptr;
   C* k_copy_ = nullptr;
   C* k_packed_ = nullptr;
+  Bf16Pair* q_pairs_ = nullptr;  // Qs, K_j, P and V_j rounded, for bf16_
+  Bf16Pair* k_pairs_ = nullptr;
+  Bf16Pair* p_pairs_ = nullptr;
+  Bf16Pair* v_pairs_ = nullptr;
   C* scores_ = nullptr;
   C* p_packed_ = nullptr;
   C* v_copy_ = nullptr;

@@ -51,6 +51,12 @@ struct HalfBits {
   std::uint16_t bits;
 };
 
+/// Two bfloat16 values in one 32-bit word, the first in the low half: the element of the
+/// operands of the bfloat16 dot-product kernels (Bf16Kernels), whose vector lanes hold pairs.
+struct Bf16Pair {
+  std::uint32_t bits;
+};
+
 /// The element type the kernels read for a storage type T: float, Bf16Bits, HalfBits, or void
 /// where they read no T.
 template <class T>
@@ -79,6 +85,39 @@ struct RowKernels {
 template <class E>
 const RowKernels<E>& row_kernels(KernelIsa isa);
 
+/// The bfloat16 dot-product kernels of KernelIsa::kAvx512Bf16 (vdpbf16ps): both products of a
+/// tile with bfloat16 factors, summed in float. Pairs run along the sum of each product: along
+/// d_qk for S = Qs·Kᵀ, along the keys for acc += P·V. Factors are rounded to bfloat16 to nearest
+/// even (NaN stays NaN); the instructions treat a float or bfloat16 below 2^-126 in magnitude as
+/// zero and flush such a sum to zero.
+struct Bf16Kernels {
+  /// gemm with a [rows × depth pairs] and b in panels of pairs, as RowKernels::gemm.
+  void (*gemm)(float* c, Index ldc, const Bf16Pair* a, Index lda, const Bf16Pair* b, Index ldb,
+               Index panel_step, Index rows, Index cols, Index depth, bool add, const float* scale);
+  /// dst row r (ld_dst pairs) = src row r ([rows × cols], row stride ld_src) rounded, ⌈cols / 2⌉
+  /// pairs, the second half of the last 0 when cols is odd: Qs and P as gemm's a.
+  void (*round_pairs)(Bf16Pair* dst, Index ld_dst, const float* src, Index ld_src, Index rows,
+                      Index cols);
+  /// packed = kᵀ rounded, in panels for gemm's b (ldb = panel, panel_step = ⌈d / 2⌉·panel): panel
+  /// p's row t holds pair (k(j, 2t), k(j, 2t + 1)) of keys j = p·panel + l (0 past n or d);
+  /// k [n × d] with row stride ld_k. Writes packed_pairs(n, d) pairs.
+  void (*pack_keys)(Bf16Pair* packed, const float* k, Index ld_k, Index n, Index d);
+  /// pack_keys for keys stored as bfloat16 (read as they are, nothing rounded); ld_k < 2^27.
+  void (*pack_keys_bf16)(Bf16Pair* packed, const Bf16Bits* k, Index ld_k, Index n, Index d);
+  /// packed [⌈n / 2⌉ × d_v] (gemm's b with ldb = d_v, panel_step = panel): row u holds pairs
+  /// (v(2u, c), v(2u + 1, c)) rounded, 0 for the row past an odd n; v [n × d_v], row stride ld_v.
+  void (*pack_values)(Bf16Pair* packed, const float* v, Index ld_v, Index n, Index d_v);
+  /// pack_values for values stored as bfloat16.
+  void (*pack_values_bf16)(Bf16Pair* packed, const Bf16Bits* v, Index ld_v, Index n, Index d_v);
+  /// Columns of a panel of gemm's b.
+  Index panel;
+
+  /// Pairs that pack_keys writes for n keys of width d.
+  Index packed_pairs(Index n, Index d) const { return (n + panel - 1) / panel * panel * pairs(d); }
+  /// Pairs of a row of n values.
+  static Index pairs(Index n) { return (n + 1) / 2; }
+};
+
 /// The float kernels of one level (see the top of this header).
 struct FloatKernels {
   /// The level.
@@ -95,6 +134,8 @@ struct FloatKernels {
   float (*exp_sum)(float* s, Index n, float max, bool& hidden);
   /// Columns of a panel of gemm's b.
   Index panel;
+  /// The bfloat16 dot-product kernels, or nullptr below KernelIsa::kAvx512Bf16.
+  const Bf16Kernels* bf16;
 
   /// Floats that pack_transposed writes for n rows of d.
   Index packed_size(Index n, Index d) const { return (n + panel - 1) / panel * panel * d; }
@@ -282,6 +323,186 @@ inline float reduce_max(V v) {
 #pragma GCC pop_options
 #endif
 
+// The bfloat16 dot products: AVX-512's operations and the shared body once more, under a target
+// that adds AVX512-BF16 (kept apart, so that no instruction of it reaches the other levels), with
+// Bf16Pair's loads and multiply-add; only gemm<Bf16Pair, Bf16Pair> and the packing below are
+// compiled from it.
+#if defined(__clang__)
+#pragma clang attribute push(                                                               \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c"))), \
+    apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
+#endif
+namespace simd_avx512_bf16 {
+using simd_avx512::add;
+using simd_avx512::any_of;
+using simd_avx512::equal;
+using simd_avx512::first_lanes;
+using simd_avx512::fmadd;
+using simd_avx512::is_nan;
+using simd_avx512::kLanes;
+using simd_avx512::kTileRows;
+using simd_avx512::less;
+using simd_avx512::load;
+using simd_avx512::Mask;
+using simd_avx512::mask_or;
+using simd_avx512::max;
+using simd_avx512::mul;
+using simd_avx512::no_lanes;
+using simd_avx512::pow2;
+using simd_avx512::reduce_add;
+using simd_avx512::reduce_max;
+using simd_avx512::round_nearest;
+using simd_avx512::select;
+using simd_avx512::set1;
+using simd_avx512::store;
+using simd_avx512::sub;
+using simd_avx512::V;
+using simd_avx512::zero;
+constexpr KernelIsa kIsa = KernelIsa::kAvx512Bf16;
+inline V load(const Bf16Pair* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+inline V load(const Bf16Pair* p, Mask m) {
+  return _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(m, p));
+}
+inline V broadcast(const Bf16Pair* a) {
+  return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(a->bits)));
+}
+/// acc + x₀·b₀ + x₁·b₁ in every lane, x and b holding pairs (vdpbf16ps).
+inline V madd(const Bf16Pair* /*a*/, V x, V b, V acc) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)b);
+}
+/// The 16 floats of x rounded to bfloat16, in order.
+inline __m256i round16(V x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+#include <apex/detail/simd_kernels.inl>
+
+/// Bf16Kernels::round_pairs.
+inline void round_pairs(Bf16Pair* dst, Index ld_dst, const float* src, Index ld_src, Index rows,
+                        Index cols) {
+  const Index halves = 2 * Bf16Kernels::pairs(cols);  // bfloat16 values a row, padded to even
+  for (Index r = 0; r < rows; ++r) {
+    auto* out = reinterpret_cast<std::uint16_t*>(dst + r * ld_dst);
+    const float* in = src + r * ld_src;
+    for (Index c = 0; c < halves; c += kLanes) {
+      const __m256i bits = round16(load(in + c, first_lanes(cols - c)));  // 0 past cols
+      _mm256_mask_storeu_epi16(out + c, first_lanes(halves - c), bits);
+    }
+  }
+}
+
+/// Pairs (x_l, y_l) of two rows of 16 floats, rounded, as 16 lanes.
+inline __m512i interleave16(V x, V y) {
+  const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(y, x);  // x's 16 values, then y's
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(order, halves);
+}
+
+/// Zeros for the keys of the last panel's second vector when n keys end in its first.
+inline void zero_last_half_panel(Bf16Pair* packed, Index n, Index pairs) {
+  const Index full = (n + kPanel - 1) / kPanel * kPanel;
+  for (Index j0 = (n + kLanes - 1) / kLanes * kLanes; j0 < full; j0 += kLanes) {
+    Bf16Pair* out = packed + (j0 / kPanel) * kPanel * pairs + j0 % kPanel;
+    for (Index t = 0; t < pairs; ++t) _mm512_storeu_si512(out + t * kPanel, _mm512_setzero_si512());
+  }
+}
+
+/// Bf16Kernels::pack_keys: 16 keys at a time, each pair row of the panel from two gathers (the
+/// even and the odd columns of the 16 key rows).
+inline void pack_keys(Bf16Pair* packed, const float* k, Index ld_k, Index n, Index d) {
+  const Index pairs = Bf16Kernels::pairs(d);
+  const __m512i rows =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int>(ld_k)));
+  for (Index j0 = 0; j0 < n; j0 += kLanes) {
+    const Mask keys = first_lanes(n - j0);
+    Bf16Pair* out = packed + (j0 / kPanel) * kPanel * pairs + j0 % kPanel;
+    const float* base = k + j0 * ld_k;
+    for (Index t = 0; t < pairs; ++t) {
+      const V even = _mm512_mask_i32gather_ps(zero(), keys, rows, base + 2 * t, 4);
+      const V odd = 2 * t + 1 < d
+                        ? _mm512_mask_i32gather_ps(zero(), keys, rows, base + 2 * t + 1, 4)
+                        : zero();
+      _mm512_storeu_si512(out + t * kPanel, interleave16(even, odd));
+    }
+  }
+  zero_last_half_panel(packed, n, pairs);
+}
+
+/// Bf16Kernels::pack_keys_bf16: each pair row of 16 keys in one gather of 32-bit words, and
+/// the last value of an odd d alone (its pair's second half 0, nothing read past a row).
+inline void pack_keys_bf16(Bf16Pair* packed, const Bf16Bits* k, Index ld_k, Index n, Index d) {
+  const Index pairs = Bf16Kernels::pairs(d), whole = d / 2;
+  const __m512i rows =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int>(ld_k)));  // in bfloat16 values: scale 2
+  for (Index j0 = 0; j0 < n; j0 += kLanes) {
+    const Mask keys = first_lanes(n - j0);
+    Bf16Pair* out = packed + (j0 / kPanel) * kPanel * pairs + j0 % kPanel;
+    const Bf16Bits* base = k + j0 * ld_k;
+    for (Index t = 0; t < whole; ++t) {
+      const __m512i x =
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keys, rows, base + 2 * t, 2);
+      _mm512_storeu_si512(out + t * kPanel, x);
+    }
+    if (whole < pairs) {
+      Bf16Pair* last = out + whole * kPanel;
+      for (Index l = 0; l < kLanes; ++l) {
+        last[l].bits = j0 + l < n ? base[l * ld_k + d - 1].bits : 0U;
+      }
+    }
+  }
+  zero_last_half_panel(packed, n, pairs);
+}
+
+/// Bf16Kernels::pack_values_bf16: rows 2u and 2u + 1 interleaved, 16 columns at a time.
+inline void pack_values_bf16(Bf16Pair* packed, const Bf16Bits* v, Index ld_v, Index n, Index d_v) {
+  using simd_avx512::kAll;
+  for (Index u = 0; 2 * u < n; ++u) {
+    const Bf16Bits* first = v + 2 * u * ld_v;
+    const bool second = 2 * u + 1 < n;
+    for (Index c = 0; c < d_v; c += kLanes) {
+      const Mask lanes = first_lanes(d_v - c);
+      const __m512i x =
+          _mm512_maskz_cvtepu16_epi32(kAll, _mm256_maskz_loadu_epi16(lanes, first + c));
+      const __m512i y = second ? _mm512_maskz_cvtepu16_epi32(
+                                     kAll, _mm256_maskz_loadu_epi16(lanes, first + ld_v + c))
+                               : _mm512_setzero_si512();
+      const __m512i pair = _mm512_or_si512(x, _mm512_maskz_slli_epi32(kAll, y, 16));
+      _mm512_mask_storeu_epi32(packed + u * d_v + c, lanes, pair);
+    }
+  }
+}
+
+/// Bf16Kernels::pack_values: rows 2u and 2u + 1 interleaved, 16 columns at a time.
+inline void pack_values(Bf16Pair* packed, const float* v, Index ld_v, Index n, Index d_v) {
+  for (Index u = 0; 2 * u < n; ++u) {
+    const float* first = v + 2 * u * ld_v;
+    const bool second = 2 * u + 1 < n;
+    for (Index c = 0; c < d_v; c += kLanes) {
+      const Mask lanes = first_lanes(d_v - c);
+      const V x = load(first + c, lanes);
+      const V y = second ? load(first + ld_v + c, lanes) : zero();
+      _mm512_mask_storeu_epi32(packed + u * d_v + c, lanes, interleave16(x, y));
+    }
+  }
+}
+
+/// This level's bfloat16 kernels, as a table (simd_kernels.hpp's float_kernels).
+inline const Bf16Kernels& bf16_table() {
+  static const Bf16Kernels table{
+      &gemm<Bf16Pair, Bf16Pair>, &round_pairs, &pack_keys, &pack_keys_bf16, &pack_values,
+      &pack_values_bf16,         kPanel};
+  return table;
+}
+}  // namespace simd_avx512_bf16
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
 // NOLINTEND
 
 #endif
@@ -290,7 +511,7 @@ inline float reduce_max(V v) {
 template <class E>
 const RowKernels<E>& row_kernels(KernelIsa isa) {
 #if APEX_X86_KERNELS
-  return isa == KernelIsa::kAvx512 ? simd_avx512::row_table<E>() : simd_avx2::row_table<E>();
+  return isa >= KernelIsa::kAvx512 ? simd_avx512::row_table<E>() : simd_avx2::row_table<E>();
 #else
   (void)isa;
   static const RowKernels<E> none{};
@@ -302,6 +523,15 @@ const RowKernels<E>& row_kernels(KernelIsa isa) {
 inline const FloatKernels* float_kernels(KernelIsa isa) {
 #if APEX_X86_KERNELS
   switch (isa) {
+    case KernelIsa::kAvx512Bf16: {
+      static const FloatKernels table = [] {
+        FloatKernels t = simd_avx512::float_table();
+        t.isa = KernelIsa::kAvx512Bf16;
+        t.bf16 = &simd_avx512_bf16::bf16_table();
+        return t;
+      }();
+      return &table;
+    }
     case KernelIsa::kAvx512:
       return &simd_avx512::float_table();
     case KernelIsa::kAvx2:

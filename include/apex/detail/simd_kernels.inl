@@ -14,16 +14,23 @@
 /// Columns of one panel of a product: two vectors.
 constexpr Index kPanel = 2 * kLanes;
 
+/// The factor a(i, k) as madd_tile broadcasts it, and its multiply-add with a row of b: for float,
+/// set1 and one fused multiply-add. A level with bfloat16 dot products declares the same two for
+/// Bf16Pair (a vector lane then holds a pair, and one step adds both of its products).
+APEX_ALWAYS_INLINE V broadcast(const float* a) { return set1(*a); }
+APEX_ALWAYS_INLINE V madd(const float* /*a*/, V x, V b, V acc) { return fmadd(x, b, acc); }
+
 /// c[R × (kVecs·kLanes)] (+)= a[R × depth] · b[depth × kVecs·kLanes], the register-blocked micro
 /// kernel: the R·kVecs accumulators stay in registers across the whole depth, a broadcasts, b is
 /// loaded a row of vectors at a time (widened to float in registers when T is a 16-bit format).
 /// Row i of a at a + i·lda, row k of b at b + k·ldb, row i of c at c + i·ldc. Each c(i, j) is
-/// one chain of fused multiply-adds over k = 0, 1, …, depth − 1, starting from c(i, j) when `add`
+/// one chain of multiply-adds (madd) over k = 0, 1, …, depth − 1, starting from c(i, j) when `add`
 /// is set (times scale[i] where scale is given: the online softmax's rescaling, in registers),
-/// else from 0. The last vector reads and writes only the lanes of `last` (kMasked).
-template <int R, int kVecs, bool kMasked, class T>
-APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const float* a, Index lda, const T* b,
-                                  Index ldb, Index depth, bool add, const float* scale, Mask last) {
+/// else from 0. The last vector reads and writes only the lanes of `last` (kMasked). A is float
+/// (T any), or Bf16Pair for a and b alike, depth then counting pairs.
+template <int R, int kVecs, bool kMasked, class A, class T>
+APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const A* a, Index lda, const T* b, Index ldb,
+                                  Index depth, bool add, const float* scale, Mask last) {
   V acc[R][kVecs];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
@@ -48,9 +55,10 @@ APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const float* a, Index lda
     }
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
-      const V x = set1(a[i * lda + k]);
+      const A* factor = a + i * lda + k;
+      const V x = broadcast(factor);
 #pragma GCC unroll 4
-      for (int u = 0; u < kVecs; ++u) acc[i][u] = fmadd(x, row[u], acc[i][u]);
+      for (int u = 0; u < kVecs; ++u) acc[i][u] = madd(factor, x, row[u], acc[i][u]);
     }
   }
 #pragma GCC unroll 16
@@ -67,8 +75,8 @@ APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const float* a, Index lda
 }
 
 /// madd_tile for a panel of `cols` <= kPanel columns: full, or with its last vector masked.
-template <int R, class T>
-void madd_panel(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb, Index depth,
+template <int R, class A, class T>
+void madd_panel(float* c, Index ldc, const A* a, Index lda, const T* b, Index ldb, Index depth,
                 bool add, const float* scale, Index cols) {
   if (cols == kPanel) {
     madd_tile<R, 2, false>(c, ldc, a, lda, b, ldb, depth, add, scale, Mask{});
@@ -87,18 +95,17 @@ constexpr Index kMidRows = 4;
 /// (columns [p·kPanel, p·kPanel + kPanel)) starts at b + p·panel_step, its row k at + k·ldb.
 /// Row blocks of kTileRows rows (then kMidRows, then single rows), each through every panel
 /// while its rows of a stay in L1.
-template <class T>
-void gemm_pass(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb,
-               Index panel_step, Index rows, Index cols, Index depth, bool add,
-               const float* scale) {
+template <class A, class T>
+void gemm_pass(float* c, Index ldc, const A* a, Index lda, const T* b, Index ldb, Index panel_step,
+               Index rows, Index cols, Index depth, bool add, const float* scale) {
   for (Index r = 0; r < rows;) {
     const Index left = rows - r;
     const Index block = left >= kTileRows ? kTileRows : left >= kMidRows ? kMidRows : 1;
     for (Index j = 0, p = 0; j < cols; j += kPanel, ++p) {
       const Index width = std::min(kPanel, cols - j);
       float* cp = c + r * ldc + j;
-      const float* ap = a + r * lda;
-      const T* bp = b + p * panel_step;
+      const A* ap = a + r * lda;
+      const T* bp = depth == 0 ? b : b + p * panel_step;  // b may be null with no depth
       const float* sp = scale == nullptr ? nullptr : scale + r;
       if (block == kTileRows) {
         madd_panel<kTileRows>(cp, ldc, ap, lda, bp, ldb, depth, add, sp, width);
@@ -113,10 +120,10 @@ void gemm_pass(float* c, Index ldc, const float* a, Index lda, const T* b, Index
 }
 
 /// c (+)= a · b on the compute-bound path: gemm_pass over the whole depth at once, each block of
-/// rows of a in L1 through every panel. b is float, or a 16-bit format widened as it is loaded.
-/// Allocates nothing.
-template <class T>
-void gemm(float* c, Index ldc, const float* a, Index lda, const T* b, Index ldb, Index panel_step,
+/// rows of a in L1 through every panel. b is float, or a 16-bit format widened as it is loaded;
+/// or a and b are both Bf16Pair. Allocates nothing.
+template <class A, class T>
+void gemm(float* c, Index ldc, const A* a, Index lda, const T* b, Index ldb, Index panel_step,
           Index rows, Index cols, Index depth, bool add, const float* scale) {
   gemm_pass(c, ldc, a, lda, b, ldb, panel_step, rows, cols, depth, add, scale);
 }
@@ -312,14 +319,14 @@ inline float exp_sum(float* s, Index n, float max, bool& hidden) {
 /// This level's kernels reading rows of E, as a table (simd_kernels.hpp's row_kernels).
 template <class E>
 const RowKernels<E>& row_table() {
-  static const RowKernels<E> table{&gemm<E>, &stream_update<E>, &dots<E>};
+  static const RowKernels<E> table{&gemm<float, E>, &stream_update<E>, &dots<E>};
   return table;
 }
 
 /// This level's float kernels, as a table (simd_kernels.hpp's float_kernels).
 inline const FloatKernels& float_table() {
-  static const FloatKernels table{kIsa,    row_table<float>(), &pack_transposed,
-                                  &max_of, &exp_sum,           kPanel};
+  static const FloatKernels table{
+      kIsa, row_table<float>(), &pack_transposed, &max_of, &exp_sum, kPanel, nullptr};
   return table;
 }
 
