@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // apex::sdpa with SdpaParams::allow_bf16_products: the tiled kernel's GEMM path forms both
 // products with bfloat16 factors on AVX512-BF16's dot products (detail/simd_kernels.hpp), sums
-// in float.
+// in float, or on AMX's tiles.
 //
 // THE TOLERANCE. The kernel rounds Qs = scale·Q (in float), K and V to bfloat16 before their
 // products, which the plain double loops can do too: they run here on those rounded values
@@ -12,7 +12,8 @@
 // kernel's normwise tolerance (tolerances.hpp). The scores are exact products summed in float, so
 // lse is within kAttention of the loops on the rounded values.
 //
-// Where the CPU lacks AVX512-BF16, or under another kernel level, the permission changes
+// The same on AMX's tiles (KernelIsa::kAmx), whose tdpbf16ps sums the same rounded factors in
+// float. Where the CPU lacks AVX512-BF16, or under another kernel level, the permission changes
 // nothing: the results are the bits of the float kernel (checked on every level this CPU runs).
 #include <apex/cpu.hpp>
 #include <apex/detail/flash_attention.hpp>
@@ -169,117 +170,146 @@ void check_case(const Case& c, std::uint32_t seed) {
       }
     }
   }
-  std::printf("%-14s largest error %.2f of its bound\n", c.name, worst);
+  std::printf("%-10s %-14s largest error %.2f of its bound\n", apex::to_string(apex::kernel_isa()),
+              c.name, worst);
+}
+
+/// The levels with bfloat16 products (AVX512-BF16's dot products, AMX's tiles) this CPU runs; a
+/// level it lacks is named on stdout as not tested.
+std::vector<KernelIsa> bf16_levels() {
+  std::vector<KernelIsa> levels;
+  for (const KernelIsa isa : {KernelIsa::kAvx512Bf16, KernelIsa::kAmx}) {
+    if (apex::cpu_supports(isa)) {
+      levels.push_back(isa);
+    } else {
+      std::printf("this CPU does not run level %s: its bfloat16 products are not tested\n",
+                  apex::to_string(isa));
+    }
+  }
+  return levels;
 }
 
 TEST(Bf16Products, WithinTheBoundOfRoundedFactorsOnEveryMaskKind) {
-  if (!apex::cpu_supports(KernelIsa::kAvx512Bf16)) {
+  const std::vector<KernelIsa> levels = bf16_levels();
+  if (levels.empty()) {
     GTEST_SKIP() << "this CPU lacks AVX512-BF16: the bfloat16 products are not run";
   }
-  const KernelLevel level(KernelIsa::kAvx512Bf16);
-  std::uint32_t seed = 700;
-  for (const Case& c : cases()) check_case(c, ++seed);
+  for (const KernelIsa isa : levels) {
+    SCOPED_TRACE(apex::to_string(isa));
+    const KernelLevel level(isa);
+    std::uint32_t seed = 700;
+    for (const Case& c : cases()) check_case(c, ++seed);
+  }
 }
 
 // The permission takes effect: on the bfloat16 level the products are rounded (the outputs differ
 // from the float kernel's), and the result is bit-identical for 1 and 2 threads.
 TEST(Bf16Products, RoundTheProductsAndGiveTheSameBitsForAnyThreadCount) {
-  if (!apex::cpu_supports(KernelIsa::kAvx512Bf16)) {
+  const std::vector<KernelIsa> levels = bf16_levels();
+  if (levels.empty()) {
     GTEST_SKIP() << "this CPU lacks AVX512-BF16: the bfloat16 products are not run";
   }
-  const KernelLevel level(KernelIsa::kAvx512Bf16);
-  const Case c = cases()[1];
-  Problem<float> p(c.shape, c.layout, 11, Values::kNormal);
-  p.rule = c.rule;
-  Outputs<float> exact(c.shape, c.layout);
-  run(p, exact);
-  p.params.allow_bf16_products = true;
-  Outputs<float> one(c.shape, c.layout);
-  {
-    const apex::testing::OneThread single;
-    run(p, one);
+  for (const KernelIsa isa : levels) {
+    SCOPED_TRACE(apex::to_string(isa));
+    const KernelLevel level(isa);
+    const Case c = cases()[1];
+    Problem<float> p(c.shape, c.layout, 11, Values::kNormal);
+    p.rule = c.rule;
+    Outputs<float> exact(c.shape, c.layout);
+    run(p, exact);
+    p.params.allow_bf16_products = true;
+    Outputs<float> one(c.shape, c.layout);
+    {
+      const apex::testing::OneThread single;
+      run(p, one);
+    }
+    Outputs<float> many(c.shape, c.layout);
+#ifdef _OPENMP
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(2);
+#endif
+    run(p, many);
+#ifdef _OPENMP
+    omp_set_num_threads(saved);
+#endif
+    EXPECT_FALSE(same_bits(one, exact)) << "the bfloat16 products were not used";
+    EXPECT_TRUE(same_bits(one, many)) << "1 and 2 threads differ";
   }
-  Outputs<float> many(c.shape, c.layout);
-#ifdef _OPENMP
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(2);
-#endif
-  run(p, many);
-#ifdef _OPENMP
-  omp_set_num_threads(saved);
-#endif
-  EXPECT_FALSE(same_bits(one, exact)) << "the bfloat16 products were not used";
-  EXPECT_TRUE(same_bits(one, many)) << "1 and 2 threads differ";
 }
 
 // K and V stored as bfloat16 are packed from their stored rows (in place, or copied where a block
 // spans pages): the bits of float K and V that hold the same values, contiguous or paged.
 TEST(Bf16Products, StoredBfloat16RowsGiveTheBitsOfTheirFloatValues) {
-  if (!apex::cpu_supports(KernelIsa::kAvx512Bf16)) {
+  const std::vector<KernelIsa> levels = bf16_levels();
+  if (levels.empty()) {
     GTEST_SKIP() << "this CPU lacks AVX512-BF16: the bfloat16 products are not run";
   }
-  const KernelLevel level(KernelIsa::kAvx512Bf16);
-  for (const Case& c : {cases()[1], cases()[7]}) {
-    SCOPED_TRACE(c.name);
-    Problem<float> p(c.shape, c.layout, 14, Values::kNormal);
+  for (const KernelIsa isa : levels) {
+    SCOPED_TRACE(apex::to_string(isa));
+    const KernelLevel level(isa);
+    for (const Case& c : {cases()[1], cases()[7]}) {
+      SCOPED_TRACE(c.name);
+      Problem<float> p(c.shape, c.layout, 14, Values::kNormal);
+      p.rule = c.rule;
+      p.params.allow_bf16_products = true;
+      for (std::size_t i = 0; i < p.k.size(); ++i) p.k.at(i) = bf16(p.k.at(i));
+      for (std::size_t i = 0; i < p.v.size(); ++i) p.v.at(i) = bf16(p.v.at(i));
+      Outputs<float> from_float(c.shape, c.layout);
+      run(p, from_float);
+      apex::testing::Heads<Eigen::bfloat16> k(c.shape.batch, c.shape.kv_heads, c.shape.s_k,
+                                              c.shape.d_qk, c.layout);
+      apex::testing::Heads<Eigen::bfloat16> v(c.shape.batch, c.shape.kv_heads, c.shape.s_k,
+                                              c.shape.d_v, c.layout);
+      for (std::size_t i = 0; i < k.size(); ++i) k.at(i) = Eigen::bfloat16(p.k.at(i));
+      for (std::size_t i = 0; i < v.size(); ++i) v.at(i) = Eigen::bfloat16(p.v.at(i));
+      Outputs<float> stored(c.shape, c.layout);
+      apex::sdpa(p.q.view(), k.view(), v.view(), p.attention_mask(), p.params, stored.out.view(),
+                 stored.lse.view());
+      EXPECT_TRUE(same_bits(from_float, stored)) << "contiguous";
+      if (c.shape.d_qk != c.shape.d_v || c.shape.batch != 1 || c.rule.chunk != 0) continue;
+      for (const Index page : {3, 64}) {  // blocks across pages, and a page per block
+        apex::PagedKvCache<float, Eigen::bfloat16> cache(
+            {c.shape.kv_heads, c.shape.d_qk, page, c.shape.s_k / page + 1});
+        const apex::SequenceId id = cache.add();
+        cache.append(id, p.k.view(), p.v.view());
+        Outputs<float> paged(c.shape, c.layout);
+        apex::sdpa_paged(p.q.view(), {0, c.shape.s_q}, cache, {id}, {apex::causal_mask()}, p.params,
+                         paged.out.view(), paged.lse.view());
+        EXPECT_TRUE(same_bits(from_float, paged)) << "pages of " << page;
+      }
+    }
+    // A block whose keys that take no part hold NaN values adds only the keys that take part: the
+    // last 5 keys come after every query (top-left causal) and share a block with visible ones.
+    Case c = cases()[1];
+    c.shape.s_k = c.shape.s_q + 5;
+    Problem<float> p(c.shape, c.layout, 15, Values::kNormal);
     p.rule = c.rule;
+    p.query_offset = 0;
     p.params.allow_bf16_products = true;
     for (std::size_t i = 0; i < p.k.size(); ++i) p.k.at(i) = bf16(p.k.at(i));
     for (std::size_t i = 0; i < p.v.size(); ++i) p.v.at(i) = bf16(p.v.at(i));
-    Outputs<float> from_float(c.shape, c.layout);
-    run(p, from_float);
-    apex::testing::Heads<Eigen::bfloat16> k(c.shape.batch, c.shape.kv_heads, c.shape.s_k,
-                                            c.shape.d_qk, c.layout);
-    apex::testing::Heads<Eigen::bfloat16> v(c.shape.batch, c.shape.kv_heads, c.shape.s_k,
-                                            c.shape.d_v, c.layout);
-    for (std::size_t i = 0; i < k.size(); ++i) k.at(i) = Eigen::bfloat16(p.k.at(i));
-    for (std::size_t i = 0; i < v.size(); ++i) v.at(i) = Eigen::bfloat16(p.v.at(i));
-    Outputs<float> stored(c.shape, c.layout);
-    apex::sdpa(p.q.view(), k.view(), v.view(), p.attention_mask(), p.params, stored.out.view(),
-               stored.lse.view());
-    EXPECT_TRUE(same_bits(from_float, stored)) << "contiguous";
-    if (c.shape.d_qk != c.shape.d_v || c.shape.batch != 1 || c.rule.chunk != 0) continue;
-    for (const Index page : {3, 64}) {  // blocks across pages, and a page per block
-      apex::PagedKvCache<float, Eigen::bfloat16> cache(
-          {c.shape.kv_heads, c.shape.d_qk, page, c.shape.s_k / page + 1});
-      const apex::SequenceId id = cache.add();
-      cache.append(id, p.k.view(), p.v.view());
-      Outputs<float> paged(c.shape, c.layout);
-      apex::sdpa_paged(p.q.view(), {0, c.shape.s_q}, cache, {id}, {apex::causal_mask()}, p.params,
-                       paged.out.view(), paged.lse.view());
-      EXPECT_TRUE(same_bits(from_float, paged)) << "pages of " << page;
+    for (Index h = 0; h < c.shape.kv_heads; ++h) {
+      p.v.head_map(0, h).bottomRows(5).setConstant(std::numeric_limits<float>::quiet_NaN());
     }
+    apex::testing::Heads<Eigen::bfloat16> v(1, c.shape.kv_heads, c.shape.s_k, c.shape.d_v,
+                                            c.layout);
+    for (std::size_t i = 0; i < v.size(); ++i) v.at(i) = Eigen::bfloat16(p.v.at(i));
+    Outputs<float> from_float(c.shape, c.layout), stored(c.shape, c.layout);
+    run(p, from_float);
+    apex::sdpa(p.q.view(), p.k.view(), v.view(), p.attention_mask(), p.params, stored.out.view(),
+               stored.lse.view());
+    EXPECT_TRUE(same_bits(from_float, stored)) << "NaN values of keys that take no part";
+    // Rounded products, not a pass redone in double (which a NaN output would cause): the outputs
+    // are finite and differ from the exact ones by the rounding of the weights.
+    p.params.allow_bf16_products = false;
+    Outputs<float> exact(c.shape, c.layout);
+    run(p, exact);
+    const apex_test::MatrixD rounded_out = stored.out.head(0, 0), exact_out = exact.out.head(0, 0);
+    ASSERT_TRUE(rounded_out.allFinite());
+    std::printf("largest difference from the exact outputs: %.2e\n",
+                (rounded_out - exact_out).cwiseAbs().maxCoeff());
+    EXPECT_GT((rounded_out - exact_out).cwiseAbs().maxCoeff(), 1e-4);
   }
-  // A block whose keys that take no part hold NaN values adds only the keys that take part: the
-  // last 5 keys come after every query (top-left causal) and share a block with visible ones.
-  Case c = cases()[1];
-  c.shape.s_k = c.shape.s_q + 5;
-  Problem<float> p(c.shape, c.layout, 15, Values::kNormal);
-  p.rule = c.rule;
-  p.query_offset = 0;
-  p.params.allow_bf16_products = true;
-  for (std::size_t i = 0; i < p.k.size(); ++i) p.k.at(i) = bf16(p.k.at(i));
-  for (std::size_t i = 0; i < p.v.size(); ++i) p.v.at(i) = bf16(p.v.at(i));
-  for (Index h = 0; h < c.shape.kv_heads; ++h) {
-    p.v.head_map(0, h).bottomRows(5).setConstant(std::numeric_limits<float>::quiet_NaN());
-  }
-  apex::testing::Heads<Eigen::bfloat16> v(1, c.shape.kv_heads, c.shape.s_k, c.shape.d_v, c.layout);
-  for (std::size_t i = 0; i < v.size(); ++i) v.at(i) = Eigen::bfloat16(p.v.at(i));
-  Outputs<float> from_float(c.shape, c.layout), stored(c.shape, c.layout);
-  run(p, from_float);
-  apex::sdpa(p.q.view(), p.k.view(), v.view(), p.attention_mask(), p.params, stored.out.view(),
-             stored.lse.view());
-  EXPECT_TRUE(same_bits(from_float, stored)) << "NaN values of keys that take no part";
-  // Rounded products, not a pass redone in double (which a NaN output would cause): the outputs
-  // are finite and differ from the exact ones by the rounding of the weights.
-  p.params.allow_bf16_products = false;
-  Outputs<float> exact(c.shape, c.layout);
-  run(p, exact);
-  const apex_test::MatrixD rounded_out = stored.out.head(0, 0), exact_out = exact.out.head(0, 0);
-  ASSERT_TRUE(rounded_out.allFinite());
-  std::printf("largest difference from the exact outputs: %.2e\n",
-              (rounded_out - exact_out).cwiseAbs().maxCoeff());
-  EXPECT_GT((rounded_out - exact_out).cwiseAbs().maxCoeff(), 1e-4);
 }
 
 // Elsewhere the permission changes nothing: on every other level this CPU runs, and on the

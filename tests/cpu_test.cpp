@@ -14,7 +14,7 @@ namespace {
 using apex::KernelIsa;
 
 constexpr KernelIsa kLevels[] = {KernelIsa::kPortable, KernelIsa::kAvx2, KernelIsa::kAvx512,
-                                 KernelIsa::kAvx512Bf16};
+                                 KernelIsa::kAvx512Bf16, KernelIsa::kAmx};
 
 /// Restores the level a test found when it ends.
 class KeepLevel {
@@ -54,6 +54,9 @@ TEST(Cpu, TheBestLevelIsOneTheCpuRuns) {
     }
   }
   // A wider level implies the narrower ones.
+  if (apex::cpu_supports(KernelIsa::kAmx)) {
+    EXPECT_TRUE(apex::cpu_supports(KernelIsa::kAvx512Bf16));
+  }
   if (apex::cpu_supports(KernelIsa::kAvx512Bf16)) {
     EXPECT_TRUE(apex::cpu_supports(KernelIsa::kAvx512));
   }
@@ -84,7 +87,7 @@ TEST(Cpu, SetKernelIsaTakesEveryLevelTheCpuRunsAndRejectsTheOthers) {
 TEST(Cpu, SetKernelIsaRejectsAValueThatIsNoLevel) {
   const KeepLevel keep;
   const KernelIsa before = apex::kernel_isa();
-  for (const int value : {-1, 4, 42}) {
+  for (const int value : {-1, 5, 42}) {
     try {
       apex::set_kernel_isa(static_cast<KernelIsa>(value));
       ADD_FAILURE() << value << " was taken";
@@ -102,6 +105,7 @@ TEST(Cpu, LevelsHaveNames) {
   EXPECT_STREQ(apex::to_string(KernelIsa::kAvx2), "avx2");
   EXPECT_STREQ(apex::to_string(KernelIsa::kAvx512), "avx512");
   EXPECT_STREQ(apex::to_string(KernelIsa::kAvx512Bf16), "avx512bf16");
+  EXPECT_STREQ(apex::to_string(KernelIsa::kAmx), "amx");
 }
 
 }  // namespace

@@ -245,14 +245,19 @@ TEST(SimdKernels, PackTransposedPadsThePanelsWithZeros) {
   }
 }
 
-/// The bfloat16 dot-product kernels, or nullptr (with the reason in `why`) where this CPU lacks
-/// them.
-const Bf16Kernels* bf16_kernels(std::string& why) {
-  if (!apex::cpu_supports(KernelIsa::kAvx512Bf16)) {
-    why = "this CPU lacks AVX512-BF16: the bfloat16 dot-product kernels are not run";
-    return nullptr;
+/// The bfloat16 dot-product kernels of each level this CPU runs (AVX512-BF16, AMX), each with
+/// its name; a level it lacks is named on stdout as not run.
+std::vector<std::pair<const char*, const Bf16Kernels*>> bf16_kernels() {
+  std::vector<std::pair<const char*, const Bf16Kernels*>> kernels;
+  for (const KernelIsa isa : {KernelIsa::kAvx512Bf16, KernelIsa::kAmx}) {
+    if (apex::cpu_supports(isa)) {
+      kernels.emplace_back(apex::to_string(isa), apex::detail::float_kernels(isa)->bf16);
+    } else {
+      std::printf("this CPU does not run level %s: its bfloat16 kernels are not tested\n",
+                  apex::to_string(isa));
+    }
   }
-  return apex::detail::float_kernels(KernelIsa::kAvx512Bf16)->bf16;
+  return kernels;
 }
 
 /// x rounded to bfloat16 (Eigen's conversion, to nearest even) and back.
@@ -280,44 +285,49 @@ void run_bf16_gemm(const Bf16Kernels& k, std::vector<float>& c, Index ld_c,
 }
 
 TEST(SimdKernels, Bf16GemmEqualsTheDoubleLoopsOnTheRoundedFactors) {
-  std::string why;
-  const Bf16Kernels* k = bf16_kernels(why);
-  if (k == nullptr) GTEST_SKIP() << why;
-  for (const bool transposed : {true, false}) {
-    for (const Index rows : {1, 5, 11, 12, 13, 25}) {
-      for (const Index cols : {1, 15, 16, 17, 31, 32, 33, 70}) {
-        for (const Index depth : {0, 1, 3, 64, 129}) {
-          for (const bool add : {false, true}) {
-            const auto a = normal(static_cast<std::size_t>(rows * depth), 1);
-            const auto b = normal(static_cast<std::size_t>(depth * cols), 2);
-            const auto scale = normal(static_cast<std::size_t>(rows), 6);
-            const Index ld_c = cols + 5;
-            auto c = normal(static_cast<std::size_t>(rows * ld_c), 3);
-            for (Index i = 0; i < rows; ++i) {
-              std::fill(c.data() + i * ld_c + cols, c.data() + (i + 1) * ld_c, 1234.5F);
-            }
-            const std::vector<float> c0 = c;
-            run_bf16_gemm(*k, c, ld_c, a, b, rows, cols, depth, add, transposed, scale.data());
-            for (Index i = 0; i < rows; ++i) {
-              for (Index j = 0; j < cols; ++j) {
-                // The start is rounded once (c·scale), each product of two bfloat16 values is
-                // exact in float, and each pair step rounds at most twice.
-                const double start =
-                    add ? double(c0[std::size_t(i * ld_c + j)] * scale[std::size_t(i)]) : 0.0;
-                double sum = start, magnitude = std::abs(start);
-                for (Index t = 0; t < depth; ++t) {
-                  const float bt =
-                      transposed ? b[std::size_t(j * depth + t)] : b[std::size_t(t * cols + j)];
-                  const double term = bf16_value(a[std::size_t(i * depth + t)]) * bf16_value(bt);
-                  sum += term;
-                  magnitude += std::abs(term);
-                }
-                const double bound = double(depth + 1) * kEps * magnitude;
-                ASSERT_LE(std::abs(c[std::size_t(i * ld_c + j)] - sum), bound)
-                    << (transposed ? "keys" : "values") << " rows " << rows << " cols " << cols
-                    << " depth " << depth << " add " << add << " at (" << i << ", " << j << ")";
+  const auto levels = bf16_kernels();
+  if (levels.empty()) GTEST_SKIP() << "this CPU lacks AVX512-BF16: the kernels are not run";
+  // Shapes around the register tiles of AVX-512 (12 × 32) and AMX's tiles (16 rows, 32 columns
+  // and 32 values deep, in blocks of 32 rows).
+  for (const auto& [name, k] : levels) {
+    for (const bool transposed : {true, false}) {
+      for (const Index rows : {1, 5, 11, 12, 13, 16, 25, 32, 47, 48, 64}) {
+        for (const Index cols : {1, 15, 16, 17, 31, 32, 33, 64, 70}) {
+          for (const Index depth : {0, 1, 3, 31, 32, 33, 64, 129}) {
+            for (const bool add : {false, true}) {
+              const auto a = normal(static_cast<std::size_t>(rows * depth), 1);
+              const auto b = normal(static_cast<std::size_t>(depth * cols), 2);
+              const auto scale = normal(static_cast<std::size_t>(rows), 6);
+              const Index ld_c = cols + 5;
+              auto c = normal(static_cast<std::size_t>(rows * ld_c), 3);
+              for (Index i = 0; i < rows; ++i) {
+                std::fill(c.data() + i * ld_c + cols, c.data() + (i + 1) * ld_c, 1234.5F);
               }
-              for (Index j = cols; j < ld_c; ++j) ASSERT_EQ(c[std::size_t(i * ld_c + j)], 1234.5F);
+              const std::vector<float> c0 = c;
+              run_bf16_gemm(*k, c, ld_c, a, b, rows, cols, depth, add, transposed, scale.data());
+              for (Index i = 0; i < rows; ++i) {
+                for (Index j = 0; j < cols; ++j) {
+                  // The start is rounded once (c·scale), each product of two bfloat16 values is
+                  // exact in float, and each pair step rounds at most twice.
+                  const double start =
+                      add ? double(c0[std::size_t(i * ld_c + j)] * scale[std::size_t(i)]) : 0.0;
+                  double sum = start, magnitude = std::abs(start);
+                  for (Index t = 0; t < depth; ++t) {
+                    const float bt =
+                        transposed ? b[std::size_t(j * depth + t)] : b[std::size_t(t * cols + j)];
+                    const double term = bf16_value(a[std::size_t(i * depth + t)]) * bf16_value(bt);
+                    sum += term;
+                    magnitude += std::abs(term);
+                  }
+                  const double bound = double(depth + 1) * kEps * magnitude;
+                  ASSERT_LE(std::abs(c[std::size_t(i * ld_c + j)] - sum), bound)
+                      << name << (transposed ? " keys" : " values") << " rows " << rows << " cols "
+                      << cols << " depth " << depth << " add " << add << " at (" << i << ", " << j
+                      << ")";
+                }
+                for (Index j = cols; j < ld_c; ++j)
+                  ASSERT_EQ(c[std::size_t(i * ld_c + j)], 1234.5F);
+              }
             }
           }
         }
@@ -327,9 +337,9 @@ TEST(SimdKernels, Bf16GemmEqualsTheDoubleLoopsOnTheRoundedFactors) {
 }
 
 TEST(SimdKernels, Bf16PackingOfStoredRowsEqualsPackingTheirFloatValues) {
-  std::string why;
-  const Bf16Kernels* k = bf16_kernels(why);
-  if (k == nullptr) GTEST_SKIP() << why;
+  const auto levels = bf16_kernels();
+  if (levels.empty()) GTEST_SKIP() << "this CPU lacks AVX512-BF16: the kernels are not run";
+  const Bf16Kernels* k = levels.front().second;  // AMX packs and rounds with the same functions
   for (const Index n : {1, 15, 16, 17, 33, 64}) {
     for (const Index d : {1, 2, 21, 64, 129}) {
       const Index ld = d + 3;  // rows with a stride
@@ -357,9 +367,9 @@ TEST(SimdKernels, Bf16PackingOfStoredRowsEqualsPackingTheirFloatValues) {
 }
 
 TEST(SimdKernels, Bf16RoundingIsToNearestEvenAndKeepsNaN) {
-  std::string why;
-  const Bf16Kernels* k = bf16_kernels(why);
-  if (k == nullptr) GTEST_SKIP() << why;
+  const auto levels = bf16_kernels();
+  if (levels.empty()) GTEST_SKIP() << "this CPU lacks AVX512-BF16: the kernels are not run";
+  const Bf16Kernels* k = levels.front().second;  // AMX packs and rounds with the same functions
   // Ties below and above an even bfloat16, values just past them, ±inf, NaN, a float subnormal
   // (which the instructions take as zero), and an odd count (the last pair's second half is 0).
   const std::vector<std::uint32_t> bits = {0x3F808000U, 0x3F818000U, 0x3F808001U,
@@ -380,6 +390,28 @@ TEST(SimdKernels, Bf16RoundingIsToNearestEvenAndKeepsNaN) {
       EXPECT_NE(halves[i] & 0x007FU, 0U) << "NaN stays NaN";
     } else {
       EXPECT_EQ(halves[i], want[i]) << "value " << i;
+    }
+  }
+  // Rows long enough for whole vectors of 32 values, with ties, as Eigen rounds them.
+  for (const Index cols : {32, 64, 77}) {
+    auto row = normal(static_cast<std::size_t>(cols), 9);
+    for (Index c = 0; c < cols; c += 5) {  // ties: the lower 16 bits 0x8000
+      std::uint32_t u = 0;
+      std::memcpy(&u, &row[std::size_t(c)], sizeof u);
+      u = (u & 0xFFFF0000U) | 0x8000U;
+      std::memcpy(&row[std::size_t(c)], &u, sizeof u);
+    }
+    std::vector<Bf16Pair> out(static_cast<std::size_t>(Bf16Kernels::pairs(cols)), Bf16Pair{~0U});
+    k->round_pairs(out.data(), 0, row.data(), cols, 1, cols);
+    std::vector<std::uint16_t> got(2 * out.size());
+    std::memcpy(got.data(), out.data(), sizeof(std::uint16_t) * got.size());
+    for (Index c = 0; c < cols; ++c) {
+      EXPECT_EQ(got[std::size_t(c)],
+                Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(row[std::size_t(c)])))
+          << "cols " << cols << " value " << c;
+    }
+    if (cols % 2 != 0) {
+      EXPECT_EQ(got.back(), 0U) << "the last pair's second half";
     }
   }
 }

@@ -11,14 +11,17 @@
 //   KernelIsa::kAvx512Bf16  kAvx512 plus AVX512-BF16's dot products of bfloat16 pairs, which the
 //                         tiled kernel uses where a call permits it (SdpaParams::
 //                         allow_bf16_products); every other product is kAvx512's.
+//   KernelIsa::kAmx       kAvx512Bf16 with those permitted bfloat16 products on AMX's tile
+//                         registers (tdpbf16ps, 16 × 16 floats a tile), where the CPU has AMX-TILE
+//                         and AMX-BF16 and Linux grants the process the tile state
+//                         (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once, by cpu_supports).
 //
 // The default is the widest level this CPU and its operating system run (best_kernel_isa()).
 // Two ways to force another one, where the CPU runs it (else the best one it does is kept):
-//   - the environment variable APEX_KERNEL_ISA=portable|avx2|avx512|avx512bf16, read at the
-//     first call of
-//     an apex kernel (the tests run the attention suites once per level this way);
-//   - compiling with the macro APEX_KERNEL_ISA defined to 0 (portable), 1 (AVX2), 2 (AVX-512) or
-//     3 (AVX-512 with BF16), which the environment variable overrides.
+//   - the environment variable APEX_KERNEL_ISA=portable|avx2|avx512|avx512bf16|amx, read at the
+//     first call of an apex kernel (the tests run the attention suites once per level this way);
+//   - compiling with the macro APEX_KERNEL_ISA defined to 0 (portable), 1 (AVX2), 2 (AVX-512),
+//     3 (AVX-512 with BF16) or 4 (AMX), which the environment variable overrides.
 // set_kernel_isa() changes the level at run time; call it while no apex call is running. Results
 // are bit-identical for any number of threads under one level; two levels round differently (to
 // float's rounding: the order of the sums differs).
@@ -36,6 +39,10 @@
 /// vectorisation not switched off), 0 elsewhere.
 #define APEX_X86_KERNELS 1
 #include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #else
 #define APEX_X86_KERNELS 0
 #endif
@@ -43,11 +50,13 @@
 namespace apex {
 
 /// An instruction-set level of apex's own kernels (see the top of cpu.hpp).
-enum class KernelIsa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+enum class KernelIsa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
-/// "portable", "avx2", "avx512" or "avx512bf16".
+/// "portable", "avx2", "avx512", "avx512bf16" or "amx".
 inline const char* to_string(KernelIsa isa) {
   switch (isa) {
+    case KernelIsa::kAmx:
+      return "amx";
     case KernelIsa::kAvx512Bf16:
       return "avx512bf16";
     case KernelIsa::kAvx2:
@@ -60,11 +69,40 @@ inline const char* to_string(KernelIsa isa) {
   return "portable";
 }
 
+namespace detail {
+/// Whether this CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), the operating
+/// system saves the tile state (XCR0 bits 17 and 18) and Linux lets this process use it (the
+/// permission arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) asks for, for every thread of
+/// the process). Asked once; false off Linux.
+inline bool amx_usable() {
+#if APEX_X86_KERNELS && defined(__linux__) && defined(__x86_64__)
+  static const bool usable = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    if ((edx & (1U << 24)) == 0 || (edx & (1U << 22)) == 0) return false;
+    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0 || (ecx & (1U << 27)) == 0) return false;
+    unsigned low = 0, high = 0;  // XCR0, which OSXSAVE (CPUID 1, ECX bit 27) lets xgetbv read
+    asm volatile("xgetbv" : "=a"(low), "=d"(high) : "c"(0));
+    constexpr unsigned kTileState = (1U << 17) | (1U << 18);  // XTILECFG, XTILEDATA
+    if ((low & kTileState) != kTileState) return false;
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+}  // namespace detail
+
 /// Whether this CPU and its operating system run apex's kernels of level `isa` (the compiler's
 /// checks, which include the OS's support for the vector registers). kPortable always.
 inline bool cpu_supports(KernelIsa isa) {
 #if APEX_X86_KERNELS
   switch (isa) {
+    case KernelIsa::kAmx:
+      return cpu_supports(KernelIsa::kAvx512Bf16) && detail::amx_usable();
     case KernelIsa::kAvx512Bf16: {
       // AVX512_BF16 from CPUID leaf 7, sub-leaf 1 (EAX bit 5).
       unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -93,6 +131,7 @@ inline bool cpu_supports(KernelIsa isa) {
 /// The widest level this CPU runs, asked once.
 inline KernelIsa best_kernel_isa() {
   static const KernelIsa best = [] {
+    if (cpu_supports(KernelIsa::kAmx)) return KernelIsa::kAmx;
     if (cpu_supports(KernelIsa::kAvx512Bf16)) return KernelIsa::kAvx512Bf16;
     if (cpu_supports(KernelIsa::kAvx512)) return KernelIsa::kAvx512;
     if (cpu_supports(KernelIsa::kAvx2)) return KernelIsa::kAvx2;
@@ -107,8 +146,8 @@ namespace detail {
 inline int kernel_isa_from_environment() {
   const char* name = std::getenv("APEX_KERNEL_ISA");  // NOLINT(concurrency-mt-unsafe): read once
   if (name == nullptr) return -1;
-  for (const KernelIsa isa :
-       {KernelIsa::kPortable, KernelIsa::kAvx2, KernelIsa::kAvx512, KernelIsa::kAvx512Bf16}) {
+  for (const KernelIsa isa : {KernelIsa::kPortable, KernelIsa::kAvx2, KernelIsa::kAvx512,
+                              KernelIsa::kAvx512Bf16, KernelIsa::kAmx}) {
     if (std::strcmp(name, to_string(isa)) == 0) return static_cast<int>(isa);
   }
   return -1;
@@ -119,8 +158,9 @@ inline int kernel_isa_from_environment() {
 inline std::atomic<int>& kernel_isa_state() {
   static std::atomic<int> state = [] {
 #if defined(APEX_KERNEL_ISA)
-    static_assert(APEX_KERNEL_ISA >= 0 && APEX_KERNEL_ISA <= 3,
-                  "APEX_KERNEL_ISA must be 0 (portable), 1 (avx2), 2 (avx512) or 3 (avx512bf16)");
+    static_assert(APEX_KERNEL_ISA >= 0 && APEX_KERNEL_ISA <= 4,
+                  "APEX_KERNEL_ISA must be 0 (portable), 1 (avx2), 2 (avx512), 3 (avx512bf16) or "
+                  "4 (amx)");
     int wanted = APEX_KERNEL_ISA;
 #else
     int wanted = -1;
@@ -143,8 +183,8 @@ inline KernelIsa kernel_isa() {
 /// Not to be called while an apex call is running.
 inline void set_kernel_isa(KernelIsa isa) {
   const int level = static_cast<int>(isa);
-  APEX_CHECK(level >= 0 && level <= 3,
-             "[set_kernel_isa] isa (" << level << ") must be a KernelIsa (0, 1, 2 or 3)");
+  APEX_CHECK(level >= 0 && level <= 4,
+             "[set_kernel_isa] isa (" << level << ") must be a KernelIsa (0, 1, 2, 3 or 4)");
   APEX_CHECK(cpu_supports(isa), "[set_kernel_isa] isa ("
                                     << to_string(isa)
                                     << ") must be one this CPU runs; the best it runs is "

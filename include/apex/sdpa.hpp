@@ -64,11 +64,11 @@ struct SdpaParams {
   std::vector<double> alibi_slopes;
   /// Permits the tiled kernel to form both products with bfloat16 factors, summed in float, as
   /// PyTorch's and oneDNN's bf16 attention does, where the CPU has AVX512-BF16's dot products
-  /// (KernelIsa::kAvx512Bf16, cpu.hpp): in each tile of more than 8 stacked query rows (G·Bq,
-  /// the G query heads of a key/value head: prefill, not decoding, whose products stream), in
-  /// float, Qs = scale·Q, K, the weights P and V are rounded to bfloat16 to nearest even before
-  /// their products. K and V stored as bfloat16
-  /// round to themselves; the sums, the softmax and the outputs stay float. Each weight then
+  /// (KernelIsa::kAvx512Bf16, cpu.hpp) or AMX's tiles (KernelIsa::kAmx): in each tile of more
+  /// than 8 stacked query rows (G·Bq, the G query heads of a key/value head: prefill, not
+  /// decoding, whose products stream), in float, Qs = scale·Q, K, the weights P and V are rounded
+  /// to bfloat16 to nearest even before their products. K and V stored as bfloat16 round to
+  /// themselves; the sums, the softmax and the outputs stay float. Each weight then
   /// carries a relative error up to 2^-8 and each score up to 2^-8·scale·Σ_c |q_c·k_c| (from Qs),
   /// and values below 2^-126 in magnitude count as zero. Where the CPU lacks the instructions,
   /// under another kernel level, or where the call computes in double, the products are exact as

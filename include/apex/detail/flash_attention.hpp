@@ -75,16 +75,16 @@
 // products run on bfloat16 dot products instead (Bf16Kernels): Qs rounded into pairs along d_qk
 // once per task, K_j rounded and transposed into panels of pairs, P rounded into pairs along
 // the keys and V_j interleaved in pairs of rows, each once per block; the streaming path stays
-// exact. Otherwise (double, or KernelIsa::kPortable) the GEMM path runs both
-// products on Eigen's GEMM micro-kernel over
-// buffers owned by this kernel (TileGemm, eigen_adapter.hpp): Qs is packed once per task,
-// nothing is allocated, and Eigen never splits a product over threads (its thread-dependent
-// blocking would make results depend on the number of threads). Each K_j, V_j block is first
-// copied to contiguous scratch: a sequential read the prefetcher follows, whereas packing
-// straight from DRAM waits on every cache line (decoding S = 32768: 13 → 17 GB/s). The streaming
-// path (M ≤ stream_rows, e.g. one new token of 4 grouped heads) is bound by reading K and V:
-// each key row, then each value row, is read once in memory order and used at once by every
-// stacked row.
+// exact. On AMX (KernelIsa::kAmx) the same packed pairs feed the tiles (tdpbf16ps) in place,
+// with key blocks of amx_key_block = 256. Otherwise (double, or KernelIsa::kPortable) the GEMM path
+// runs both products on Eigen's GEMM micro-kernel over buffers owned by this kernel (TileGemm,
+// eigen_adapter.hpp): Qs is packed once per task, nothing is allocated, and Eigen never splits a
+// product over threads (its thread-dependent blocking would make results depend on the number of
+// threads). Each K_j, V_j block is first copied to contiguous scratch: a sequential read the
+// prefetcher follows, whereas packing straight from DRAM waits on every cache line (decoding S =
+// 32768: 13 → 17 GB/s). The streaming path (M ≤ stream_rows, e.g. one new token of 4 grouped heads)
+// is bound by reading K and V: each key row, then each value row, is read once in memory order and
+// used at once by every stacked row.
 //
 // SCHEDULERS. A call of the kernel is a list of jobs, one problem each (an sdpa call, or one
 // sequence of a ragged batch, with its own positions, rule and keys), and every task of every
@@ -119,6 +119,10 @@
 //     M ∈ {192, 256, 384, 512} and Bk ∈ {48, …, 192} and at 135–140 with M = 128; M = 256,
 //     Bk = 64 was the best. Larger blocks waste more work on the diagonal and at window edges:
 //     window 512 at S = 16384 ran at 130 GFLOP/s with Bk = 64, 117 with Bk = 128.
+//   - amx_key_block = 256: with bfloat16 products on AMX tiles (an Intel Xeon with AMX, bfloat16
+//     K and V, causal S = 4096), Bk = 64, 128 and 256 ran at 660, 780 and 810 GFLOP/s (M = 256;
+//     M = 512 within 3 %): the tiles' products are short next to the softmax's work, and P·V then
+//     takes 8 steps of 32 keys per load and store of its accumulator tiles instead of 2.
 //   - stream_rows = 8. Decoding S = 32768: M = 4 streams 27 GB/s against 16 with the GEMM
 //     path, M = 8 25 against 13; at M = 16 and 32 both are compute-bound and within 6 %; at
 //     M = 64 the GEMM path is ahead.
@@ -138,7 +142,8 @@
 //   K is ⌈Bk / panel⌉·panel·d_qk (panel = 16 or 32 keys).
 //   With bfloat16 products the GEMM path adds, in 32-bit pairs, M·⌈d_qk/2⌉ (Qs), ⌈Bk/32⌉·32·
 //   ⌈d_qk/2⌉ (K_j), M·⌈Bk/2⌉ (P) and ⌈Bk/2⌉·d_v (V_j): no more than the packed buffers of
-//   Eigen's path above.
+//   Eigen's path above. On AMX tiles Bk = amx_key_block = 256: for M = 256, d_qk = d_v = 128
+//   about 1.6 MiB per thread.
 //   With ALiBi, both paths add G·Bk (the term of each head's first row).
 // Split-key decoding also keeps, on the calling thread, the partial results of every chunk,
 // at most partial_budget = 2^19 scalars (2 MiB of float) whatever S_k, and each merging thread
@@ -175,6 +180,7 @@ namespace apex::detail {
 struct FlashBlocking {
   Index stacked_rows = 256;      ///< target M = G·Bq; Bq = max(1, stacked_rows / G)
   Index key_block = 64;          ///< Bk of the GEMM path
+  Index amx_key_block = 256;     ///< Bk of the GEMM path with bfloat16 products on AMX tiles
   Index stream_rows = 8;         ///< M at or below which the streaming path is used instead
   Index stream_key_block = 512;  ///< Bk of the streaming path
   Index decode_chunk = 512;      ///< fewest keys per partial result when decoding
@@ -663,11 +669,10 @@ class AttentionTile {
                         p_.d_v);
   }
 
-  /// acc = diag(α)·acc + P·V on the bfloat16 dot products, V_j's n values already in v_pairs_:
-  /// P rounded into pairs along the keys first.
+  /// acc = diag(α)·acc + P·V on the bfloat16 dot products, V_j's n values in v_pairs_ and P's
+  /// rounded by softmax in p_pairs_.
   void paired_update(Index n) {
     const Index pairs = Bf16Kernels::pairs(n);
-    bf16_->round_pairs(p_pairs_, pairs, scores_, ld_s_, rows_, n);
     bf16_->gemm(acc_, ld_acc_, p_pairs_, pairs, v_pairs_, p_.d_v, bf16_->panel, rows_, p_.d_v,
                 pairs, true, rescale_ ? alpha_ : nullptr);
   }
@@ -770,14 +775,21 @@ class AttentionTile {
     }
   }
 
-  /// softmax: the online-softmax update of every row (softmax_update), then acc *= α for the
-  /// rows whose maximum moved. Returns whether some key of the block takes no part in some row.
+  /// softmax: the online-softmax update of every row (softmax_update), and with bfloat16
+  /// products the row's weights rounded into pairs for P·V while they are at hand. Notes in α
+  /// and rescale_ the rows whose maximum moved. Returns whether some key of the block takes no
+  /// part in some row.
   bool softmax(Index n) {
     rescale_ = false;
     bool hidden = false;
     for (Index r = 0; r < rows_; ++r) {
-      alpha_[r] = softmax_update(stats_[r], scores_ + r * ld_s_, n, hidden, simd_);
+      C* s = scores_ + r * ld_s_;
+      alpha_[r] = softmax_update(stats_[r], s, n, hidden, simd_);
       rescale_ = rescale_ || alpha_[r] != C(1);
+      if constexpr (std::is_same_v<C, float>) {
+        const Index pairs = Bf16Kernels::pairs(n);
+        if (bf16_ != nullptr) bf16_->round_pairs(p_pairs_ + r * pairs, pairs, s, ld_s_, 1, n);
+      }
     }
     return hidden;
   }
@@ -931,9 +943,15 @@ std::pair<Index, Index> key_hull(const P& p, const PositionRange& visible) {
   return {begin, std::max(begin, end)};
 }
 
-/// The key block of a tile, for the path it takes.
-inline Index key_block_for(bool streaming, const FlashBlocking& blocking, Index keys) {
-  return clamp_block(streaming ? blocking.stream_key_block : blocking.key_block, keys);
+/// The key block of a tile, for the path it takes: amx_key_block where the GEMM path's products
+/// run on AMX tiles (bfloat16 products permitted on KernelIsa::kAmx).
+template <class P>
+Index key_block_for(const P& p, bool streaming, const FlashBlocking& blocking, Index keys) {
+  const bool tiles = !streaming && p.bf16_products && kernel_isa() == KernelIsa::kAmx;
+  const Index block = streaming ? blocking.stream_key_block
+                      : tiles   ? blocking.amx_key_block
+                                : blocking.key_block;
+  return clamp_block(block, keys);
 }
 
 /// Query blocks of Bq = stacked_rows / G rows. Keys are split when every query fits in one
@@ -960,7 +978,7 @@ AttentionPlan plan_attention(const P& p, Index kv_heads, const FlashBlocking& bl
   const Index wanted = std::min(fit, keys / shortest);  // chunks per pair
   if (wanted < 2) return plan;
   const bool streaming = p.group * p.s_q <= blocking.stream_rows;
-  const Index block = key_block_for(streaming, blocking, keys);
+  const Index block = key_block_for(p, streaming, blocking, keys);
   plan.chunk = (keys + wanted - 1) / wanted;
   if (plan.chunk > block) plan.chunk = (plan.chunk + block - 1) / block * block;
   plan.chunks = (keys + plan.chunk - 1) / plan.chunk;
@@ -1033,7 +1051,7 @@ bool prefill_task(const P& p, const JobTasks& t, const AttentionOutputs<TO>& o, 
   const Index q0 = block * t.plan.query_block;
   const Index bq = std::min(t.plan.query_block, p.s_q - q0);
   const bool streaming = p.group * bq <= blocking.stream_rows;
-  const Index key_block = key_block_for(streaming, blocking, p.s_k);
+  const Index key_block = key_block_for(p, streaming, blocking, p.s_k);
   AttentionTile<C, P> tile(p, b, pair - b * t.kv_heads, q0, bq, key_block, streaming);
   for_each_key_block(p, 0, p.s_k, visible_keys_of(p, q0, bq), key_block,
                      [&](const auto& keys) { tile.add_keys(keys); });
@@ -1055,7 +1073,7 @@ bool chunk_task(const P& p, const JobTasks& t, Index task, C* partials,
   const Index c = task - pair * t.plan.chunks;
   const Index b = pair / t.kv_heads;
   const bool streaming = t.rows <= blocking.stream_rows;
-  const Index key_block = key_block_for(streaming, blocking, t.plan.chunk);
+  const Index key_block = key_block_for(p, streaming, blocking, t.plan.chunk);
   AttentionTile<C, P> tile(p, b, pair - b * t.kv_heads, 0, p.s_q, key_block, streaming);
   const Index begin = t.plan.first_key + c * t.plan.chunk;
   for_each_key_block(p, begin, std::min(p.s_k, begin + t.plan.chunk), visible_keys_of(p, 0, p.s_q),

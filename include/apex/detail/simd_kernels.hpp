@@ -85,7 +85,8 @@ struct RowKernels {
 template <class E>
 const RowKernels<E>& row_kernels(KernelIsa isa);
 
-/// The bfloat16 dot-product kernels of KernelIsa::kAvx512Bf16 (vdpbf16ps): both products of a
+/// The bfloat16 dot-product kernels of KernelIsa::kAvx512Bf16 (vdpbf16ps) and of KernelIsa::kAmx
+/// (the gemm on AMX tiles, tdpbf16ps; the rest the same): both products of a
 /// tile with bfloat16 factors, summed in float. Pairs run along the sum of each product: along
 /// d_qk for S = Qs·Kᵀ, along the keys for acc += P·V. Factors are rounded to bfloat16 to nearest
 /// even (NaN stays NaN); the instructions treat a float or bfloat16 below 2^-126 in magnitude as
@@ -384,7 +385,12 @@ inline void round_pairs(Bf16Pair* dst, Index ld_dst, const float* src, Index ld_
   for (Index r = 0; r < rows; ++r) {
     auto* out = reinterpret_cast<std::uint16_t*>(dst + r * ld_dst);
     const float* in = src + r * ld_src;
-    for (Index c = 0; c < halves; c += kLanes) {
+    Index c = 0;
+    for (; c + 2 * kLanes <= cols; c += 2 * kLanes) {  // 32 values in one conversion
+      _mm512_storeu_si512(out + c,
+                          (__m512i)_mm512_cvtne2ps_pbh(load(in + c + kLanes), load(in + c)));
+    }
+    for (; c < halves; c += kLanes) {
       const __m256i bits = round16(load(in + c, first_lanes(cols - c)));  // 0 past cols
       _mm256_mask_storeu_epi16(out + c, first_lanes(halves - c), bits);
     }
@@ -497,6 +503,150 @@ inline const Bf16Kernels& bf16_table() {
   return table;
 }
 }  // namespace simd_avx512_bf16
+
+// AMX (KernelIsa::kAmx): the bfloat16 gemm on the tile registers, everything else
+// simd_avx512_bf16's. A tile is 16 rows of 64 bytes: 16 floats of c, or 16 pairs of a or of b,
+// so that b's panels of 32 columns (kPanel) are two tiles side by side, read in place with
+// their row stride. tdpbf16ps adds a[16 × 16 pairs] · b[16 pairs × 16] into c[16 × 16], in
+// float. The instructions are written as inline assembly (the tile is an immediate operand), so
+// that they need no compiler target of their own and tell the compiler of the memory they touch.
+namespace simd_amx {
+using simd_avx512_bf16::kPanel;
+
+/// Rows of a tile; pairs or floats in a tile's row.
+constexpr Index kTile = 16;
+
+/// The tile configuration ldtilecfg reads (palette 1, 64 bytes): tiles 0–7 of 16 rows × 64 bytes.
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t row_bytes[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  std::uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+inline void configure_tiles() {
+  static const TileConfig config;
+  asm volatile("ldtilecfg %0" : : "m"(config));
+}
+inline void release_tiles() { asm volatile("tilerelease" ::: "memory"); }
+template <int kT>
+APEX_ALWAYS_INLINE void tile_zero() {
+  asm volatile("tilezero %%tmm%c0" : : "i"(kT));
+}
+/// Tile kT = 16 rows of 64 bytes, row r at base + r·stride bytes.
+template <int kT>
+APEX_ALWAYS_INLINE void tile_load(const void* base, Index stride) {
+  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" : : "r"(base), "r"(stride), "i"(kT) : "memory");
+}
+template <int kT>
+APEX_ALWAYS_INLINE void tile_store(void* base, Index stride) {
+  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" : : "r"(base), "r"(stride), "i"(kT) : "memory");
+}
+/// Tile kC += tile kA · tile kB, in pairs (tdpbf16ps).
+template <int kC, int kA, int kB>
+APEX_ALWAYS_INLINE void tile_dot() {
+  asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" : : "i"(kC), "i"(kA), "i"(kB));
+}
+
+/// c[16·kRowTiles × 32] (+)= a[16·kRowTiles × depth pairs] · b (one panel, depth a multiple of
+/// 16): the accumulators in tiles 0–3 across the whole depth, a's tiles in 4–5, b's in 6–7.
+template <int kRowTiles>
+APEX_ALWAYS_INLINE void tile_block(float* c, Index ldc, const Bf16Pair* a, Index lda,
+                                   const Bf16Pair* b, Index ldb, Index depth, bool add) {
+  constexpr Index kBytes = 4;  // of a float or a pair
+  float* c1 = c + kTile * ldc;
+  if (add) {
+    tile_load<0>(c, ldc * kBytes);
+    tile_load<1>(c + kTile, ldc * kBytes);
+    if constexpr (kRowTiles == 2) {
+      tile_load<2>(c1, ldc * kBytes);
+      tile_load<3>(c1 + kTile, ldc * kBytes);
+    }
+  } else {
+    tile_zero<0>();
+    tile_zero<1>();
+    if constexpr (kRowTiles == 2) {
+      tile_zero<2>();
+      tile_zero<3>();
+    }
+  }
+  for (Index t = 0; t < depth; t += kTile) {
+    tile_load<6>(b + t * ldb, ldb * kBytes);
+    tile_load<7>(b + t * ldb + kTile, ldb * kBytes);
+    tile_load<4>(a + t, lda * kBytes);
+    tile_dot<0, 4, 6>();
+    tile_dot<1, 4, 7>();
+    if constexpr (kRowTiles == 2) {
+      tile_load<5>(a + kTile * lda + t, lda * kBytes);
+      tile_dot<2, 5, 6>();
+      tile_dot<3, 5, 7>();
+    }
+  }
+  tile_store<0>(c, ldc * kBytes);
+  tile_store<1>(c + kTile, ldc * kBytes);
+  if constexpr (kRowTiles == 2) {
+    tile_store<2>(c1, ldc * kBytes);
+    tile_store<3>(c1 + kTile, ldc * kBytes);
+  }
+}
+
+/// c[rows × cols] *= scale[row], cols a multiple of 16.
+inline void scale_rows(float* c, Index ldc, const float* scale, Index rows, Index cols) {
+  using namespace simd_avx512;
+  for (Index i = 0; i < rows; ++i) {
+    const V s = set1(scale[i]);
+    for (Index j = 0; j < cols; j += kLanes) store(c + i * ldc + j, mul(load(c + i * ldc + j), s));
+  }
+}
+
+/// Bf16Kernels::gemm on the tiles: the rows, columns and depth that fill whole tiles (multiples
+/// of 16, 32 and 16) in blocks of 32 × 32, the rest (the depth's tail added on; the rows and
+/// columns past the tiles) on simd_avx512_bf16's gemm. a and b are read in place; nothing is
+/// read past the rows, columns or depth given.
+inline void gemm(float* c, Index ldc, const Bf16Pair* a, Index lda, const Bf16Pair* b, Index ldb,
+                 Index panel_step, Index rows, Index cols, Index depth, bool add,
+                 const float* scale) {
+  const auto rest = &simd_avx512_bf16::gemm<Bf16Pair, Bf16Pair>;
+  const Index m = rows / kTile * kTile, n = cols / kPanel * kPanel, k = depth / kTile * kTile;
+  if (m == 0 || n == 0 || k == 0) {
+    return rest(c, ldc, a, lda, b, ldb, panel_step, rows, cols, depth, add, scale);
+  }
+  if (add && scale != nullptr) scale_rows(c, ldc, scale, m, n);
+  configure_tiles();
+  for (Index i = 0; i < m; i += 2 * kTile) {
+    for (Index j = 0; j < n; j += kPanel) {
+      const Bf16Pair* panel = b + j / kPanel * panel_step;
+      if (m - i >= 2 * kTile) {
+        tile_block<2>(c + i * ldc + j, ldc, a + i * lda, lda, panel, ldb, k, add);
+      } else {
+        tile_block<1>(c + i * ldc + j, ldc, a + i * lda, lda, panel, ldb, k, add);
+      }
+    }
+  }
+  release_tiles();
+  if (k < depth)
+    rest(c, ldc, a + k, lda, b + k * ldb, ldb, panel_step, m, n, depth - k, true, nullptr);
+  if (n < cols) {
+    rest(c + n, ldc, a, lda, b + n / kPanel * panel_step, ldb, panel_step, m, cols - n, depth, add,
+         scale);
+  }
+  if (m < rows) {
+    rest(c + m * ldc, ldc, a + m * lda, lda, b, ldb, panel_step, rows - m, cols, depth, add,
+         scale == nullptr ? nullptr : scale + m);
+  }
+}
+
+/// This level's bfloat16 kernels: simd_avx512_bf16's, with the gemm on the tiles.
+inline const Bf16Kernels& bf16_table() {
+  static const Bf16Kernels table = [] {
+    Bf16Kernels t = simd_avx512_bf16::bf16_table();
+    t.gemm = &gemm;
+    return t;
+  }();
+  return table;
+}
+}  // namespace simd_amx
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -519,17 +669,27 @@ const RowKernels<E>& row_kernels(KernelIsa isa) {
 #endif
 }
 
+#if APEX_X86_KERNELS
+/// AVX-512's float kernels as level `isa`, with the bfloat16 kernels `bf16`.
+inline FloatKernels with_bf16(KernelIsa isa, const Bf16Kernels& bf16) {
+  FloatKernels t = simd_avx512::float_table();
+  t.isa = isa;
+  t.bf16 = &bf16;
+  return t;
+}
+#endif
+
 /// The float kernels of level `isa` (which the CPU must run), nullptr for KernelIsa::kPortable.
 inline const FloatKernels* float_kernels(KernelIsa isa) {
 #if APEX_X86_KERNELS
   switch (isa) {
+    case KernelIsa::kAmx: {
+      static const FloatKernels table = with_bf16(KernelIsa::kAmx, simd_amx::bf16_table());
+      return &table;
+    }
     case KernelIsa::kAvx512Bf16: {
-      static const FloatKernels table = [] {
-        FloatKernels t = simd_avx512::float_table();
-        t.isa = KernelIsa::kAvx512Bf16;
-        t.bf16 = &simd_avx512_bf16::bf16_table();
-        return t;
-      }();
+      static const FloatKernels table =
+          with_bf16(KernelIsa::kAvx512Bf16, simd_avx512_bf16::bf16_table());
       return &table;
     }
     case KernelIsa::kAvx512:
