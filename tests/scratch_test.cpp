@@ -5,6 +5,7 @@
 // while the thread (and its OpenMP team) still holds its buffers.
 #include <apex/cpu.hpp>
 #include <apex/detail/parallel.hpp>
+#include <apex/detail/scratch.hpp>
 #include <apex/mask.hpp>
 #include <apex/paged_cache.hpp>
 #include <apex/sdpa.hpp>
@@ -12,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -139,6 +141,22 @@ TEST(Scratch, ReleaseScratchFreesTheCallingThreadsBuffers) {
     apex::sdpa<float>(q.view(), kv.view(), kv.view(), {}, {}, again.view());
     EXPECT_EQ(Eigen::Map<const Vector<float>>(again.data(), 8 * 64),
               Eigen::Map<const Vector<float>>(out.data(), 8 * 64));
+  });
+  fresh.join();
+}
+
+TEST(Scratch, EveryBufferStartsOnACacheLine) {
+  std::thread fresh([] {  // a thread whose scratch starts empty
+    apex::detail::ThreadScratch scratch;
+    for (const Index count : {0, 1, 3, 17, 1000, 65537}) {
+      for (const auto slot :
+           {apex::detail::ScratchSlot::kScores, apex::detail::ScratchSlot::kAcc}) {
+        const auto address = reinterpret_cast<std::uintptr_t>(scratch.get<float>(slot, count));
+        EXPECT_EQ(address % apex::detail::ThreadScratch::kAlignment, 0U) << "count " << count;
+        const auto bytes = reinterpret_cast<std::uintptr_t>(scratch.get<char>(slot, 3 * count));
+        EXPECT_EQ(bytes % apex::detail::ThreadScratch::kAlignment, 0U) << "count " << count;
+      }
+    }
   });
   fresh.join();
 }

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
 // storage.hpp: the storage types and the one rounding to them.
+#include <apex/detail/eigen_adapter.hpp>
 #include <apex/storage.hpp>
 
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <type_traits>
+#include <vector>
 
 #include "test_util.hpp"
 
@@ -125,6 +127,31 @@ TEST(StorageRounding, RoundedExpressionRoundsEachElementOnce) {
   EXPECT_EQ(static_cast<float>(r(1)), 1.0f);
   EXPECT_EQ(static_cast<float>(r(2)), -3.25f);
   EXPECT_EQ(bits_of(apex::round_to<half>(mid + 0x1p-40)), bits_of(r(0)));
+}
+
+// The kernel's check for values that are not finite (detail::all_finite), which reads 16-bit
+// values as bits: every bit pattern, alone and among finite values, and only the n columns of
+// each row of a strided block.
+template <class T>
+void check_all_finite_on_every_pattern() {
+  using apex::detail::all_finite;
+  std::vector<T> block(3 * 40, T(1.5F));
+  for (std::uint32_t b = 0; b <= 0xFFFFU; ++b) {
+    const T x = from_bits<T>(static_cast<std::uint16_t>(b));
+    const bool finite = std::isfinite(static_cast<float>(x));
+    ASSERT_EQ(all_finite(&x, 1, 1, 1), finite) << std::hex << b;
+    block[1 * 40 + 33] = x;  // row 1, column 33 of [3 × 37] with ld = 40
+    ASSERT_EQ(all_finite(block.data(), 3, 37, 40), finite) << std::hex << b;
+    block[1 * 40 + 33] = T(1.5F);
+    block[1 * 40 + 38] = x;  // past the 37 columns: never read
+    ASSERT_TRUE(all_finite(block.data(), 3, 37, 40)) << std::hex << b;
+    block[1 * 40 + 38] = T(1.5F);
+  }
+}
+
+TEST(StorageBits, AllFiniteReadsEvery16BitPatternAsItsValue) {
+  check_all_finite_on_every_pattern<bfloat16>();
+  check_all_finite_on_every_pattern<half>();
 }
 
 }  // namespace

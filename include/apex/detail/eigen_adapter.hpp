@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 
@@ -433,9 +434,23 @@ APEX_ALWAYS_INLINE void exp_weights(C* s, Index n, C max, bool& hidden) {
 
 /// Whether every element of a rows × n block (row-major, leading dimension ld) is finite: the
 /// sum of x·0 over a row is 0, or NaN if some x is ±inf or NaN. A vectorised reduction (Eigen's
-/// allFinite() on a strided block runs element by element).
+/// allFinite() on a strided block runs element by element). 16-bit values are read as their
+/// bits: one is not finite when its magnitude bits reach those of infinity (0x7F80 for bfloat16,
+/// 0x7C00 for half), a max of 16-bit integers that any SIMD level vectorises.
 template <class T>
 bool all_finite(const T* x, Index rows, Index n, Index ld) {
+  if constexpr (std::is_same_v<T, Eigen::bfloat16> || std::is_same_v<T, Eigen::half>) {
+    constexpr std::int16_t kInfinity = std::is_same_v<T, Eigen::half> ? 0x7C00 : 0x7F80;
+    for (Index r = 0; r < rows; ++r) {
+      std::int16_t largest = 0;
+      for (Index j = 0; j < n; ++j) {
+        const auto bits = Eigen::numext::bit_cast<std::uint16_t>(x[r * ld + j]);
+        largest = std::max(largest, static_cast<std::int16_t>(bits & 0x7FFFU));
+      }
+      if (largest >= kInfinity) return false;
+    }
+    return true;
+  }
   for (Index r = 0; r < rows; ++r) {
     const auto row = Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>(x + r * ld, n);
     if (!((row * T(0)).sum() == T(0))) return false;

@@ -10,6 +10,7 @@
 #include <Eigen/Core>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace apex::detail {
 
@@ -39,10 +40,15 @@ enum class ScratchSlot : int {
   kCount
 };
 
-/// The scratch of one thread: one byte buffer per ScratchSlot, allocated by Eigen (aligned as
-/// Eigen aligns its own matrices, which every packet load of the kernels needs).
+/// The scratch of one thread: one byte buffer per ScratchSlot, allocated by Eigen, each handed
+/// out at a multiple of kAlignment bytes.
 class ThreadScratch {
  public:
+  /// The alignment of every buffer: a cache line, which is also an AVX-512 vector and a row of
+  /// an AMX tile, whatever Eigen aligns to for the build's target (16 bytes for baseline
+  /// x86-64, where rows padded to 16 floats would otherwise straddle two lines).
+  static constexpr Index kAlignment = 64;
+
   ThreadScratch() = default;
   ThreadScratch(const ThreadScratch&) = delete;
   ThreadScratch& operator=(const ThreadScratch&) = delete;
@@ -52,12 +58,14 @@ class ThreadScratch {
   template <class T>
   T* get(ScratchSlot slot, Index count) {
     Bytes& buffer = buffers_[static_cast<int>(slot)];
-    const Index bytes = count * static_cast<Index>(sizeof(T));
+    const Index bytes = count * static_cast<Index>(sizeof(T)) + kAlignment - 1;
     if (buffer.size() < bytes) {
       buffer.resize(0);  // free first: growing never holds the old and the new buffer at once
       buffer.resize(bytes);
     }
-    return reinterpret_cast<T*>(buffer.data());
+    const auto address = reinterpret_cast<std::uintptr_t>(buffer.data());
+    const auto skip = static_cast<Index>((kAlignment - address % kAlignment) % kAlignment);
+    return reinterpret_cast<T*>(buffer.data() + skip);
   }
 
   /// Frees every buffer.
