@@ -157,6 +157,8 @@ TEST(Scratch, EveryBufferStartsOnACacheLine) {
         EXPECT_EQ(bytes % apex::detail::ThreadScratch::kAlignment, 0U) << "count " << count;
       }
     }
+    // Held: the largest request of each slot, 65537 floats, as asked for.
+    EXPECT_EQ(scratch.bytes(), 2 * 65537 * sizeof(float));
   });
   fresh.join();
 }

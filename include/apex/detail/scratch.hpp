@@ -58,10 +58,10 @@ class ThreadScratch {
   template <class T>
   T* get(ScratchSlot slot, Index count) {
     Bytes& buffer = buffers_[static_cast<int>(slot)];
-    const Index bytes = count * static_cast<Index>(sizeof(T)) + kAlignment - 1;
-    if (buffer.size() < bytes) {
+    const Index bytes = count * static_cast<Index>(sizeof(T));
+    if (capacity(buffer) < bytes) {
       buffer.resize(0);  // free first: growing never holds the old and the new buffer at once
-      buffer.resize(bytes);
+      buffer.resize(bytes + kAlignment - 1);
     }
     const auto address = reinterpret_cast<std::uintptr_t>(buffer.data());
     const auto skip = static_cast<Index>((kAlignment - address % kAlignment) % kAlignment);
@@ -73,10 +73,11 @@ class ThreadScratch {
     for (Bytes& buffer : buffers_) buffer.resize(0);
   }
 
-  /// Bytes held by this thread.
+  /// Bytes of scratch this thread holds, as its buffers were asked for (each also holds up to
+  /// kAlignment − 1 bytes before its start, as any aligned allocation does).
   std::size_t bytes() const {
     std::size_t total = 0;
-    for (const Bytes& buffer : buffers_) total += static_cast<std::size_t>(buffer.size());
+    for (const Bytes& buffer : buffers_) total += static_cast<std::size_t>(capacity(buffer));
     return total;
   }
 
@@ -88,6 +89,12 @@ class ThreadScratch {
 
  private:
   using Bytes = Eigen::Matrix<unsigned char, Eigen::Dynamic, 1>;
+
+  /// Bytes of `buffer` usable from its aligned start.
+  static Index capacity(const Bytes& buffer) {
+    return buffer.size() == 0 ? 0 : buffer.size() - (kAlignment - 1);
+  }
+
   Bytes buffers_[static_cast<int>(ScratchSlot::kCount)];
 };
 
