@@ -782,12 +782,12 @@ class AttentionTile {
   bool softmax(Index n) {
     rescale_ = false;
     bool hidden = false;
+    const Index pairs = Bf16Kernels::pairs(n);  // of a row of P for the bfloat16 products
     for (Index r = 0; r < rows_; ++r) {
       C* s = scores_ + r * ld_s_;
       alpha_[r] = softmax_update(stats_[r], s, n, hidden, simd_);
       rescale_ = rescale_ || alpha_[r] != C(1);
       if constexpr (std::is_same_v<C, float>) {
-        const Index pairs = Bf16Kernels::pairs(n);
         if (bf16_ != nullptr) bf16_->round_pairs(p_pairs_ + r * pairs, pairs, s, ld_s_, 1, n);
       }
     }

@@ -625,8 +625,9 @@ inline void gemm(float* c, Index ldc, const Bf16Pair* a, Index lda, const Bf16Pa
     }
   }
   release_tiles();
-  if (k < depth)
+  if (k < depth) {
     rest(c, ldc, a + k, lda, b + k * ldb, ldb, panel_step, m, n, depth - k, true, nullptr);
+  }
   if (n < cols) {
     rest(c + n, ldc, a, lda, b + n / kPanel * panel_step, ldb, panel_step, m, cols - n, depth, add,
          scale);
