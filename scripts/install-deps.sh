@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
 # Makes sure the packages apex's build needs are present: Eigen 3.4 for the library itself,
-# GoogleTest for the tests, Google Benchmark for the benchmarks. On Debian or Ubuntu, as root,
+# GoogleTest for the tests, Google Benchmark for the benchmarks, Open MPI for the optional
+# component apex::mpi (apex/distributed/) and its tests. On Debian or Ubuntu, as root,
 # it installs whatever is missing with apt-get; anywhere else it says what to install and fails.
 #   scripts/install-deps.sh        what building, testing and benchmarking need
 #   scripts/install-deps.sh --ci   also the tools of .ci/run: clang with its sanitizer and
@@ -15,6 +16,8 @@ have_header gtest/gtest.h || missing+=(libgtest-dev)
 have_header benchmark/benchmark.h || missing+=(libbenchmark-dev)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
+compgen -G "/usr/lib/*/openmpi/include/mpi.h" >/dev/null || have_header mpi.h || missing+=(libopenmpi-dev)
+command -v mpiexec >/dev/null || missing+=(openmpi-bin)
 if [ "${1:-}" = "--ci" ]; then
   command -v clang++ >/dev/null || missing+=(clang)
   compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null ||
@@ -42,8 +45,10 @@ else
   cat >&2 <<MSG
 apex: missing build requirements: ${missing[*]}
   Debian/Ubuntu: apt-get install libeigen3-dev libgtest-dev libbenchmark-dev cmake g++
+                 libopenmpi-dev openmpi-bin
   Fedora:        dnf install eigen3-devel gtest-devel google-benchmark-devel cmake gcc-c++
-  macOS:         brew install eigen googletest google-benchmark cmake
+                 openmpi-devel
+  macOS:         brew install eigen googletest google-benchmark cmake open-mpi
 Eigen must be 3.4.x; CMake 3.25 or newer for the presets.
 MSG
   exit 1

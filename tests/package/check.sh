@@ -9,14 +9,25 @@ src=$(cd "$(dirname "$0")/../.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
+# Where MPI is installed, each consumer also builds and runs (on two ranks) a program of
+# apex::mpi, through add_subdirectory and through find_package(apex COMPONENTS mpi).
+mpi=OFF
+if command -v mpiexec >/dev/null; then mpi=ON; fi
+run_mpi() {
+  OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    timeout 120 mpiexec -n 2 --oversubscribe "$1"
+}
+
 echo "== add_subdirectory"
-cmake -S "$src/tests/package/add_subdirectory" -B "$work/sub" -DAPEX_SOURCE_DIR="$src" >/dev/null
+cmake -S "$src/tests/package/add_subdirectory" -B "$work/sub" -DAPEX_SOURCE_DIR="$src" \
+  -DAPEX_CHECK_MPI=$mpi >/dev/null
 cmake --build "$work/sub" -j2 >/dev/null
 if find "$work/sub" -name '*_test' -type f | grep -q .; then
   echo "a consumer built apex's tests" >&2
   exit 1
 fi
 "$work/sub/consumer"
+if [ $mpi = ON ]; then run_mpi "$work/sub/mpi_consumer"; fi
 
 echo "== install + find_package"
 cmake -S "$src" -B "$work/apex" -DAPEX_BUILD_TESTS=OFF -DAPEX_BUILD_EXAMPLES=OFF \
@@ -24,9 +35,10 @@ cmake -S "$src" -B "$work/apex" -DAPEX_BUILD_TESTS=OFF -DAPEX_BUILD_EXAMPLES=OFF
 cmake --install "$work/apex" --prefix "$work/prefix" >/dev/null
 test -f "$work/prefix/share/cmake/apex/apexConfigVersion.cmake"
 cmake -S "$src/tests/package/find_package" -B "$work/found" -DAPEX_SOURCE_DIR="$src" \
-  -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
+  -DCMAKE_PREFIX_PATH="$work/prefix" -DAPEX_CHECK_MPI=$mpi >/dev/null
 cmake --build "$work/found" -j2 >/dev/null
 "$work/found/consumer"
+if [ $mpi = ON ]; then run_mpi "$work/found/mpi_consumer"; fi
 
 echo "== plain include"
 g++ -std=c++17 -O1 -I "$work/prefix/include" -I /usr/include/eigen3 \

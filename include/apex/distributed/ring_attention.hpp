@@ -1,0 +1,430 @@
+// SPDX-License-Identifier: MIT
+// Context-parallel prefill: ring attention over MPI. Each of P ranks holds its shard of one
+// sequence's Q, K and V (SequenceSharding: contiguous, or zigzag for causal load balance); the
+// K/V shards travel around the ring of ranks, and each rank attends its queries to every shard
+// that reaches it while the next one is in flight, merging each partial result into its running
+// one through the softmax statistics (detail::merge_rows, the n-way merge of sdpa.hpp). The
+// result equals apex::sdpa over the whole sequence, row for row (within float's rounding of the
+// merge; see ring_attention).
+//
+// THE RING. At step s (s = 0, 1, ...) rank r holds the K/V shard of rank o = (r − s) mod P,
+// attends its query chunks to it, and forwards it to rank r + 1. The position rule decides, per
+// pair of chunks, whether any (query, key) pair may attend (classify_block): pairs that cannot
+// are never computed, and a shard is forwarded only as far as some rank still needs it. Shard o
+// travels hops(o) steps, the largest t < P for which rank (o + t) mod P attends to a key of o
+// (0 when none does): causal zigzag and unmasked attention need every shard everywhere
+// (P − 1 hops); a sliding window narrower than a chunk needs one hop, and rank P − 1 never sends
+// to rank 0. ring_plan gives the hops; ring_bytes_sent the exact bytes each rank sends.
+//
+// BYTES. Rank r sends, at each step s < hops((r − s) mod P), the K and V shard it holds (two
+// messages): kv_row_bytes · S_o bytes with S_o that shard's rows and
+//   kv_row_bytes = B · H_kv · (d_qk · sizeof(TK) + d_v · sizeof(TV)).
+// docs/guide.md ("Context parallelism") turns this into a scaling model.
+#pragma once
+
+#include <apex/distributed/communicator.hpp>
+#include <apex/distributed/sharding.hpp>
+#include <apex/sdpa.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace apex::distributed {
+
+/// How far each rank's K/V shard travels around the ring under a position rule.
+struct RingPlan {
+  std::vector<int> hops;  ///< hops[o]: steps shard o is forwarded (0 .. P − 1)
+  int steps = 1;          ///< steps of the ring: 1 + max_o hops[o]
+};
+
+namespace detail {
+
+/// Whether some query of rank qr may attend some key of rank kr (positions key_offset + row).
+inline bool shards_interact(const SequenceSharding& sharding, const PositionMask& rule, int qr,
+                            int kr) {
+  for (const PositionRange& q : sharding.chunks(qr)) {
+    for (const PositionRange& k : sharding.chunks(kr)) {
+      const Index o = rule.key_offset;
+      if (classify_block(rule, o + q.begin, o + q.end, o + k.begin, o + k.end) !=
+          BlockCoverage::kNone) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+/// A code for each storage type, so that ranks can check that they agree on it.
+template <class T>
+constexpr std::int64_t type_code() {
+  if constexpr (std::is_same_v<T, float>) return 1;
+  if constexpr (std::is_same_v<T, double>) return 2;
+  if constexpr (std::is_same_v<T, Eigen::half>) return 3;
+  return 4;  // Eigen::bfloat16, the only other storage type
+}
+
+/// FNV-1a of `count` objects' bytes: lets ranks compare vectors (sinks, slopes, document ids)
+/// through one integer.
+template <class T>
+std::int64_t bytes_hash(const T* data, Index count) {
+  std::uint64_t h = 1469598103934665603ULL;
+  const auto* bytes = reinterpret_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(count) * sizeof(T); ++i) {
+    h = (h ^ bytes[i]) * 1099511628211ULL;
+  }
+  std::int64_t out = 0;
+  std::memcpy(&out, &h, sizeof out);
+  return out;
+}
+
+/// The bits of a double, as an agreed value.
+inline std::int64_t bits_of(double x) {
+  std::int64_t out = 0;
+  std::memcpy(&out, &x, sizeof out);
+  return out;
+}
+
+/// The values every rank must agree on for attention under `rule` and `params`.
+inline std::vector<Agreed> rule_agreement(const PositionMask& rule, const SdpaParams& params) {
+  const DocumentIds& docs = rule.documents;
+  return {{"causal", rule.causal ? 1 : 0},
+          {"window", rule.window ? *rule.window : -1},
+          {"chunk", rule.chunk ? *rule.chunk : -1},
+          {"prefix", rule.prefix},
+          {"key_offset", rule.key_offset},
+          {"query_offset", rule.query_offset ? *rule.query_offset : -1},
+          {"documents length", docs.size},
+          {"documents", docs.empty() ? 0 : bytes_hash(docs.ids, docs.size)},
+          {"scale", params.scale ? bits_of(*params.scale) : -1},
+          {"softcap", bits_of(params.softcap)},
+          {"sinks", bytes_hash(params.sinks.data(), static_cast<Index>(params.sinks.size()))},
+          {"alibi_slopes",
+           bytes_hash(params.alibi_slopes.data(), static_cast<Index>(params.alibi_slopes.size()))},
+          {"allow_bf16_products", params.allow_bf16_products ? 1 : 0}};
+}
+
+/// A K/V shard as it travels: [B, H_kv, rows, d_qk] keys and [B, H_kv, rows, d_v] values,
+/// contiguous, in their storage types.
+template <class TK, class TV>
+struct KvShard {
+  std::vector<TK> k;
+  std::vector<TV> v;
+  HeadsShape k_shape, v_shape;  // of the shard held now
+
+  /// Room for `rows` rows of the given shapes (rows replaced).
+  void reserve(HeadsShape ks, HeadsShape vs, Index rows) {
+    ks.seq = vs.seq = rows;
+    k.resize(static_cast<std::size_t>(ks.batch * ks.heads * ks.seq * ks.dim));
+    v.resize(static_cast<std::size_t>(vs.batch * vs.heads * vs.seq * vs.dim));
+  }
+  /// Sets the shape of the shard held to `rows` rows (within the room reserved).
+  void hold(Index rows) { k_shape.seq = v_shape.seq = rows; }
+  HeadsView<TK> keys() { return HeadsView<TK>::contiguous(k.data(), k_shape); }
+  HeadsView<TV> values() { return HeadsView<TV>::contiguous(v.data(), v_shape); }
+  std::int64_t key_bytes() const {
+    return k_shape.batch * k_shape.heads * k_shape.seq * k_shape.dim *
+           static_cast<std::int64_t>(sizeof(TK));
+  }
+  std::int64_t value_bytes() const {
+    return v_shape.batch * v_shape.heads * v_shape.seq * v_shape.dim *
+           static_cast<std::int64_t>(sizeof(TV));
+  }
+};
+
+/// Copies every head of `from` into `to` (same shape).
+template <class From, class To>
+void copy_rows(const HeadsView<From>& from, const HeadsView<To>& to) {
+  for (Index b = 0; b < from.batch(); ++b) {
+    for (Index h = 0; h < from.heads(); ++h) to.head(b, h) = from.head(b, h);
+  }
+}
+
+/// The running result of one rank's query rows: the normalised output so far [B, H_q, S_r, d_v]
+/// in C and each row's statistics (m, l) in double, with the part a step adds beside it.
+template <class C>
+struct RunningRows {
+  HeadsTensor<C> out, part_out, part_max, part_sum;
+  std::vector<apex::detail::SoftmaxStats<double>> stats;  // [B, H_q, S_r] rows
+};
+
+/// Merges the part rows [row0, row0 + rows) of every head into the running result:
+/// merge_rows of the two parts (running, new), in that order, in double.
+template <class C>
+void merge_part(RunningRows<C>& r, Index row0, Index rows) {
+  const HeadsShape s = r.out.shape();
+  std::vector<double> scratch(static_cast<std::size_t>(2 + s.dim));
+  for (Index b = 0; b < s.batch; ++b) {
+    for (Index h = 0; h < s.heads; ++h) {
+      for (Index i = row0; i < row0 + rows; ++i) {
+        auto& running = r.stats[static_cast<std::size_t>((b * s.heads + h) * s.seq + i)];
+        C* out = r.out.head(b, h).row(i).data();
+        const apex::detail::SoftmaxStats<double> part{double(r.part_max.head(b, h)(i, 0)),
+                                                      double(r.part_sum.head(b, h)(i, 0))};
+        const C* part_out = r.part_out.head(b, h).row(i).data();
+        const auto part_at = [&](Index c) {
+          return apex::detail::PartRow<C, double>{c == 0 ? out : part_out, c == 0 ? running : part};
+        };
+        running = apex::detail::merge_rows<double>(2, s.dim, part_at, out, scratch.data(),
+                                                   scratch.data() + 2);
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+/// The hops of every shard under `rule` (positions key_offset + row of the whole sequence; see
+/// THE RING above). Needs no MPI. Allocates the result.
+inline RingPlan ring_plan(const SequenceSharding& sharding, const PositionMask& rule) {
+  const int p = sharding.ranks();
+  RingPlan plan;
+  plan.hops.assign(static_cast<std::size_t>(p), 0);
+  for (int o = 0; o < p; ++o) {
+    for (int t = 1; t < p; ++t) {
+      if (detail::shards_interact(sharding, rule, (o + t) % p, o)) {
+        plan.hops[static_cast<std::size_t>(o)] = t;
+      }
+    }
+    plan.steps = std::max(plan.steps, 1 + plan.hops[static_cast<std::size_t>(o)]);
+  }
+  return plan;
+}
+
+/// The bytes each rank sends in ring_attention, [P]: rank r sends, at each step s <
+/// hops((r − s) mod P), the shard it holds, kv_row_bytes · S_((r − s) mod P) bytes, where
+/// kv_row_bytes = B·H_kv·(d_qk·sizeof(TK) + d_v·sizeof(TV)) is what one position's K and V take.
+/// Needs no MPI. Allocates the result.
+inline std::vector<std::int64_t> ring_bytes_sent(const SequenceSharding& sharding,
+                                                 const PositionMask& rule,
+                                                 std::int64_t kv_row_bytes) {
+  const RingPlan plan = ring_plan(sharding, rule);
+  const int p = sharding.ranks();
+  std::vector<std::int64_t> bytes(static_cast<std::size_t>(p), 0);
+  for (int r = 0; r < p; ++r) {
+    for (int s = 0; s < p; ++s) {
+      const int o = ((r - s) % p + p) % p;
+      if (s < plan.hops[static_cast<std::size_t>(o)]) {
+        bytes[static_cast<std::size_t>(r)] += kv_row_bytes * sharding.local_length(o);
+      }
+    }
+  }
+  return bytes;
+}
+
+/// Ring attention (collective): the attention of one sequence of S positions, sharded over the
+/// ranks of `comm` by `sharding`, each rank computing the rows of its own queries:
+///   out_r = sdpa(Q, K, V, {positions}, params) restricted to rank r's rows,
+/// with the rule `positions` on the whole sequence (query and key row i at position
+/// key_offset + i: self-attention, so query_offset must be unset or equal to key_offset;
+/// causal, window, chunk, prefix and document ids as for sdpa, the ids covering every position
+/// [0, key_offset + S)), SdpaParams as for sdpa (scale, soft-cap, sinks, ALiBi, bf16 products).
+///   q: [B, H_q, S_r, d_qk], k: [B, H_kv, S_r, d_qk], v: [B, H_kv, S_r, d_v] on rank r, S_r =
+///   sharding.local_length(r), rows in the order of sharding.chunks(r)
+///   -> out: [B, H_q, S_r, d_v], lse (optional): [B, H_q, S_r, 1].
+/// Every rank must pass the same sharding (with P = the size of comm), B, heads, widths, storage
+/// types, rule and parameters, and the same choice of lse; any rank's bad input throws
+/// std::invalid_argument on every rank (the agreement of communicator.hpp) before a byte of
+/// K/V moves or an output is written. Outputs may overlap the inputs (they are written last).
+///
+/// Accuracy: each part is the tiled kernel's (as sdpa's, in float for float and 16-bit inputs),
+/// and the running result is kept in that type with its statistics in double, so each of the
+/// at most 2P merges rounds once more: out is within the fast-path tolerance of the double
+/// reference. A row with no allowed key is zeros (lse -inf, or the sink); NaN as sdpa. The
+/// result does not depend on the number of threads.
+///
+/// Traffic: the K/V shards (BYTES above) with non-blocking sends and receives, posted before
+/// each step's attention and completed after it (how much of a transfer overlaps depends on the
+/// MPI library's progress); two MPI_Allgather of a few integers (the agreement). Returns the
+/// bytes and messages sent. Memory: two K/V shard buffers of the largest shard, and the running
+/// and part results: 2·B·H_q·S_r·d_v values of the compute type and 4·B·H_q·S_r doubles and
+/// scalars; the kernel's scratch as for sdpa.
+template <class Q, class K, class V, class TO>
+Traffic ring_attention(MPI_Comm comm, const SequenceSharding& sharding, const HeadsView<Q>& q,
+                       const HeadsView<K>& k, const HeadsView<V>& v, const PositionMask& positions,
+                       const SdpaParams& params, const HeadsView<TO>& out,
+                       const HeadsView<TO>& lse = {}) {
+  using TQ = std::remove_const_t<Q>;
+  using TK = std::remove_const_t<K>;
+  using TV = std::remove_const_t<V>;
+  using C = std::conditional_t<std::is_same_v<TQ, double> || std::is_same_v<TK, double> ||
+                                   std::is_same_v<TV, double> || std::is_same_v<TO, double>,
+                               double, float>;
+  constexpr const char* op = "ring_attention";
+  const RankInfo me = detail::rank_info(comm, op);
+  std::vector<detail::Agreed> agreed = {{"ranks", sharding.ranks()},
+                                        {"sequence length", sharding.length()},
+                                        {"layout", static_cast<std::int64_t>(sharding.layout())},
+                                        {"batch", q.batch()},
+                                        {"query heads", q.heads()},
+                                        {"key/value heads", k.heads()},
+                                        {"d_qk", q.dim()},
+                                        {"d_v", v.dim()},
+                                        {"query type", detail::type_code<TQ>()},
+                                        {"key type", detail::type_code<TK>()},
+                                        {"value type", detail::type_code<TV>()},
+                                        {"output type", detail::type_code<TO>()},
+                                        {"lse given", lse.empty() ? 0 : 1}};
+  for (const detail::Agreed& a : detail::rule_agreement(positions, params)) agreed.push_back(a);
+  detail::agree(comm, me, op, agreed, [&] {
+    APEX_CHECK(sharding.ranks() == me.size, "[" << op << "] sharding ranks (" << sharding.ranks()
+                                                << ") must be the communicator's size " << me.size);
+    const Index rows = sharding.local_length(me.rank);
+    APEX_CHECK(q.seq() == rows && k.seq() == rows && v.seq() == rows,
+               "[" << op << "] q, k, v rows (" << q.seq() << ", " << k.seq() << ", " << v.seq()
+                   << ") must be this rank's shard length " << rows);
+    PositionMask local;  // the shapes against each other; the rule against the whole sequence
+    apex::detail::check_sdpa(q, k, v, AttentionMask<TO>{local, {}, {}}, params, out, lse, op);
+    apex::detail::check_outputs<TO>({out, lse}, op);
+    apex::detail::check_position_mask(positions, sharding.length(), sharding.length(), op);
+    APEX_CHECK(!positions.query_offset || *positions.query_offset == positions.key_offset,
+               "[" << op << "] query_offset (" << *positions.query_offset
+                   << ") must be unset or equal to key_offset (" << positions.key_offset
+                   << "): ring attention is self-attention");
+    const Index largest = sharding.chunk(0).end - sharding.chunk(0).begin;
+    const std::int64_t bytes = q.batch() * k.heads() * largest * 2 *
+                               std::max(q.dim() * static_cast<std::int64_t>(sizeof(TK)),
+                                        v.dim() * static_cast<std::int64_t>(sizeof(TV)));
+    APEX_CHECK(bytes <= std::numeric_limits<int>::max(),
+               "[" << op << "] a K or V shard of up to " << bytes
+                   << " bytes exceeds one MPI message (2^31 − 1 bytes): use more ranks");
+  });
+
+  const int p = me.size;
+  const RingPlan plan = ring_plan(sharding, positions);
+  const std::vector<PositionRange> mine = sharding.chunks(me.rank);
+  const Index rows = sharding.local_length(me.rank);
+  const HeadsShape ks{k.batch(), k.heads(), rows, k.dim()};
+  const HeadsShape vs{v.batch(), v.heads(), rows, v.dim()};
+  Index room = 0;
+  for (int r = 0; r < p; ++r) room = std::max(room, sharding.local_length(r));
+  std::array<detail::KvShard<TK, TV>, 2> shards;
+  for (auto& s : shards) {
+    s.k_shape = ks;
+    s.v_shape = vs;
+    s.reserve(ks, vs, room);
+  }
+  detail::copy_rows(k, shards[0].keys());
+  detail::copy_rows(v, shards[0].values());
+
+  const HeadsShape row_shape{q.batch(), q.heads(), rows, 1};
+  detail::RunningRows<C> run{HeadsTensor<C>({q.batch(), q.heads(), rows, v.dim()}),
+                             HeadsTensor<C>({q.batch(), q.heads(), rows, v.dim()}),
+                             HeadsTensor<C>(row_shape), HeadsTensor<C>(row_shape),
+                             std::vector<apex::detail::SoftmaxStats<double>>(
+                                 static_cast<std::size_t>(q.batch() * q.heads() * rows))};
+  SdpaParams part_params = params;
+  part_params.sinks.clear();  // the sink joins once, at the end
+
+  Traffic traffic;
+  const auto origin_at = [&](int step) { return ((me.rank - step) % p + p) % p; };
+  const auto hops_of = [&](int origin) { return plan.hops[static_cast<std::size_t>(origin)]; };
+  bool have = true;  // whether this rank holds shard origin_at(s) at step s
+  for (int s = 0; s < plan.steps; ++s) {
+    detail::KvShard<TK, TV>& held = shards[static_cast<std::size_t>(s % 2)];
+    detail::KvShard<TK, TV>& next = shards[static_cast<std::size_t>((s + 1) % 2)];
+    std::array<MPI_Request, 4> requests{MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL,
+                                        MPI_REQUEST_NULL};
+    const int next_origin = origin_at(s + 1);
+    const bool receive = s + 1 < plan.steps && s + 1 <= hops_of(next_origin);
+    if (receive) {
+      next.hold(sharding.local_length(next_origin));
+      const int from = (me.rank - 1 + p) % p;
+      detail::mpi_call(MPI_Irecv(next.k.data(), static_cast<int>(next.key_bytes()), MPI_BYTE, from,
+                                 2 * s, comm, &requests[0]),
+                       op);
+      detail::mpi_call(MPI_Irecv(next.v.data(), static_cast<int>(next.value_bytes()), MPI_BYTE,
+                                 from, 2 * s + 1, comm, &requests[1]),
+                       op);
+    }
+    const int origin = origin_at(s);
+    if (have && s < hops_of(origin)) {
+      const int to = (me.rank + 1) % p;
+      detail::mpi_call(MPI_Isend(held.k.data(), static_cast<int>(held.key_bytes()), MPI_BYTE, to,
+                                 2 * s, comm, &requests[2]),
+                       op);
+      detail::mpi_call(MPI_Isend(held.v.data(), static_cast<int>(held.value_bytes()), MPI_BYTE, to,
+                                 2 * s + 1, comm, &requests[3]),
+                       op);
+      traffic.bytes_sent += held.key_bytes() + held.value_bytes();
+      traffic.messages += 2;
+    }
+    if (have) {
+      // The held shard's chunks, as key segments at their positions.
+      const std::vector<PositionRange> theirs = sharding.chunks(origin);
+      Index q_row = 0;
+      for (const PositionRange& qc : mine) {
+        const Index q_rows = qc.end - qc.begin;
+        if (q_rows == 0) continue;  // the one empty chunk of S = 0
+        const Index first_query = positions.key_offset + qc.begin;
+        std::array<apex::detail::KeySegment<TK, TV>, 2> segments;
+        Index count = 0;
+        Index keys = 0;
+        Index k_row = 0;
+        for (const PositionRange& kc : theirs) {
+          const Index first_key = positions.key_offset + kc.begin;
+          const Index k_rows = kc.end - kc.begin;
+          if (classify_block(positions, first_query, first_query + q_rows, first_key,
+                             first_key + k_rows) != BlockCoverage::kNone) {
+            segments[static_cast<std::size_t>(count++)] = {held.keys().middle_rows(k_row, k_rows),
+                                                           held.values().middle_rows(k_row, k_rows),
+                                                           first_key};
+            keys += k_rows;
+          }
+          k_row += k_rows;
+        }
+        if (count > 0) {
+          PositionMask rule = positions;
+          rule.query_offset = first_query;
+          rule.key_offset = segments[0].first_position;
+          auto problem = apex::detail::attention_problem<TQ, TK, TV>(
+              HeadsView<const TQ>(q).middle_rows(q_row, q_rows), segments.data(), count, keys, rule,
+              first_query, part_params);
+          apex::detail::flash_attention(
+              problem,
+              apex::detail::AttentionOutputs<C>{run.part_out.view().middle_rows(q_row, q_rows),
+                                                {},
+                                                run.part_max.view().middle_rows(q_row, q_rows),
+                                                run.part_sum.view().middle_rows(q_row, q_rows)},
+              apex::detail::FlashBlocking{});
+          detail::merge_part(run, q_row, q_rows);
+          int done = 0;  // lets the MPI library progress the transfers between chunks
+          detail::mpi_call(MPI_Testall(4, requests.data(), &done, MPI_STATUSES_IGNORE), op);
+        }
+        q_row += q_rows;
+      }
+    }
+    detail::mpi_call(MPI_Waitall(4, requests.data(), MPI_STATUSES_IGNORE), op);
+    have = receive;
+  }
+
+  // The sink joins each row once, and the rows go to the outputs.
+  std::vector<double> scratch(static_cast<std::size_t>(1 + v.dim()));
+  for (Index b = 0; b < q.batch(); ++b) {
+    for (Index h = 0; h < q.heads(); ++h) {
+      const double sink = params.sinks.empty() ? -std::numeric_limits<double>::infinity()
+                                               : params.sinks[static_cast<std::size_t>(h)];
+      for (Index i = 0; i < rows; ++i) {
+        const auto part_at = [&](Index) {
+          return apex::detail::PartRow<C, double>{
+              run.out.head(b, h).row(i).data(),
+              run.stats[static_cast<std::size_t>((b * q.heads() + h) * rows + i)]};
+        };
+        const auto total =
+            apex::detail::merge_rows<double>(1, v.dim(), part_at, out.head(b, h).row(i).data(),
+                                             scratch.data(), scratch.data() + 1, sink);
+        if (!lse.empty())
+          lse.head(b, h)(i, 0) = apex::round_to<TO>(apex::detail::log_sum_exp(total));
+      }
+    }
+  }
+  return traffic;
+}
+
+}  // namespace apex::distributed

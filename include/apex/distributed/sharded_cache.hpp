@@ -1,0 +1,322 @@
+// SPDX-License-Identifier: MIT
+// Sharded decoding: the K/V cache of one sequence (or of a batch of sequences of one length)
+// split across the ranks of a communicator by position, so that a context too long for one
+// machine's memory is held by several. A decoding step gives every rank the new token's queries
+// (broadcast() them from the rank that computed them, or compute them on every rank); each rank
+// attends them to the tokens it holds, and the partial results are combined with the n-way merge
+// of the softmax statistics (detail::merge_rows):
+//   M = max_r m_r,  w_r = l_r·e^(m_r − M),  out = Σ_r w_r·out_r / Σ_r w_r
+// after one MPI_Allgather of every rank's (m, l, out) rows, merged on every rank in rank order,
+// so that every rank gets the same, bit-identical result.
+//
+// WHO HOLDS WHAT. The prompt's positions are held as the SequenceSharding of the prefill said
+// (load_prompt: the shards ring_attention took). Each later position p goes to rank
+// ⌊p / decode_block⌋ mod P: blocks of decode_block consecutive tokens, dealt round the ranks, so
+// that decoding fills every rank alike. Every rank knows every rank's count, so a full rank is
+// known (and an append refused) everywhere.
+#pragma once
+
+#include <apex/distributed/communicator.hpp>
+#include <apex/distributed/ring_attention.hpp>
+#include <apex/distributed/sharding.hpp>
+#include <apex/kv_cache.hpp>
+#include <apex/sdpa.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace apex::distributed {
+
+/// A run of consecutive positions that one rank holds in consecutive rows of its cache.
+struct CacheRun {
+  Index position = 0;  ///< first position of the run
+  Index row = 0;       ///< its row in the rank's cache
+  Index count = 0;     ///< positions in the run
+};
+
+/// The shape of a ShardedKvCache: B sequences, H_kv heads of d_h, and the tokens each rank can
+/// hold.
+struct ShardedCacheShape {
+  Index batch = 0;              ///< B
+  Index num_kv_heads = 0;       ///< H_kv
+  Index head_dim = 0;           ///< d_h of K and V
+  Index capacity_per_rank = 0;  ///< tokens one rank's KvCache can hold
+  Index decode_block = 64;      ///< positions dealt to one rank at a time after the prompt
+};
+
+/// One attention layer's K/V cache, sharded by position over the ranks of a communicator (see
+/// WHO HOLDS WHAT above). Each rank holds a KvCache<Scalar, Storage> of capacity_per_rank
+/// tokens: 2·B·H_kv·capacity_per_rank·d_h values of Storage, allocated at construction.
+/// Default-constructed or moved from, it is empty: no communicator, no memory, and every call
+/// but the accessors throws.
+template <class Scalar, class Storage = Scalar>
+class ShardedKvCache {
+ public:
+  /// An empty cache.
+  ShardedKvCache() = default;
+
+  /// Collective: every rank of comm constructs its shard with the same shape (agreed). Throws
+  /// std::invalid_argument on every rank unless each extent, the capacity and decode_block are
+  /// >= 1. comm must outlive the cache.
+  ShardedKvCache(MPI_Comm comm, const ShardedCacheShape& shape) {
+    constexpr const char* op = "sharded_kv_cache";
+    const RankInfo me = detail::rank_info(comm, op);
+    detail::agree(comm, me, op,
+                  {{"batch", shape.batch},
+                   {"num_kv_heads", shape.num_kv_heads},
+                   {"head_dim", shape.head_dim},
+                   {"capacity_per_rank", shape.capacity_per_rank},
+                   {"decode_block", shape.decode_block},
+                   {"storage type", detail::type_code<Storage>()}},
+                  [&] {
+                    APEX_CHECK(shape.decode_block >= 1, "[" << op << "] decode_block ("
+                                                            << shape.decode_block
+                                                            << ") must be >= 1");
+                    local_ = KvCache<Scalar, Storage>(KvCacheShape{
+                        shape.batch, shape.num_kv_heads, shape.head_dim, shape.capacity_per_rank});
+                  });
+    comm_ = comm;
+    me_ = me;
+    decode_block_ = shape.decode_block;
+    counts_.assign(static_cast<std::size_t>(me.size), 0);
+  }
+
+  /// Ranks P the cache spans (1 when empty).
+  int ranks() const { return me_.get().size; }
+  /// This rank's place.
+  int rank() const { return me_.get().rank; }
+  /// Positions held by all ranks together: the next position is length().
+  Index length() const { return length_; }
+  /// Positions this rank holds.
+  Index local_length() const { return local_.size(); }
+  /// Positions rank r holds (every rank knows every rank's count). Throws on a rank outside
+  /// [0, P).
+  Index length_of(int r) const {
+    APEX_CHECK(r >= 0 && r < me_.get().size,
+               "[sharded_kv_cache] rank (" << r << ") must lie in [0, " << me_.get().size << ")");
+    return counts_.empty() ? 0 : counts_[static_cast<std::size_t>(r)];
+  }
+  /// The runs this rank holds, in increasing position order.
+  const std::vector<CacheRun>& runs() const { return runs_; }
+  /// Exact bytes of this rank's K and V buffers (KvCache::bytes).
+  std::int64_t bytes() const { return local_.bytes(); }
+  /// The rank that holds (or will hold) a position past the prompt: ⌊p / decode_block⌋ mod P.
+  int owner_of(Index position) const {
+    return static_cast<int>((position / decode_block_) % me_.get().size);
+  }
+
+  /// Collective: stores this rank's shard of a prompt of sharding.length() positions, starting
+  /// at position 0 on an empty cache: k, v [B, H_kv, S_r, d_h], the rows of
+  /// sharding.chunks(rank) in order (what ring_attention took). Throws on every rank, with no
+  /// rank changed, unless every rank's cache is constructed and empty, the sharding spans the
+  /// communicator, the shapes fit and every rank's shard fits its capacity. Allocates the runs.
+  void load_prompt(const SequenceSharding& sharding, const HeadsView<const Scalar>& k,
+                   const HeadsView<const Scalar>& v) {
+    constexpr const char* op = "sharded_kv_cache";
+    const RankInfo me = detail::rank_info(comm_, op);
+    detail::agree(
+        comm_, me, op,
+        {{"sequence length", sharding.length()},
+         {"ranks", sharding.ranks()},
+         {"layout", static_cast<std::int64_t>(sharding.layout())},
+         {"length", length_}},
+        [&] {
+          APEX_CHECK(length_ == 0, "[" << op << "] load_prompt needs an empty cache; it "
+                                       << "holds " << length_ << " positions");
+          APEX_CHECK(sharding.ranks() == me.size,
+                     "[" << op << "] sharding ranks (" << sharding.ranks()
+                         << ") must be the communicator's size " << me.size);
+          const Index rows = sharding.local_length(me.rank);
+          APEX_CHECK(k.seq() == rows, "[" << op << "] shard rows (" << k.seq()
+                                          << ") must be this rank's shard length " << rows);
+          apex::detail::check_constructed(!counts_.empty(), op, "cache");
+          apex::detail::check_kv_chunk(k, v, cache_shape(), op);
+          APEX_CHECK(rows <= local_.capacity(), "[" << op << "] this rank's shard (" << rows
+                                                    << " positions) exceeds its capacity ("
+                                                    << local_.capacity() << ")");
+        });
+    local_.append(k, v, 0);
+    Index row = 0;
+    for (int r = 0; r < me.size; ++r) {
+      counts_[static_cast<std::size_t>(r)] = sharding.local_length(r);
+    }
+    for (const PositionRange& c : sharding.chunks(me.rank)) {
+      if (c.end > c.begin) runs_.push_back({c.begin, row, c.end - c.begin});
+      row += c.end - c.begin;
+    }
+    length_ = sharding.length();
+  }
+
+  /// Appends n tokens at positions [position, position + n), each stored by its owner (owner_of):
+  ///   k, v: [B, H_kv, n, d_h], the same on every rank (each rank keeps the rows it owns).
+  /// No communication. Every rank checks everything (position == length(), the shapes, each
+  /// owner's room), so a call that one rank refuses every rank refuses alike, before anything
+  /// changes. Allocates a run where a new one starts.
+  void append(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v, Index position) {
+    constexpr const char* op = "sharded_kv_cache";
+    apex::detail::check_constructed(!counts_.empty(), op, "cache");
+    apex::detail::check_kv_chunk(k, v, cache_shape(), op);
+    apex::detail::check_append_position(position, length_, op);
+    std::vector<Index> extra(counts_.size(), 0);
+    for (Index i = 0; i < k.seq(); ++i) ++extra[static_cast<std::size_t>(owner_of(position + i))];
+    for (int r = 0; r < me_.get().size; ++r) {
+      const auto at = static_cast<std::size_t>(r);
+      APEX_CHECK(counts_[at] + extra[at] <= local_.capacity(),
+                 "[" << op << "] appending " << extra[at] << " tokens to rank " << r
+                     << ", which holds " << counts_[at] << ", would exceed its capacity ("
+                     << local_.capacity() << ")");
+    }
+    for (Index i = 0; i < k.seq();) {
+      const int owner = owner_of(position + i);
+      Index n = 1;
+      while (i + n < k.seq() && owner_of(position + i + n) == owner) ++n;
+      if (owner == me_.get().rank) {
+        if (runs_.empty() || runs_.back().position + runs_.back().count != position + i) {
+          runs_.push_back({position + i, local_.size(), 0});
+        }
+        local_.append(k.middle_rows(i, n), v.middle_rows(i, n), local_.size());
+        runs_.back().count += n;
+      }
+      counts_[static_cast<std::size_t>(owner)] += n;
+      i += n;
+    }
+    length_.get() += k.seq();
+  }
+
+  /// Collective: the attention of S_q queries to every cached position, on every rank:
+  ///   out = sdpa(q, K, V, {rule}, params) over the whole cache, rule on absolute positions
+  ///   (keys 0 .. length() − 1, key_offset 0; by default the queries are the last S_q
+  ///   positions, the decoding convention).
+  ///   q: [B, H_q, S_q, d_h], the same on every rank -> out: [B, H_q, S_q, d_h],
+  ///   lse (optional): [B, H_q, S_q, 1], the same on every rank.
+  /// Each rank attends to its runs (one pass of the tiled kernel, the runs as key segments),
+  /// then one MPI_Allgather of its B·H_q·S_q rows of (m, l, out) in double, merged with the
+  /// sinks on every rank in rank order. Checks (shapes, rule, parameters, agreed values) throw
+  /// on every rank before anything is written. Accuracy within the fast path's tolerance of the
+  /// double reference; the result does not depend on the number of threads. Allocates the
+  /// records: (P + 1)·B·H_q·S_q·(d_h + 2) doubles, a part in Scalar and a segment per run.
+  /// Returns this rank's record bytes as collective_bytes.
+  template <class TO>
+  Traffic attend(const HeadsView<const Scalar>& q, const PositionMask& rule,
+                 const SdpaParams& params, const HeadsView<TO>& out,
+                 const HeadsView<TO>& lse = {}) const {
+    constexpr const char* op = "sharded_kv_cache";
+    const RankInfo me = detail::rank_info(comm_, op);
+    std::vector<detail::Agreed> agreed = {{"length", length_},
+                                          {"batch", q.batch()},
+                                          {"query heads", q.heads()},
+                                          {"queries", q.seq()},
+                                          {"d", q.dim()},
+                                          {"output type", detail::type_code<TO>()},
+                                          {"lse given", lse.empty() ? 0 : 1}};
+    for (const detail::Agreed& a : detail::rule_agreement(rule, params)) agreed.push_back(a);
+    detail::agree(comm_, me, op, agreed, [&] {
+      apex::detail::check_constructed(!counts_.empty(), op, "cache");
+      apex::detail::check_sdpa(q, local_.keys(), local_.values(),
+                               AttentionMask<TO>{PositionMask{}, {}, {}}, params, out, lse, op);
+      apex::detail::check_outputs<TO>({out, lse}, op);
+      apex::detail::check_position_mask(rule, q.seq(), length_, op);
+      APEX_CHECK(rule.key_offset == 0, "[" << op << "] key_offset (" << rule.key_offset
+                                           << ") must be 0: the cache's keys are positions 0 .. "
+                                           << length_ - 1);
+    });
+
+    const Index rows = q.batch() * q.heads() * q.seq();
+    const Index d = q.dim();
+    const Index width = d + 2;  // m, l, out
+    std::vector<double> mine(static_cast<std::size_t>(rows * width));
+    local_part(q, rule, params, mine.data());
+    std::vector<double> all(mine.size() * static_cast<std::size_t>(me.size));
+    detail::mpi_call(MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_DOUBLE,
+                                   all.data(), static_cast<int>(mine.size()), MPI_DOUBLE, comm_),
+                     op);
+    std::vector<double> scratch(static_cast<std::size_t>(me.size + d));
+    for (Index b = 0; b < q.batch(); ++b) {
+      for (Index h = 0; h < q.heads(); ++h) {
+        const double sink = params.sinks.empty() ? -std::numeric_limits<double>::infinity()
+                                                 : params.sinks[static_cast<std::size_t>(h)];
+        for (Index i = 0; i < q.seq(); ++i) {
+          const Index row = (b * q.heads() + h) * q.seq() + i;
+          const auto part_at = [&](Index r) {
+            const double* rec = all.data() + (r * rows + row) * width;
+            return apex::detail::PartRow<double, double>{rec + 2, {rec[0], rec[1]}};
+          };
+          const auto total =
+              apex::detail::merge_rows<double>(me.size, d, part_at, out.head(b, h).row(i).data(),
+                                               scratch.data(), scratch.data() + me.size, sink);
+          if (!lse.empty())
+            lse.head(b, h)(i, 0) = apex::round_to<TO>(apex::detail::log_sum_exp(total));
+        }
+      }
+    }
+    Traffic traffic;
+    traffic.collective_bytes = static_cast<std::int64_t>(mine.size() * sizeof(double));
+    return traffic;
+  }
+
+ private:
+  /// B, H_kv and d_h of every chunk (the sequence extent unused).
+  HeadsShape cache_shape() const {
+    return {local_.batch(), local_.num_kv_heads(), 0, local_.head_dim()};
+  }
+
+  /// This rank's part, as records (m, l, out[d]) per (b, h, i) row, without the sink. A rank
+  /// holding no key that the rule allows gives (-inf, 0, zeros).
+  void local_part(const HeadsView<const Scalar>& q, const PositionMask& rule,
+                  const SdpaParams& params, double* records) const {
+    const Index d = q.dim();
+    const HeadsShape row_shape{q.batch(), q.heads(), q.seq(), 1};
+    HeadsTensor<Scalar> part({q.batch(), q.heads(), q.seq(), d}), max(row_shape), sum(row_shape);
+    std::vector<apex::detail::KeySegment<Storage, Storage>> segments;
+    const Index first_query = rule.first_query_position(q.seq(), length_);
+    for (const CacheRun& run : runs_) {
+      if (q.seq() > 0 && classify_block(rule, first_query, first_query + q.seq(), run.position,
+                                        run.position + run.count) == BlockCoverage::kNone) {
+        continue;
+      }
+      segments.push_back({local_.keys().middle_rows(run.row, run.count),
+                          local_.values().middle_rows(run.row, run.count), run.position});
+    }
+    for (Index i = 0; i < max.seq() * max.batch() * max.heads(); ++i) {
+      max.data()[i] = -std::numeric_limits<Scalar>::infinity();
+    }
+    if (!segments.empty()) {
+      Index keys = 0;
+      for (const auto& s : segments) keys += s.size();
+      SdpaParams part_params = params;
+      part_params.sinks.clear();  // the sink joins once, in the merge
+      PositionMask positions = rule;
+      positions.query_offset = first_query;
+      positions.key_offset = segments.front().first_position;
+      const auto problem = apex::detail::attention_problem<Scalar, Storage, Storage>(
+          q, segments.data(), static_cast<Index>(segments.size()), keys, positions, first_query,
+          part_params);
+      apex::detail::flash_attention(
+          problem, apex::detail::AttentionOutputs<Scalar>{part.view(), {}, max.view(), sum.view()},
+          apex::detail::FlashBlocking{});
+    }
+    for (Index b = 0; b < q.batch(); ++b) {
+      for (Index h = 0; h < q.heads(); ++h) {
+        for (Index i = 0; i < q.seq(); ++i) {
+          double* rec = records + ((b * q.heads() + h) * q.seq() + i) * (d + 2);
+          rec[0] = double(max.head(b, h)(i, 0));
+          rec[1] = double(sum.head(b, h)(i, 0));
+          for (Index c = 0; c < d; ++c) rec[2 + c] = double(part.head(b, h)(i, c));
+        }
+      }
+    }
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  apex::detail::ResetOnMove<RankInfo> me_;
+  Index decode_block_ = 1;
+  KvCache<Scalar, Storage> local_;
+  std::vector<Index> counts_;   // positions held by each rank; empty: not constructed
+  std::vector<CacheRun> runs_;  // this rank's runs
+  apex::detail::ResetOnMove<Index> length_;
+};
+
+}  // namespace apex::distributed
