@@ -457,12 +457,12 @@ class GroupedQueryAttention {
     return out;
   }
 
- private:
-  /// Every head, query, key or value, is d_h wide.
+  /// The heads of the layer's attention (H_q, H_kv, d_qk, d_v): every head is d_h wide.
   detail::LayerHeads attention_heads() const {
     return {config().num_q_heads, config().num_kv_heads, config().head_dim, config().head_dim};
   }
 
+ private:
   /// Throws for an empty (default-constructed or moved-from) layer.
   void check_constructed() const {
     detail::check_constructed(config().d_model >= 1, "gqa", "layer");

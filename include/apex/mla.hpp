@@ -581,12 +581,13 @@ class MultiHeadLatentAttention {
     return out;
   }
 
- private:
-  /// Queries and keys are [content ‖ rope], d_h + d_r wide; values d_h wide.
+  /// The heads of the layer's attention (H_q, H_kv, d_qk, d_v): queries and keys are
+  /// [content ‖ rope], d_h + d_r wide; values d_h wide.
   detail::LayerHeads attention_heads() const {
     return {config().num_q_heads, config().num_kv_heads, config().qk_dim(), config().head_dim};
   }
 
+ private:
   /// Throws for an empty (default-constructed or moved-from) layer.
   void check_constructed() const {
     detail::check_constructed(config().d_model >= 1, "mla", "layer");

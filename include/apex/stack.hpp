@@ -643,6 +643,50 @@ class AttentionStack {
     return last_logits(x, std::vector<Index>(cu.begin() + 1, cu.end()));
   }
 
+  // -------------------------------------------------------------------------------------------
+  // Building blocks, for running the stack's blocks under an attention schedule of one's own
+  // (apex/distributed/stack.hpp runs them across the ranks of an MPI job). forward() is
+  //   x = embed_tokens(tokens); for each l: x += attention of layer(l) on block_norm(l, x)
+  //   with block_params(l) and mask_for_layer(l, P); logits = output_logits(x).
+  // -------------------------------------------------------------------------------------------
+
+  /// x_0 = Embed(tokens)·√d (§2.2): tokens [B, S] -> [B*S, d], row b*S + s. Checks every id.
+  /// Allocates the result.
+  template <class TokensDerived>
+  RowMatrix<Scalar> embed_tokens(const Eigen::MatrixBase<TokensDerived>& tokens) const {
+    check_constructed();
+    return embedded(tokens);
+  }
+
+  /// RMSNorm(x; γ_l) (§3), block l's normalisation of its input: x [rows, d] -> out [rows, d]
+  /// (out may be x). Throws unless 0 <= l < L and the shapes fit.
+  void block_norm(Index l, const RowMatrix<Scalar>& x, RowRef<Scalar> out) const {
+    check_block(l);
+    rms_norm(x, norm_gammas_[static_cast<std::size_t>(l)], RmsNormParams{config().norm_eps}, out);
+  }
+
+  /// The parameters block l's attention layer takes: the RoPE table of its kind (local or
+  /// global, YaRN's where set) and the softmax scale (YaRN's temperature where it goes to the
+  /// scale), with position_offset 0: set it to the absolute position of the rows' first token.
+  /// Throws unless 0 <= l < L. The table is the stack's: the result is valid while it lives.
+  AttentionLayerParams<Scalar> block_params(Index l) const {
+    check_block(l);
+    return std::visit([&](const auto& a) { return layer_params(a, 0); },
+                      layers_[static_cast<std::size_t>(l)]);
+  }
+
+  /// logits = RMSNorm(x; γ_final) · W_Eᵀ (§2.5, the tied LM head): x [rows, d] -> [rows, V], as
+  /// prefill and decode_step compute them (bit-identical for any thread count). Allocates the
+  /// normalised copy and the result.
+  RowMatrix<Scalar> output_logits(const RowMatrix<Scalar>& x) const {
+    check_constructed();
+    APEX_CHECK(x.cols() == config().d_model,
+               "[stack] x width (" << x.cols() << ") must be d_model = " << config().d_model);
+    RowMatrix<Scalar> normed(x.rows(), x.cols());
+    rms_norm(x, final_gamma_, RmsNormParams{config().norm_eps}, RowRef<Scalar>(normed));
+    return detail::matmul_transposed<Scalar>(normed, embedding_);
+  }
+
   /// The cache memory of this stack for `batch` sequences of `context` tokens in this scalar
   /// type, or for caches storing Storage (stack_cache_memory with bytes_per_value =
   /// sizeof(Storage)): the bytes make_cache<Storage> allocates.
@@ -747,6 +791,13 @@ class AttentionStack {
                                   << ") must have the shape of config.local (H_q " << e.num_q_heads
                                   << ", H_kv " << e.num_kv_heads << ", d_h " << e.head_dim << ")");
     }
+  }
+
+  /// Throws unless the stack is constructed and 0 <= l < L.
+  void check_block(Index l) const {
+    check_constructed();
+    APEX_CHECK(l >= 0 && l < config().num_layers,
+               "[stack] layer (" << l << ") must lie in [0, " << config().num_layers << ")");
   }
 
   /// Throws for an empty (default-constructed or moved-from) stack.

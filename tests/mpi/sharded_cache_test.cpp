@@ -148,7 +148,8 @@ TEST(ShardedDecode, BadInputOnOneRankIsRefusedOnEveryRank) {
         cache.load_prompt(sharding, me.rank == last ? wrong.view() : kv.view(),
                           me.rank == last ? wrong.view() : kv.view());
       },
-      {"[sharded_kv_cache] chunk head width", "(on rank " + std::to_string(last) + ")"});
+      {"[sharded_kv_cache] k chunk [1, 2, n, 5] must be",
+       "(on rank " + std::to_string(last) + ")"});
   EXPECT_EQ(cache.length(), 0);
   EXPECT_EQ(cache.local_length(), 0);
   cache.load_prompt(sharding, kv.view(), kv.view());

@@ -21,11 +21,13 @@
 #include <apex/distributed/sharding.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/sdpa.hpp>
+#include <apex/tensor.hpp>
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace apex::distributed {
@@ -37,19 +39,21 @@ struct CacheRun {
   Index count = 0;     ///< positions in the run
 };
 
-/// The shape of a ShardedKvCache: B sequences, H_kv heads of d_h, and the tokens each rank can
-/// hold.
+/// The shape of a ShardedKvCache: B sequences, H_kv heads of keys d_qk wide and values d_v wide,
+/// and the tokens each rank can hold.
 struct ShardedCacheShape {
   Index batch = 0;              ///< B
   Index num_kv_heads = 0;       ///< H_kv
-  Index head_dim = 0;           ///< d_h of K and V
-  Index capacity_per_rank = 0;  ///< tokens one rank's KvCache can hold
+  Index head_dim = 0;           ///< d_qk, the width of a key head (and of a value head by default)
+  Index capacity_per_rank = 0;  ///< tokens one rank can hold
   Index decode_block = 64;      ///< positions dealt to one rank at a time after the prompt
+  Index value_dim = 0;          ///< d_v, the width of a value head; 0: head_dim
 };
 
 /// One attention layer's K/V cache, sharded by position over the ranks of a communicator (see
-/// WHO HOLDS WHAT above). Each rank holds a KvCache<Scalar, Storage> of capacity_per_rank
-/// tokens: 2·B·H_kv·capacity_per_rank·d_h values of Storage, allocated at construction.
+/// WHO HOLDS WHAT above). Each rank holds K [B, H_kv, C, d_qk] and V [B, H_kv, C, d_v] of
+/// Storage, C = capacity_per_rank, allocated (zeroed) at construction; Scalar is the type of the
+/// chunks appended and of the attention, each element rounded once to Storage as it is stored.
 /// Default-constructed or moved from, it is empty: no communicator, no memory, and every call
 /// but the accessors throws.
 template <class Scalar, class Storage = Scalar>
@@ -64,20 +68,31 @@ class ShardedKvCache {
   ShardedKvCache(MPI_Comm comm, const ShardedCacheShape& shape) {
     constexpr const char* op = "sharded_kv_cache";
     const RankInfo me = detail::rank_info(comm, op);
-    detail::agree(comm, me, op,
-                  {{"batch", shape.batch},
-                   {"num_kv_heads", shape.num_kv_heads},
-                   {"head_dim", shape.head_dim},
-                   {"capacity_per_rank", shape.capacity_per_rank},
-                   {"decode_block", shape.decode_block},
-                   {"storage type", detail::type_code<Storage>()}},
-                  [&] {
-                    APEX_CHECK(shape.decode_block >= 1, "[" << op << "] decode_block ("
-                                                            << shape.decode_block
-                                                            << ") must be >= 1");
-                    local_ = KvCache<Scalar, Storage>(KvCacheShape{
-                        shape.batch, shape.num_kv_heads, shape.head_dim, shape.capacity_per_rank});
-                  });
+    detail::agree(
+        comm, me, op,
+        {{"batch", shape.batch},
+         {"num_kv_heads", shape.num_kv_heads},
+         {"head_dim", shape.head_dim},
+         {"value_dim", shape.value_dim},
+         {"capacity_per_rank", shape.capacity_per_rank},
+         {"decode_block", shape.decode_block},
+         {"storage type", detail::type_code<Storage>()}},
+        [&] {
+          APEX_CHECK(shape.decode_block >= 1,
+                     "[" << op << "] decode_block (" << shape.decode_block << ") must be >= 1");
+          const Index d_v = shape.value_dim == 0 ? shape.head_dim : shape.value_dim;
+          for (const auto& [name, value] : {std::pair<const char*, Index>{"batch", shape.batch},
+                                            {"num_kv_heads", shape.num_kv_heads},
+                                            {"head_dim", shape.head_dim},
+                                            {"value_dim", d_v},
+                                            {"capacity_per_rank", shape.capacity_per_rank}}) {
+            APEX_CHECK(value >= 1, "[" << op << "] " << name << " (" << value << ") must be >= 1");
+          }
+          keys_ = HeadsTensor<Storage>(
+              {shape.batch, shape.num_kv_heads, shape.capacity_per_rank, shape.head_dim});
+          values_ =
+              HeadsTensor<Storage>({shape.batch, shape.num_kv_heads, shape.capacity_per_rank, d_v});
+        });
     comm_ = comm;
     me_ = me;
     decode_block_ = shape.decode_block;
@@ -91,7 +106,9 @@ class ShardedKvCache {
   /// Positions held by all ranks together: the next position is length().
   Index length() const { return length_; }
   /// Positions this rank holds.
-  Index local_length() const { return local_.size(); }
+  Index local_length() const { return local_size_; }
+  /// Positions each rank can hold.
+  Index capacity() const { return keys_.seq(); }
   /// Positions rank r holds (every rank knows every rank's count). Throws on a rank outside
   /// [0, P).
   Index length_of(int r) const {
@@ -101,15 +118,20 @@ class ShardedKvCache {
   }
   /// The runs this rank holds, in increasing position order.
   const std::vector<CacheRun>& runs() const { return runs_; }
-  /// Exact bytes of this rank's K and V buffers (KvCache::bytes).
-  std::int64_t bytes() const { return local_.bytes(); }
+  /// Exact bytes of this rank's K and V buffers.
+  std::int64_t bytes() const {
+    const auto elements = [](const HeadsTensor<Storage>& t) {
+      return static_cast<std::int64_t>(t.batch() * t.heads() * t.seq() * t.dim());
+    };
+    return (elements(keys_) + elements(values_)) * static_cast<std::int64_t>(sizeof(Storage));
+  }
   /// The rank that holds (or will hold) a position past the prompt: ⌊p / decode_block⌋ mod P.
   int owner_of(Index position) const {
     return static_cast<int>((position / decode_block_) % me_.get().size);
   }
 
   /// Collective: stores this rank's shard of a prompt of sharding.length() positions, starting
-  /// at position 0 on an empty cache: k, v [B, H_kv, S_r, d_h], the rows of
+  /// at position 0 on an empty cache: k [B, H_kv, S_r, d_qk], v [B, H_kv, S_r, d_v], the rows of
   /// sharding.chunks(rank) in order (what ring_attention took). Throws on every rank, with no
   /// rank changed, unless every rank's cache is constructed and empty, the sharding spans the
   /// communicator, the shapes fit and every rank's shard fits its capacity. Allocates the runs.
@@ -117,28 +139,27 @@ class ShardedKvCache {
                    const HeadsView<const Scalar>& v) {
     constexpr const char* op = "sharded_kv_cache";
     const RankInfo me = detail::rank_info(comm_, op);
-    detail::agree(
-        comm_, me, op,
-        {{"sequence length", sharding.length()},
-         {"ranks", sharding.ranks()},
-         {"layout", static_cast<std::int64_t>(sharding.layout())},
-         {"length", length_}},
-        [&] {
-          APEX_CHECK(length_ == 0, "[" << op << "] load_prompt needs an empty cache; it "
-                                       << "holds " << length_ << " positions");
-          APEX_CHECK(sharding.ranks() == me.size,
-                     "[" << op << "] sharding ranks (" << sharding.ranks()
-                         << ") must be the communicator's size " << me.size);
-          const Index rows = sharding.local_length(me.rank);
-          APEX_CHECK(k.seq() == rows, "[" << op << "] shard rows (" << k.seq()
-                                          << ") must be this rank's shard length " << rows);
-          apex::detail::check_constructed(!counts_.empty(), op, "cache");
-          apex::detail::check_kv_chunk(k, v, cache_shape(), op);
-          APEX_CHECK(rows <= local_.capacity(), "[" << op << "] this rank's shard (" << rows
-                                                    << " positions) exceeds its capacity ("
-                                                    << local_.capacity() << ")");
-        });
-    local_.append(k, v, 0);
+    detail::agree(comm_, me, op,
+                  {{"sequence length", sharding.length()},
+                   {"ranks", sharding.ranks()},
+                   {"layout", static_cast<std::int64_t>(sharding.layout())},
+                   {"length", length_}},
+                  [&] {
+                    APEX_CHECK(length_ == 0, "[" << op << "] load_prompt needs an empty cache; it "
+                                                 << "holds " << length_ << " positions");
+                    APEX_CHECK(sharding.ranks() == me.size,
+                               "[" << op << "] sharding ranks (" << sharding.ranks()
+                                   << ") must be the communicator's size " << me.size);
+                    const Index rows = sharding.local_length(me.rank);
+                    APEX_CHECK(k.seq() == rows, "[" << op << "] shard rows (" << k.seq()
+                                                    << ") must be this rank's shard length "
+                                                    << rows);
+                    check_chunk(k, v);
+                    APEX_CHECK(rows <= capacity(), "[" << op << "] this rank's shard (" << rows
+                                                       << " positions) exceeds its capacity ("
+                                                       << capacity() << ")");
+                  });
+    store(k, v, 0, k.seq());
     Index row = 0;
     for (int r = 0; r < me.size; ++r) {
       counts_[static_cast<std::size_t>(r)] = sharding.local_length(r);
@@ -151,23 +172,23 @@ class ShardedKvCache {
   }
 
   /// Appends n tokens at positions [position, position + n), each stored by its owner (owner_of):
-  ///   k, v: [B, H_kv, n, d_h], the same on every rank (each rank keeps the rows it owns).
+  ///   k: [B, H_kv, n, d_qk], v: [B, H_kv, n, d_v], the same on every rank (each rank keeps the
+  ///   rows it owns).
   /// No communication. Every rank checks everything (position == length(), the shapes, each
   /// owner's room), so a call that one rank refuses every rank refuses alike, before anything
   /// changes. Allocates a run where a new one starts.
   void append(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v, Index position) {
     constexpr const char* op = "sharded_kv_cache";
-    apex::detail::check_constructed(!counts_.empty(), op, "cache");
-    apex::detail::check_kv_chunk(k, v, cache_shape(), op);
+    check_chunk(k, v);
     apex::detail::check_append_position(position, length_, op);
     std::vector<Index> extra(counts_.size(), 0);
     for (Index i = 0; i < k.seq(); ++i) ++extra[static_cast<std::size_t>(owner_of(position + i))];
     for (int r = 0; r < me_.get().size; ++r) {
       const auto at = static_cast<std::size_t>(r);
-      APEX_CHECK(counts_[at] + extra[at] <= local_.capacity(),
+      APEX_CHECK(counts_[at] + extra[at] <= capacity(),
                  "[" << op << "] appending " << extra[at] << " tokens to rank " << r
                      << ", which holds " << counts_[at] << ", would exceed its capacity ("
-                     << local_.capacity() << ")");
+                     << capacity() << ")");
     }
     for (Index i = 0; i < k.seq();) {
       const int owner = owner_of(position + i);
@@ -175,9 +196,9 @@ class ShardedKvCache {
       while (i + n < k.seq() && owner_of(position + i + n) == owner) ++n;
       if (owner == me_.get().rank) {
         if (runs_.empty() || runs_.back().position + runs_.back().count != position + i) {
-          runs_.push_back({position + i, local_.size(), 0});
+          runs_.push_back({position + i, local_size_, 0});
         }
-        local_.append(k.middle_rows(i, n), v.middle_rows(i, n), local_.size());
+        store(k, v, i, n);
         runs_.back().count += n;
       }
       counts_[static_cast<std::size_t>(owner)] += n;
@@ -190,14 +211,14 @@ class ShardedKvCache {
   ///   out = sdpa(q, K, V, {rule}, params) over the whole cache, rule on absolute positions
   ///   (keys 0 .. length() − 1, key_offset 0; by default the queries are the last S_q
   ///   positions, the decoding convention).
-  ///   q: [B, H_q, S_q, d_h], the same on every rank -> out: [B, H_q, S_q, d_h],
+  ///   q: [B, H_q, S_q, d_qk], the same on every rank -> out: [B, H_q, S_q, d_v],
   ///   lse (optional): [B, H_q, S_q, 1], the same on every rank.
   /// Each rank attends to its runs (one pass of the tiled kernel, the runs as key segments),
   /// then one MPI_Allgather of its B·H_q·S_q rows of (m, l, out) in double, merged with the
   /// sinks on every rank in rank order. Checks (shapes, rule, parameters, agreed values) throw
   /// on every rank before anything is written. Accuracy within the fast path's tolerance of the
   /// double reference; the result does not depend on the number of threads. Allocates the
-  /// records: (P + 1)·B·H_q·S_q·(d_h + 2) doubles, a part in Scalar and a segment per run.
+  /// records: (P + 1)·B·H_q·S_q·(d_v + 2) doubles, a part in Scalar and a segment per run.
   /// Returns this rank's record bytes as collective_bytes.
   template <class TO>
   Traffic attend(const HeadsView<const Scalar>& q, const PositionMask& rule,
@@ -215,7 +236,7 @@ class ShardedKvCache {
     for (const detail::Agreed& a : detail::rule_agreement(rule, params)) agreed.push_back(a);
     detail::agree(comm_, me, op, agreed, [&] {
       apex::detail::check_constructed(!counts_.empty(), op, "cache");
-      apex::detail::check_sdpa(q, local_.keys(), local_.values(),
+      apex::detail::check_sdpa(q, rows_of(keys_, 0, local_size_), rows_of(values_, 0, local_size_),
                                AttentionMask<TO>{PositionMask{}, {}, {}}, params, out, lse, op);
       apex::detail::check_outputs<TO>({out, lse}, op);
       apex::detail::check_position_mask(rule, q.seq(), length_, op);
@@ -225,7 +246,7 @@ class ShardedKvCache {
     });
 
     const Index rows = q.batch() * q.heads() * q.seq();
-    const Index d = q.dim();
+    const Index d = values_.dim();
     const Index width = d + 2;  // m, l, out
     std::vector<double> mine(static_cast<std::size_t>(rows * width));
     local_part(q, rule, params, mine.data());
@@ -258,16 +279,42 @@ class ShardedKvCache {
   }
 
  private:
-  /// B, H_kv and d_h of every chunk (the sequence extent unused).
-  HeadsShape cache_shape() const {
-    return {local_.batch(), local_.num_kv_heads(), 0, local_.head_dim()};
+  /// Throws unless k and v are chunks [B, H_kv, n, d_qk] and [B, H_kv, n, d_v] of this cache.
+  void check_chunk(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v) const {
+    constexpr const char* op = "sharded_kv_cache";
+    apex::detail::check_constructed(!counts_.empty(), op, "cache");
+    apex::detail::check_extents(k, op, "k shape");
+    apex::detail::check_extents(v, op, "v shape");
+    APEX_CHECK(k.batch() == keys_.batch() && k.heads() == keys_.heads() && k.dim() == keys_.dim(),
+               "[" << op << "] k chunk [" << k.batch() << ", " << k.heads() << ", n, " << k.dim()
+                   << "] must be [B, H_kv, n, d_qk] = [" << keys_.batch() << ", " << keys_.heads()
+                   << ", n, " << keys_.dim() << "]");
+    APEX_CHECK(v.batch() == values_.batch() && v.heads() == values_.heads() &&
+                   v.dim() == values_.dim() && v.seq() == k.seq(),
+               "[" << op << "] v chunk [" << v.batch() << ", " << v.heads() << ", " << v.seq()
+                   << ", " << v.dim() << "] must be [B, H_kv, n, d_v] = [" << values_.batch()
+                   << ", " << values_.heads() << ", " << k.seq() << ", " << values_.dim() << "]");
+  }
+
+  /// Rows [first, first + count) of every head of a [B, H_kv, C, D] buffer.
+  static HeadsView<const Storage> rows_of(const HeadsTensor<Storage>& t, Index first, Index count) {
+    return apex::detail::buffer_rows(t.data(), t.shape(), first, count);
+  }
+
+  /// Appends rows [from, from + n) of the chunk k, v after this rank's rows, rounded to Storage.
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): private, (k, v) as everywhere in apex
+  void store(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v, Index from,
+             Index n) {
+    apex::detail::write_rows(k, keys_.data(), keys_.seq(), from, n, local_size_);
+    apex::detail::write_rows(v, values_.data(), values_.seq(), from, n, local_size_);
+    local_size_.get() += n;
   }
 
   /// This rank's part, as records (m, l, out[d]) per (b, h, i) row, without the sink. A rank
   /// holding no key that the rule allows gives (-inf, 0, zeros).
   void local_part(const HeadsView<const Scalar>& q, const PositionMask& rule,
                   const SdpaParams& params, double* records) const {
-    const Index d = q.dim();
+    const Index d = values_.dim();
     const HeadsShape row_shape{q.batch(), q.heads(), q.seq(), 1};
     HeadsTensor<Scalar> part({q.batch(), q.heads(), q.seq(), d}), max(row_shape), sum(row_shape);
     std::vector<apex::detail::KeySegment<Storage, Storage>> segments;
@@ -277,8 +324,8 @@ class ShardedKvCache {
                                         run.position + run.count) == BlockCoverage::kNone) {
         continue;
       }
-      segments.push_back({local_.keys().middle_rows(run.row, run.count),
-                          local_.values().middle_rows(run.row, run.count), run.position});
+      segments.push_back(
+          {rows_of(keys_, run.row, run.count), rows_of(values_, run.row, run.count), run.position});
     }
     for (Index i = 0; i < max.seq() * max.batch() * max.heads(); ++i) {
       max.data()[i] = -std::numeric_limits<Scalar>::infinity();
@@ -313,7 +360,8 @@ class ShardedKvCache {
   MPI_Comm comm_ = MPI_COMM_NULL;
   apex::detail::ResetOnMove<RankInfo> me_;
   Index decode_block_ = 1;
-  KvCache<Scalar, Storage> local_;
+  HeadsTensor<Storage> keys_, values_;           // [B, H_kv, C, d_qk], [B, H_kv, C, d_v]
+  apex::detail::ResetOnMove<Index> local_size_;  // rows this rank holds
   std::vector<Index> counts_;   // positions held by each rank; empty: not constructed
   std::vector<CacheRun> runs_;  // this rank's runs
   apex::detail::ResetOnMove<Index> length_;
