@@ -12,6 +12,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <string>
 #include <vector>
 
 namespace {
@@ -141,6 +143,32 @@ TEST(ContextParallelStack, BadInputOnOneRankIsRefusedEverywhere) {
                                                     none);
       },
       "the cache has 0 layers");
+}
+
+TEST(ContextParallelStack, AFullRankRefusesTheNextTokenEverywhere) {
+  const auto me = world();
+  const auto stack = apex::AttentionStack<float>::random(small_config(), 4);
+  const SequenceSharding sharding(kPrompt, me.size, ShardLayout::kZigzag);
+  std::vector<std::int64_t> local(static_cast<std::size_t>(sharding.local_length(me.rank)), 2);
+  Index room = 0;
+  for (int r = 0; r < me.size; ++r) room = std::max(room, sharding.local_length(r));
+  auto cache = apex::distributed::make_sharded_cache(MPI_COMM_WORLD, stack, room + 1, 2);
+  apex::distributed::context_parallel_prefill(MPI_COMM_WORLD, stack, sharding, local, 0, cache);
+  bool refused = false;
+  for (Index step = 0; step < 2 * me.size + 2 && !refused; ++step) {
+    const Index before = cache.next_position();
+    try {
+      apex::distributed::context_parallel_decode_step(MPI_COMM_WORLD, stack, 3, cache);
+    } catch (const std::invalid_argument& e) {
+      refused = true;
+      EXPECT_NE(std::string(e.what()).find("is full (capacity " + std::to_string(room + 1) + ")"),
+                std::string::npos)
+          << e.what();
+      EXPECT_EQ(cache.next_position(), before);
+      for (Index l = 0; l < cache.num_layers(); ++l) EXPECT_EQ(cache.layer(l).length(), before);
+    }
+  }
+  EXPECT_TRUE(refused);
 }
 
 }  // namespace

@@ -37,11 +37,29 @@
 
 namespace apex::distributed {
 
+template <class Scalar, class Storage = Scalar>
+class ShardedStackCache;
+
+template <class Scalar, class Weight, class Storage>
+RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
+                                           const AttentionStack<Scalar, Weight>& stack,
+                                           const SequenceSharding& sharding,
+                                           const std::vector<std::int64_t>& local_tokens,
+                                           Index prefix, ShardedStackCache<Scalar, Storage>& cache,
+                                           Traffic* traffic = nullptr);
+
+template <class Scalar, class Weight, class Storage>
+RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
+                                               const AttentionStack<Scalar, Weight>& stack,
+                                               std::int64_t token,
+                                               ShardedStackCache<Scalar, Storage>& cache,
+                                               Traffic* traffic = nullptr);
+
 /// The decoding state of an AttentionStack run across ranks: one ShardedKvCache per layer (see
 /// CACHES above), the prompt's sharding, its prefix and the next position. Made by
 /// make_sharded_cache; advanced by context_parallel_prefill and context_parallel_decode_step.
 /// Default-constructed or moved from: no layers, rejected by both.
-template <class Scalar, class Storage = Scalar>
+template <class Scalar, class Storage>
 class ShardedStackCache {
  public:
   /// An empty cache of no layers.
@@ -53,7 +71,7 @@ class ShardedStackCache {
     return layers_.at(static_cast<std::size_t>(l));
   }
   /// The absolute position of the next token (tokens processed so far).
-  Index next_position() const { return layers_.empty() ? 0 : layers_.front().length(); }
+  Index next_position() const { return next_; }
   /// P of the sequence (set by the prefill).
   Index prefix() const { return prefix_; }
   /// Bytes of this rank's K and V, every layer.
@@ -73,15 +91,14 @@ class ShardedStackCache {
                                                const SequenceSharding&,
                                                const std::vector<std::int64_t>&, Index,
                                                ShardedStackCache<S, St>&, Traffic*);
+  template <class S, class W, class St>
+  friend RowMatrix<S> context_parallel_decode_step(MPI_Comm, const AttentionStack<S, W>&,
+                                                   std::int64_t, ShardedStackCache<S, St>&,
+                                                   Traffic*);
 
   std::vector<ShardedKvCache<Scalar, Storage>> layers_;  // a moved-from vector is empty
   apex::detail::ResetOnMove<Index> prefix_;
-
- public:
-  /// The cache of layer l, writable (for the functions of this header).
-  ShardedKvCache<Scalar, Storage>& mutable_layer(Index l) {
-    return layers_.at(static_cast<std::size_t>(l));
-  }
+  apex::detail::ResetOnMove<Index> next_;
 };
 
 namespace detail {
@@ -166,7 +183,7 @@ RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
                                            const SequenceSharding& sharding,
                                            const std::vector<std::int64_t>& local_tokens,
                                            Index prefix, ShardedStackCache<Scalar, Storage>& cache,
-                                           Traffic* traffic = nullptr) {
+                                           Traffic* traffic) {
   constexpr const char* op = "context_parallel_prefill";
   const RankInfo me = apex::distributed::detail::rank_info(comm, op);
   RowMatrix<Scalar> x;
@@ -233,9 +250,10 @@ RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
     if (traffic != nullptr) *traffic += t;
     detail::output_projection<Scalar, Weight>(layer, concat, attended);
     x += attended;
-    cache.mutable_layer(l).load_prompt(sharding, k.view(), v.view());
+    cache.layers_[static_cast<std::size_t>(l)].load_prompt(sharding, k.view(), v.view());
   }
   cache.prefix_ = prefix;
+  cache.next_ = sharding.length();
   return stack.output_logits(x);
 }
 
@@ -250,7 +268,7 @@ RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
                                                const AttentionStack<Scalar, Weight>& stack,
                                                std::int64_t token,
                                                ShardedStackCache<Scalar, Storage>& cache,
-                                               Traffic* traffic = nullptr) {
+                                               Traffic* traffic) {
   constexpr const char* op = "context_parallel_decode_step";
   const RankInfo me = apex::distributed::detail::rank_info(comm, op);
   const Index p = cache.next_position();
@@ -262,11 +280,13 @@ RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
         APEX_CHECK(p < stack.config().max_positions, "[" << op << "] position " << p
                                                          << " exceeds max_positions ("
                                                          << stack.config().max_positions << ")");
-        const ShardedKvCache<Scalar, Storage>& first = cache.layer(0);
-        const int owner = first.owner_of(p);
-        APEX_CHECK(first.length_of(owner) < first.capacity(),
-                   "[" << op << "] rank " << owner << ", which holds position " << p
-                       << ", is full (capacity " << first.capacity() << ")");
+        if (cache.num_layers() > 0) {  // every layer deals positions alike
+          const ShardedKvCache<Scalar, Storage>& first = cache.layer(0);
+          const int owner = first.owner_of(p);
+          APEX_CHECK(first.length_of(owner) < first.capacity(),
+                     "[" << op << "] rank " << owner << ", which holds position " << p
+                         << ", is full (capacity " << first.capacity() << ")");
+        }
         const TokenMatrix ids = TokenMatrix::Constant(1, 1, token);
         x = stack.embed_tokens(ids);  // checks the id
       });
@@ -279,7 +299,7 @@ RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
     params.position_offset = p;
     const ProjectedQkv<Scalar> proj =
         detail::layer_projections<Scalar, Weight>(layer, normed, params);
-    ShardedKvCache<Scalar, Storage>& kv = cache.mutable_layer(l);
+    ShardedKvCache<Scalar, Storage>& kv = cache.layers_[static_cast<std::size_t>(l)];
     kv.append(proj.k_heads(), proj.v_heads(), p);
     const apex::detail::LayerHeads heads =
         std::visit([](const auto& a) { return a.attention_heads(); }, layer);
@@ -292,6 +312,7 @@ RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
     detail::output_projection<Scalar, Weight>(layer, concat, attended);
     x += attended;
   }
+  cache.next_ = p + 1;
   return stack.output_logits(x);
 }
 
