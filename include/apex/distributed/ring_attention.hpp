@@ -241,10 +241,10 @@ inline std::vector<std::int64_t> ring_bytes_sent(const SequenceSharding& shardin
 ///
 /// Traffic: the K/V shards (BYTES above) with non-blocking sends and receives, posted before
 /// each step's attention and completed after it (how much of a transfer overlaps depends on the
-/// MPI library's progress); two MPI_Allgather of a few integers (the agreement). Returns the
-/// bytes and messages sent. Memory: two K/V shard buffers of the largest shard, and the running
-/// and part results: 2·B·H_q·S_r·d_v values of the compute type and 4·B·H_q·S_r doubles and
-/// scalars; the kernel's scratch as for sdpa.
+/// MPI library's progress); one MPI_Allgather of a few integers (the agreement). Returns the
+/// bytes and messages sent. Memory: two K/V shard buffers of the largest shard; the running and
+/// part results, 2·B·H_q·S_r·(d_v + 1) values of the compute type and the running statistics,
+/// 2·B·H_q·S_r doubles; the kernel's scratch as for sdpa.
 template <class Q, class K, class V, class TO>
 Traffic ring_attention(MPI_Comm comm, const SequenceSharding& sharding, const HeadsView<Q>& q,
                        const HeadsView<K>& k, const HeadsView<V>& v, const PositionMask& positions,
