@@ -925,7 +925,8 @@ void mla_checks(Input& in) {
                        may_call(bound_of({c.d_model, c.d_q})) &&
                        may_call(bound_of({c.d_q, c.num_q_heads, c.head_dim})) &&
                        may_call(bound_of({c.d_model, c.num_q_heads, c.rope_dim})) &&
-                       may_call(bound_of({c.d_model, hkr, c.rope_dim}));
+                       may_call(bound_of({c.d_model, hkr, c.rope_dim})) &&
+                       may_call(bound_of({c.num_q_heads, c.head_dim, c.d_model}));  // W_O
     attempt("mla_parameter_count", [&] { (void)mla_parameter_count(c); });
     attempt("mla_cache_values_per_token", [&] { (void)mla_cache_values_per_token(c); });
     attempt("mla_cache_ratio", [&] { (void)mla_cache_ratio(c); });
