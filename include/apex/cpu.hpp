@@ -22,9 +22,16 @@
 //     first call of an apex kernel (the tests run the attention suites once per level this way);
 //   - compiling with the macro APEX_KERNEL_ISA defined to 0 (portable), 1 (AVX2), 2 (AVX-512),
 //     3 (AVX-512 with BF16) or 4 (AMX), which the environment variable overrides.
-// set_kernel_isa() changes the level at run time; call it while no apex call is running. Results
-// are bit-identical for any number of threads under one level; two levels round differently (to
-// float's rounding: the order of the sums differs).
+// set_kernel_isa() changes the level at run time; call it while no apex call is running.
+//
+// The macro APEX_MAX_KERNEL_ISA (0–4, default 4) is the widest level compiled into a program:
+// the levels above it are neither compiled nor chosen, as if the CPU lacked them. A program for
+// AVX2 machines only, built with APEX_MAX_KERNEL_ISA=1, compiles about 30 % of the kernels' code
+// (the AVX-512 levels are the rest); 0 leaves Eigen's products alone. Define it alike in every
+// translation unit of a program (as EIGEN_DONT_VECTORIZE).
+//
+// Results are bit-identical for any number of threads under one level; two levels round
+// differently (to float's rounding: the order of the sums differs).
 #pragma once
 
 #include <apex/config.hpp>
@@ -33,10 +40,18 @@
 #include <cstdlib>
 #include <cstring>
 
+#if !defined(APEX_MAX_KERNEL_ISA)
+/// The widest KernelIsa level compiled into the program, as an int (see the top of cpu.hpp).
+#define APEX_MAX_KERNEL_ISA 4
+#endif
+static_assert(APEX_MAX_KERNEL_ISA >= 0 && APEX_MAX_KERNEL_ISA <= 4,
+              "APEX_MAX_KERNEL_ISA must be 0 (portable), 1 (avx2), 2 (avx512), 3 (avx512bf16) or "
+              "4 (amx)");
+
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && \
-    !defined(EIGEN_DONT_VECTORIZE)
+    !defined(EIGEN_DONT_VECTORIZE) && APEX_MAX_KERNEL_ISA >= 1
 /// 1 where apex compiles its AVX2 and AVX-512 kernels (x86-64 with GCC or clang, Eigen's
-/// vectorisation not switched off), 0 elsewhere.
+/// vectorisation not switched off, APEX_MAX_KERNEL_ISA at least 1), 0 elsewhere.
 #define APEX_X86_KERNELS 1
 #include <cpuid.h>
 #if defined(__linux__)
@@ -97,8 +112,10 @@ inline bool amx_usable() {
 }  // namespace detail
 
 /// Whether this CPU and its operating system run apex's kernels of level `isa` (the compiler's
-/// checks, which include the OS's support for the vector registers). kPortable always.
+/// checks, which include the OS's support for the vector registers), and this program has them
+/// (`isa` ≤ APEX_MAX_KERNEL_ISA). kPortable always.
 inline bool cpu_supports(KernelIsa isa) {
+  if (static_cast<int>(isa) > APEX_MAX_KERNEL_ISA) return false;
 #if APEX_X86_KERNELS
   switch (isa) {
     case KernelIsa::kAmx:
@@ -185,6 +202,11 @@ inline void set_kernel_isa(KernelIsa isa) {
   const int level = static_cast<int>(isa);
   APEX_CHECK(level >= 0 && level <= 4,
              "[set_kernel_isa] isa (" << level << ") must be a KernelIsa (0, 1, 2, 3 or 4)");
+  APEX_CHECK(level <= APEX_MAX_KERNEL_ISA, "[set_kernel_isa] isa ("
+                                               << to_string(isa)
+                                               << ") must be a level this program compiles: "
+                                                  "APEX_MAX_KERNEL_ISA is "
+                                               << APEX_MAX_KERNEL_ISA);
   APEX_CHECK(cpu_supports(isa), "[set_kernel_isa] isa ("
                                     << to_string(isa)
                                     << ") must be one this CPU runs; the best it runs is "

@@ -13,7 +13,8 @@
 #     --only <target>   one target, e.g. fuzz_attention
 #     --regressions     instead of fuzzing, build tests/fuzz_regressions_test.cpp with clang's
 #                       ASan + UBSan and run it, one process per test
-# Environment: CXX (default clang++), APEX_FUZZ_JOBS (build jobs, default 2).
+# Environment: CXX (default clang++), APEX_FUZZ_JOBS (build jobs, and targets fuzzed at once;
+# default 2).
 set -euo pipefail
 src=$(cd "$(dirname "$0")/../.." && pwd)
 seconds=60
@@ -53,6 +54,7 @@ configure() {
   cmake -S "$src" -B "$build" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE= \
     -DAPEX_BUILD_FUZZERS=ON -DAPEX_BUILD_TESTS=OFF -DAPEX_BUILD_EXAMPLES=OFF \
     -DAPEX_BUILD_BENCHMARKS=OFF -DAPEX_INSTALL=OFF -DAPEX_USE_OPENMP=OFF \
+    -DAPEX_TEST_MAX_KERNEL_ISA=host \
     -DCMAKE_CXX_FLAGS= >/dev/null
 }
 
@@ -96,9 +98,13 @@ done
 cmake --build "$build" -j "${APEX_FUZZ_JOBS:-2}" --target "${targets[@]}"
 echo "build: $(elapsed "$start") s"
 
-failed=0
-summary=()
-for name in "${targets[@]}"; do
+# final_stat <name> <log>: the value of libFuzzer's final statistic stat::<name>, or nothing.
+final_stat() { grep -a "stat::$1" "$2" | tail -1 | awk '{print $2}' || true; }
+
+# fuzz_one <target>: fuzzes one target (and, with --update-corpus, minimises its corpus). Its
+# summary line goes to build/fuzz/<target>.summary; it fails on a finding.
+fuzz_one() {
+  local name=$1 corpus work findings start status took execs rate merged before
   corpus="$src/tests/fuzz/corpus/$name"
   work="$build/run/$name"
   findings="$build/findings/$name"
@@ -114,17 +120,19 @@ for name in "${targets[@]}"; do
   status=$?
   set -e
   took=$(elapsed "$start")
-  execs=$(grep -a 'stat::number_of_executed_units' "$build/$name.log" | tail -1 | awk '{print $2}')
-  rate=$(grep -a 'stat::average_exec_per_sec' "$build/$name.log" | tail -1 | awk '{print $2}')
+  execs=$(final_stat number_of_executed_units "$build/$name.log")
+  rate=$(final_stat average_exec_per_sec "$build/$name.log")
   if [ "$status" -ne 0 ]; then
-    failed=1
-    summary+=("$(printf '%-16s FINDING  %8s exec/s %10s execs  %6s s' "$name" "${rate:-?}" "${execs:-?}" "$took")")
+    printf '%-16s FINDING  %8s exec/s %10s execs  %6s s\n' "$name" "${rate:-?}" "${execs:-?}" \
+      "$took" >"$build/$name.summary"
     echo "--- $name found something (exit $status); the input is in $findings/" >&2
-    grep -a -m1 -B2 -A30 'ERROR\|runtime error\|apex fuzz finding' "$build/$name.log" >&2 || tail -40 "$build/$name.log" >&2
-  else
-    summary+=("$(printf '%-16s ok       %8s exec/s %10s execs  %6s s' "$name" "${rate:-?}" "${execs:-?}" "$took")")
-    rmdir "$findings" 2>/dev/null || true
+    grep -a -m1 -B2 -A30 'ERROR\|runtime error\|apex fuzz finding' "$build/$name.log" >&2 ||
+      tail -40 "$build/$name.log" >&2
+    return 1
   fi
+  printf '%-16s ok       %8s exec/s %10s execs  %6s s\n' "$name" "${rate:-?}" "${execs:-?}" \
+    "$took" >"$build/$name.summary"
+  rmdir "$findings" 2>/dev/null || true
   if [ "$update" -eq 1 ]; then
     # Into an empty directory, so that the committed corpus does not only ever grow.
     merged="$build/merged/$name"
@@ -138,14 +146,30 @@ for name in "${targets[@]}"; do
       mv "$merged" "$corpus"
       echo "   corpus: $before -> $(find "$corpus" -type f | wc -l) files"
     else
-      failed=1
       echo "--- $name: minimising the corpus failed (see build/fuzz/$name.merge.log)" >&2
+      return 1
     fi
   fi
+}
+
+# The targets run APEX_FUZZ_JOBS at a time (libFuzzer runs one process on one core).
+failed=0
+running=0
+for name in "${targets[@]}"; do
+  if [ "$running" -ge "${APEX_FUZZ_JOBS:-2}" ]; then
+    wait -n || failed=1
+    running=$((running - 1))
+  fi
+  fuzz_one "$name" &
+  running=$((running + 1))
+done
+while [ "$running" -gt 0 ]; do
+  wait -n || failed=1
+  running=$((running - 1))
 done
 
 echo "== fuzz summary (${seconds} s per target)"
-printf '%s\n' "${summary[@]}"
+for name in "${targets[@]}"; do cat "$build/$name.summary"; done
 if [ "$failed" -ne 0 ]; then
   echo "fuzzing found problems: see build/fuzz/<target>.log and build/fuzz/findings/" >&2
   exit 1

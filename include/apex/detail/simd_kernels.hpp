@@ -245,6 +245,7 @@ inline float reduce_max(V v) {
 #pragma GCC pop_options
 #endif
 
+#if APEX_MAX_KERNEL_ISA >= 2
 #if defined(__clang__)
 #pragma clang attribute push(                                                    \
     __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"))), \
@@ -323,7 +324,9 @@ inline float reduce_max(V v) {
 #else
 #pragma GCC pop_options
 #endif
+#endif  // APEX_MAX_KERNEL_ISA >= 2
 
+#if APEX_MAX_KERNEL_ISA >= 3
 // The bfloat16 dot products: AVX-512's operations and the shared body once more, under a target
 // that adds AVX512-BF16 (kept apart, so that no instruction of it reaches the other levels), with
 // Bf16Pair's loads and multiply-add; only gemm<Bf16Pair, Bf16Pair> and the packing below are
@@ -503,6 +506,7 @@ inline const Bf16Kernels& bf16_table() {
   return table;
 }
 }  // namespace simd_avx512_bf16
+#if APEX_MAX_KERNEL_ISA >= 4
 
 // AMX (KernelIsa::kAmx): the bfloat16 gemm on the tile registers, everything else
 // simd_avx512_bf16's. A tile is 16 rows of 64 bytes: 16 floats of c, or 16 pairs of a or of b,
@@ -648,11 +652,13 @@ inline const Bf16Kernels& bf16_table() {
   return table;
 }
 }  // namespace simd_amx
+#endif  // APEX_MAX_KERNEL_ISA >= 4
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
 #pragma GCC pop_options
 #endif
+#endif  // APEX_MAX_KERNEL_ISA >= 3
 
 // NOLINTEND
 
@@ -661,8 +667,11 @@ inline const Bf16Kernels& bf16_table() {
 /// The row kernels of level `isa` (AVX2 or AVX-512) for rows of E.
 template <class E>
 const RowKernels<E>& row_kernels(KernelIsa isa) {
-#if APEX_X86_KERNELS
+#if APEX_X86_KERNELS && APEX_MAX_KERNEL_ISA >= 2
   return isa >= KernelIsa::kAvx512 ? simd_avx512::row_table<E>() : simd_avx2::row_table<E>();
+#elif APEX_X86_KERNELS
+  (void)isa;
+  return simd_avx2::row_table<E>();
 #else
   (void)isa;
   static const RowKernels<E> none{};
@@ -670,7 +679,7 @@ const RowKernels<E>& row_kernels(KernelIsa isa) {
 #endif
 }
 
-#if APEX_X86_KERNELS
+#if APEX_X86_KERNELS && APEX_MAX_KERNEL_ISA >= 3
 /// AVX-512's float kernels as level `isa`, with the bfloat16 kernels `bf16`.
 inline FloatKernels with_bf16(KernelIsa isa, const Bf16Kernels& bf16) {
   FloatKernels t = simd_avx512::float_table();
@@ -680,24 +689,32 @@ inline FloatKernels with_bf16(KernelIsa isa, const Bf16Kernels& bf16) {
 }
 #endif
 
-/// The float kernels of level `isa` (which the CPU must run), nullptr for KernelIsa::kPortable.
+/// The float kernels of level `isa` (which the CPU must run), nullptr for KernelIsa::kPortable
+/// and for a level above APEX_MAX_KERNEL_ISA.
 inline const FloatKernels* float_kernels(KernelIsa isa) {
 #if APEX_X86_KERNELS
+  // A level above APEX_MAX_KERNEL_ISA is not compiled: nullptr, as for kPortable.
   switch (isa) {
+#if APEX_MAX_KERNEL_ISA >= 4
     case KernelIsa::kAmx: {
       static const FloatKernels table = with_bf16(KernelIsa::kAmx, simd_amx::bf16_table());
       return &table;
     }
+#endif
+#if APEX_MAX_KERNEL_ISA >= 3
     case KernelIsa::kAvx512Bf16: {
       static const FloatKernels table =
           with_bf16(KernelIsa::kAvx512Bf16, simd_avx512_bf16::bf16_table());
       return &table;
     }
+#endif
+#if APEX_MAX_KERNEL_ISA >= 2
     case KernelIsa::kAvx512:
       return &simd_avx512::float_table();
+#endif
     case KernelIsa::kAvx2:
       return &simd_avx2::float_table();
-    case KernelIsa::kPortable:
+    default:
       break;
   }
 #else
