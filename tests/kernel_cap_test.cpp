@@ -29,7 +29,6 @@
 
 namespace {
 
-using apex::Index;
 using apex::KernelIsa;
 using apex::testing::Layout;
 using apex::testing::Outputs;
