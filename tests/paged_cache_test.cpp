@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -454,6 +455,132 @@ TEST(PagedKvCache, RejectsBadInputAndChangesNothing) {
   EXPECT_EQ(moved.length(a), 1);
   expect_invalid([] { apex::PagedKvCache<float>({kHeads, kDim, 0, 4}); }, "page_size (0)");
   expect_invalid([] { apex::PagedLatentCache<float>({8, 1, 3, 4, 4}); }, "rope_dim (3)");
+}
+
+/// Alias checks that do not depend on the order of the arguments: an output inside the cache's
+/// pages is rejected whatever sequences the call names, in whatever order, empty or not, and the
+/// pages stay as they were.
+TEST(PagedKvCache, AliasChecksIndependentOfOrder_OutputsInsideThePool) {
+  std::mt19937 rng(5);
+  apex::PagedKvCache<float> cache({kHeads, kDim, 4, 8});
+  std::map<SequenceId, Tokens> shadow;
+  const SequenceId empty = cache.add();
+  const SequenceId full = cache.add();
+  const SequenceId other = cache.add();
+  append_random(cache, shadow, full, 6, rng);
+  append_random(cache, shadow, other, 3, rng);
+  const apex::HeadsView<const float> k_pool = cache.segment(full).k;
+  const apex::HeadsView<const float> v_pool = cache.segment(full).v;
+  // Views of 2 query heads × 1 row of d_h over the start of each pool (a caller's bug).
+  auto* k_bytes = const_cast<float*>(k_pool.data());  // NOLINT: the call must refuse to write
+  auto* v_bytes = const_cast<float*>(v_pool.data());  // NOLINT
+  const std::vector<float> k_before(k_bytes, k_bytes + 2 * kDim);
+  const std::vector<float> v_before(v_bytes, v_bytes + 2 * kDim);
+  Heads<float> q(1, 2, 1, kDim), out(1, 2, 1, kDim), lse(1, 2, 1, 1);
+  q.randomize(rng);
+  const auto in_pool = [](float* at, Index dim) {
+    return apex::HeadsView<float>::contiguous(at, {1, 2, 1, dim});
+  };
+  using apex::testing::expect_invalid;
+  const std::vector<std::vector<SequenceId>> orders = {
+      {empty, full}, {full, empty}, {empty, other}, {other}, {empty, full, other}};
+  for (const auto& ids : orders) {
+    std::vector<Index> cu(ids.size() + 1, 0);
+    cu.back() = 1;  // the last sequence named holds the one query
+    for (float* pool : {k_bytes, v_bytes}) {
+      expect_invalid(
+          [&] {
+            apex::sdpa_paged(q.view(), cu, cache, ids, {apex::causal_mask()}, apex::SdpaParams{},
+                             in_pool(pool, kDim));
+          },
+          "[sdpa_paged] out must not share memory with the cache's pages");
+      expect_invalid(
+          [&] {
+            apex::sdpa_paged(q.view(), cu, cache, ids, {apex::causal_mask()}, apex::SdpaParams{},
+                             out.view(), in_pool(pool, 1));
+          },
+          "[sdpa_paged] lse must not share memory with the cache's pages");
+    }
+  }
+  EXPECT_EQ(std::vector<float>(k_bytes, k_bytes + 2 * kDim), k_before);
+  EXPECT_EQ(std::vector<float>(v_bytes, v_bytes + 2 * kDim), v_before);
+  // The same call with outputs of its own runs.
+  apex::sdpa_paged(q.view(), {0, 0, 1}, cache, {empty, full}, {apex::causal_mask()},
+                   apex::SdpaParams{}, out.view(), lse.view());
+  EXPECT_TRUE(std::isfinite(lse.view().head(0, 0)(0, 0)));
+}
+
+/// Alias checks of sdpa_block_tables cover the block tables too: the kernel reads them while it
+/// writes the outputs.
+TEST(PagedKvCache, AliasChecksIndependentOfOrder_OutputsOverABlockTable) {
+  std::mt19937 rng(6);
+  constexpr Index kWidth = 2;  // d: an output of 2 heads × 1 row × 2 floats is 16 bytes
+  Heads<float> k_pool(4, kHeads, 4, kWidth), v_pool(4, kHeads, 4, kWidth);
+  k_pool.randomize(rng);
+  v_pool.randomize(rng);
+  // The first sequence is empty, so the second one's table is the only one with bytes.
+  apex::BlockTables<float, float> tables{k_pool.view(), v_pool.view(), {{}, {0, 1, 2, 3}}, {0, 13}};
+  Heads<float> q(1, 2, 1, kWidth);
+  q.randomize(rng);
+  const std::vector<Index> before = tables.block_tables[1];
+  const auto over_table = apex::HeadsView<float>::contiguous(
+      reinterpret_cast<float*>(tables.block_tables[1].data()), {1, 2, 1, kWidth});
+  apex::testing::expect_invalid(
+      [&] {
+        apex::sdpa_block_tables(q.view(), {0, 0, 1}, tables, {apex::causal_mask()},
+                                apex::SdpaParams{}, over_table);
+      },
+      "[sdpa_block_tables] the outputs must not share memory with block_tables[1]");
+  EXPECT_EQ(tables.block_tables[1], before);
+}
+
+/// Unchecked arithmetic on sizes that users give: a length near the largest Index is an error
+/// (the page count is not computed as the overflowing (length + page − 1) / page), and so is a
+/// latent row width that does not fit.
+TEST(PagedKvCache, UncheckedArithmetic_HugeLengthsAndWidthsAreRejected) {
+  Heads<float> k_pool(4, kHeads, 8, kDim), v_pool(4, kHeads, 8, kDim);
+  constexpr Index kMax = std::numeric_limits<Index>::max();
+  apex::BlockTables<float, float> tables{k_pool.view(), v_pool.view(), {{0, 1}}, {kMax}};
+  Heads<float> q(1, 2, 1, kDim), out(1, 2, 1, kDim);
+  out.fill(float(apex::testing::kSentinel));
+  apex::testing::expect_invalid(
+      [&] {
+        apex::sdpa_block_tables(q.view(), {0, 1}, tables, {apex::causal_mask()}, apex::SdpaParams{},
+                                out.view());
+      },
+      {"[sdpa_block_tables] sequence 0 holds 9223372036854775807 tokens in 2 pages of 8",
+       "⌈length / page⌉ pages"});
+  EXPECT_TRUE(out.all_equal(float(apex::testing::kSentinel)));
+  apex::testing::expect_invalid(
+      [] {
+        apex::PagedLatentCache<float>({kMax, 1, 2, 4, 4});
+      },
+      {"[paged_latent_cache] d_kv + H_kr·d_r (9223372036854775807 + 2)", "fit in 64 bits"});
+}
+
+/// Errors that name the call the user made: an unknown id, or a full pool, reported by
+/// sdpa_paged and not by the cache it asked.
+TEST(PagedKvCache, ErrorsNameTheCall_UnknownIdsInSdpaPaged) {
+  std::mt19937 rng(7);
+  apex::PagedKvCache<float> cache({kHeads, kDim, 4, 4});
+  std::map<SequenceId, Tokens> shadow;
+  const SequenceId a = cache.add();
+  append_random(cache, shadow, a, 5, rng);
+  const SequenceId gone = cache.add();
+  cache.free(gone);
+  Heads<float> q(1, 2, 2, kDim), out(1, 2, 2, kDim);
+  apex::testing::expect_invalid(
+      [&] {
+        apex::sdpa_paged(q.view(), {0, 1, 2}, cache, {a, gone}, {apex::causal_mask()},
+                         apex::SdpaParams{}, out.view());
+      },
+      {"[sdpa_paged] ids[1]: sequence " + std::to_string(gone.value),
+       "does not exist in the cache"});
+  apex::testing::expect_invalid(
+      [&] {
+        cache.check_appends({{a, 100}}, "my_step");
+      },
+      {"[my_step] the pool is full", "the step needs 25 pages"});
 }
 
 }  // namespace

@@ -3,6 +3,9 @@
 // once (continuous batching over paged caches) give every sequence the logits it gets alone
 // (AttentionStack::prefill / decode_step with a StackCache of batch 1, tested against forward()
 // in stack_test); forks share pages; windows give pages back; bad input changes nothing.
+#include <apex/gqa.hpp>
+#include <apex/mask.hpp>
+#include <apex/paged_cache.hpp>
 #include <apex/serving_cache.hpp>
 #include <apex/stack.hpp>
 
@@ -244,6 +247,51 @@ TEST(ServingCache, RejectsBadInputAndChangesNothing) {
   const apex::ServingCache<float> moved = std::move(cache);
   EXPECT_EQ(cache.num_layers(), 0);  // NOLINT(bugprone-use-after-move): moved-from is empty
   EXPECT_EQ(moved.length(a), 5);
+}
+
+/// Errors that name the call the user made: serve and a layer's paged step report an unknown
+/// id, a bad token or a full pool under their own names, not under the cache's or embed's.
+TEST(ServingCache, ErrorsNameTheCall_ServeAndPagedLayerSteps) {
+  const auto stack = apex::AttentionStack<float>::random(serving_config(), 7);
+  auto cache = stack.make_serving_cache(apex::ServingCacheShape{4, 4, 4});
+  const SequenceId a = cache.add();
+  stack.serve({a}, {{1, 2, 3}}, cache);
+  const SequenceId gone = cache.add();
+  cache.free(gone);
+  using apex::testing::expect_invalid;
+  expect_invalid(
+      [&] {
+        stack.serve({a, gone}, {{1}, {1}}, cache);
+      },
+      {"[serve] ids[1]: sequence " + std::to_string(gone.value), "does not exist"});
+  expect_invalid(
+      [&] {
+        stack.serve({a}, {{1, 41}}, cache);
+      },
+      "[serve] tokens[0][1] (41) must be a token id in [0, V = 40)");
+  expect_invalid([&] { stack.serve({a}, {{-1}}, cache); }, "[serve] tokens[0][0] (-1)");
+  expect_invalid([&] { stack.serve({a}, {Tokens(20, 1)}, cache); }, "[serve] the pool is full");
+  EXPECT_EQ(cache.length(a), 3);
+
+  const auto gqa = apex::GroupedQueryAttention<float>::random(serving_config().local, 3);
+  apex::PagedKvCache<float> kv({2, 6, 4, 2});
+  const SequenceId b = kv.add();
+  const SequenceId freed = kv.add();
+  kv.free(freed);
+  const RowMatrix<float> x = RowMatrix<float>::Random(9, 24);
+  RowMatrix<float> out(9, 24);
+  expect_invalid(
+      [&] {
+        gqa.forward_paged(x.topRows(1), {0, 1}, {freed}, {apex::causal_mask()}, {}, kv,
+                          out.topRows(1));
+      },
+      {"[gqa] ids[0]: sequence " + std::to_string(freed.value), "does not exist"});
+  expect_invalid(
+      [&] {
+        gqa.forward_paged(x, {0, 9}, {b}, {apex::causal_mask()}, {}, kv, out);
+      },
+      "[gqa] the pool is full");
+  EXPECT_EQ(kv.length(b), 0);
 }
 
 }  // namespace

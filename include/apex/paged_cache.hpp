@@ -99,6 +99,21 @@ KeySegment<TK, TV> paged_segment(const HeadsView<const TK>& k, const HeadsView<c
   return {k, v, first, table, rows};
 }
 
+/// ⌈tokens / page⌉, the pages that hold `tokens` tokens (tokens >= 0, page >= 1), without the
+/// overflow of (tokens + page − 1) / page for a length near the largest Index.
+inline Index pages_holding(Index tokens, Index page) {
+  return tokens / page + (tokens % page != 0 ? 1 : 0);
+}
+
+/// The bytes of a vector's elements (none when it is empty), for the alias checks of the calls
+/// that read it while they write their outputs.
+template <class T>
+ByteRange byte_range(const std::vector<T>& values) {
+  if (values.empty()) return {};
+  const auto first = reinterpret_cast<std::uintptr_t>(values.data());
+  return {first, first + values.size() * sizeof(T) - 1};
+}
+
 /// The page bookkeeping of a paged cache and its pools ("planes": K and V, or the latent rows),
 /// each a HeadsTensor [pages, H, page_size, width] whose batch axis is the page. A sequence
 /// holds its length and its block table; pages before `first_page` were forgotten (-1).
@@ -160,6 +175,21 @@ class PagePool {
   }
   HeadsView<Storage> plane(std::size_t i) {
     return pages_first(planes_[i].data(), planes_[i].shape());
+  }
+
+  /// Whether `id` names a live sequence.
+  bool contains(SequenceId id) const { return sequences_.count(id) == 1; }
+
+  /// Whether `range` shares memory with a pool or with a live sequence's block table: what an
+  /// attention call reads of the cache, whatever sequences it names and in whatever order.
+  bool overlaps(const ByteRange& range) const {
+    for (const auto& plane : planes_) {
+      if (range.overlaps(byte_range(pages_first(plane.data(), plane.shape())))) return true;
+    }
+    for (const auto& [id, s] : sequences_) {
+      if (range.overlaps(byte_range(s.pages))) return true;
+    }
+    return false;
   }
 
   /// The sequence `id`; throws unless it is live.
@@ -314,7 +344,7 @@ class PagePool {
   }
 
  private:
-  Index pages_for(Index tokens) const { return (tokens + page_size_ - 1) / page_size_; }
+  Index pages_for(Index tokens) const { return pages_holding(tokens, page_size_); }
 
   /// A head-major pool [H, pages, P, width] viewed as [pages, H, P, width].
   template <class T>
@@ -378,6 +408,8 @@ class PagedSequences {
   double fragmentation() const { return pool_.fragmentation(); }
   /// Number of live sequences.
   Index sequences() const { return static_cast<Index>(pool_.sequences().size()); }
+  /// Whether id names a live sequence (added, and not freed).
+  bool contains(SequenceId id) const { return pool_.contains(id); }
   /// Tokens of sequence id (positions [0, length)); throws unless it is live.
   Index length(SequenceId id) const { return pool_.sequence(id, op_).length; }
   /// Absolute position of the first token still held (0 unless forget_before released pages).
@@ -405,8 +437,18 @@ class PagedSequences {
   void forget_before(SequenceId id, Index position) { pool_.forget_before(id, position, op_); }
   /// Throws unless n tokens can be appended to sequence id for every (id, n) of `appends` in one
   /// step (distinct live ids): the pages they need together fit in the free pages.
-  void check_appends(const std::vector<std::pair<SequenceId, Index>>& appends) const {
-    pool_.check_grow_all(appends, op_);
+  /// `op` names the operation in the messages (the cache's own name by default).
+  void check_appends(const std::vector<std::pair<SequenceId, Index>>& appends,
+                     const char* op = nullptr) const {
+    pool_.check_grow_all(appends, op ? op : op_);
+  }
+  /// Throws unless `out` shares no memory with the pools or a block table: the alias check of
+  /// the calls that write `out` while they read this cache (`op` names the call and `what` the
+  /// output in the message).
+  template <class T>
+  void check_not_aliased(const HeadsView<T>& out, const char* op, const char* what) const {
+    APEX_CHECK(!pool_.overlaps(detail::byte_range(out)),
+               "[" << op << "] " << what << " must not share memory with the cache's pages");
   }
 
  protected:
@@ -584,14 +626,27 @@ class PagedLatentCache : public PagedSequences<Storage> {
                "[" << kOp << "] latent_dim (" << shape.latent_dim << ") and rope_heads ("
                    << shape.rope_heads << ") must be >= 1 and rope_dim (" << shape.rope_dim
                    << ") even and >= 2");
-    return shape.latent_dim +
-           detail::checked_product(shape.rope_heads, shape.rope_dim, kOp, "H_kr·d_r");
+    return detail::checked_sum(
+        shape.latent_dim,
+        detail::checked_product(shape.rope_heads, shape.rope_dim, kOp, "H_kr·d_r"), kOp,
+        "d_kv + H_kr·d_r");
   }
 
   detail::ResetOnMove<Index> latent_dim_;
 };
 
 namespace detail {
+
+/// Throws unless every id names a live sequence of `cache`, in a message that names the call
+/// `op` and the argument (the cache's own lookups would name the cache).
+template <class Cache>
+void check_live_ids(const Cache& cache, const std::vector<SequenceId>& ids, const char* op) {
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    APEX_CHECK(cache.contains(ids[i]), "[" << op << "] ids[" << i << "]: sequence " << ids[i]
+                                           << " does not exist in the cache (never added, or "
+                                              "freed)");
+  }
+}
 
 /// Throws unless `rule` leaves the positions to the cache (no query_offset, key_offset 0).
 inline void check_cache_rule(const PositionMask& rule, Index i, const char* op) {
@@ -624,6 +679,7 @@ Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
                  << " position masks; expected 1 (shared) or one per sequence (" << n << ")");
   Vector<Index> positions(rows);
   std::vector<std::pair<SequenceId, Index>> appends;
+  check_live_ids(cache, ids, op);
   for (Index i = 0; i < n; ++i) {
     const auto at = static_cast<std::size_t>(i);
     const Index tokens = cu[at + 1] - cu[at];
@@ -641,7 +697,7 @@ Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
     for (Index s = 0; s < tokens; ++s) positions(cu[at] + s) = length + s;
     appends.emplace_back(ids[at], tokens);
   }
-  cache.check_appends(appends);
+  cache.check_appends(appends, op);
   return positions;
 }
 
@@ -659,7 +715,8 @@ Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
 ///   -> out: [1, H_q, total_q, d_v] (d_v = cache.value_dim()), lse (optional): [1, H_q, total_q,
 ///   1].
 /// Every check runs first (offsets, live ids, S_q <= the sequence's length, each rule, shapes,
-/// outputs that must not share memory with q or the pool) and a failed call changes nothing.
+/// outputs that must not share memory with q or with any page or block table of the cache,
+/// whatever sequences are named) and a failed call changes nothing.
 /// Allocates a few records per sequence; scratch as for sdpa_varlen. An id may appear more than
 /// once.
 template <class Q, class Cache, class TO>
@@ -681,6 +738,12 @@ void sdpa_paged(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q, c
   APEX_CHECK(rules.size() == 1 || static_cast<Index>(rules.size()) == n,
              "[" << op << "] rules holds " << rules.size()
                  << " position masks; expected 1 (shared) or one per sequence (" << n << ")");
+  detail::check_live_ids(cache, ids, op);
+  // The outputs against q, and against the whole of the cache (every pool and block table): the
+  // check does not depend on which sequences are named, their order or their lengths.
+  detail::check_no_overlap(HeadsView<const TQ>(q), k_shape, v_shape, out, lse, op);
+  cache.check_not_aliased(out, op, "out");
+  cache.check_not_aliased(lse, op, "lse");
   std::vector<detail::SequenceViews<TQ, Storage, Storage, TO>> sequences(
       static_cast<std::size_t>(n));
   for (Index i = 0; i < n; ++i) {
@@ -695,7 +758,6 @@ void sdpa_paged(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q, c
     const auto keys = cache.segment(ids[at]);
     rule.key_offset = keys.first_position;
     detail::check_sequence_rule(rule, nq, keys.size(), "sequence", ids[at].value, op);
-    if (i == 0) detail::check_no_overlap(HeadsView<const TQ>(q), keys.k, keys.v, out, lse, op);
     sequences[at] = {q.middle_rows(q0, nq), keys, rule, out.middle_rows(q0, nq),
                      lse.empty() ? HeadsView<TO>() : lse.middle_rows(q0, nq)};
   }
@@ -748,6 +810,11 @@ void sdpa_block_tables(const HeadsView<Q>& q, const std::vector<Index>& cu_seqle
              "[" << op << "] rules holds " << rules.size()
                  << " position masks; expected 1 (shared) or one per sequence (" << n << ")");
   detail::check_no_overlap(HeadsView<const TQ>(q), k, v, out, lse, op);
+  for (std::size_t i = 0; i < pages.block_tables.size(); ++i) {  // read while out is written
+    const detail::ByteRange table = detail::byte_range(pages.block_tables[i]);
+    APEX_CHECK(!table.overlaps(detail::byte_range(out)) && !table.overlaps(detail::byte_range(lse)),
+               "[" << op << "] the outputs must not share memory with block_tables[" << i << "]");
+  }
   const Index page = k.seq();
   std::vector<detail::SequenceViews<TQ, TK, TV, TO>> sequences(static_cast<std::size_t>(n));
   for (Index i = 0; i < n; ++i) {
@@ -755,10 +822,11 @@ void sdpa_block_tables(const HeadsView<Q>& q, const std::vector<Index>& cu_seqle
     const Index q0 = cu_seqlens_q[at], nq = cu_seqlens_q[at + 1] - q0;
     const Index length = pages.lengths[at];
     const std::vector<Index>& table = pages.block_tables[at];
-    APEX_CHECK(length >= nq && static_cast<Index>(table.size()) >= (length + page - 1) / page,
-               "[" << op << "] sequence " << i << " holds " << length << " tokens in "
-                   << table.size() << " pages of " << page << "; it needs >= " << nq
-                   << " tokens (its queries are its last ones) and ⌈length / page⌉ pages");
+    APEX_CHECK(
+        length >= nq && static_cast<Index>(table.size()) >= detail::pages_holding(length, page),
+        "[" << op << "] sequence " << i << " holds " << length << " tokens in " << table.size()
+            << " pages of " << page << "; it needs >= " << nq
+            << " tokens (its queries are its last ones) and ⌈length / page⌉ pages");
     for (std::size_t j = 0; j < table.size(); ++j) {
       APEX_CHECK(table[j] >= 0 && table[j] < k.batch(),
                  "[" << op << "] block_tables[" << i << "][" << j << "] (" << table[j]

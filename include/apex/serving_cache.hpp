@@ -58,6 +58,8 @@ class ServingCache {
     for (const auto& [id, prefix] : prefix_) all.push_back(id);
     return all;
   }
+  /// Whether id names a live sequence (added, and not freed).
+  bool contains(SequenceId id) const { return prefix_.count(id) == 1; }
   /// Tokens fed to sequence id so far (its next position). Throws unless it is live.
   Index length(SequenceId id) const {
     check_live(id);

@@ -607,12 +607,12 @@ class AttentionStack {
     for (std::size_t i = 0; i < ids.size(); ++i) {
       std::copy(tokens[i].begin(), tokens[i].end(), flat.data() + cu[i]);
     }
-    RowMatrix<Scalar> x = embedded(flat);  // checks every id
     std::vector<std::pair<SequenceId, Index>> appends;
     for (std::size_t i = 0; i < ids.size(); ++i) appends.emplace_back(ids[i], cu[i + 1] - cu[i]);
     for (const auto& layer_cache : cache.layers_) {
-      std::visit([&](const auto& c) { c.check_appends(appends); }, layer_cache);
+      std::visit([&](const auto& c) { c.check_appends(appends, "serve"); }, layer_cache);
     }
+    RowMatrix<Scalar> x = embedded(flat);
     RowMatrix<Scalar> normed(x.rows(), x.cols());
     RowMatrix<Scalar> attended(x.rows(), x.cols());
     const RmsNormParams norm{config().norm_eps};
@@ -891,9 +891,9 @@ class AttentionStack {
     return detail::matmul_transposed<Scalar>(last, embedding_);
   }
 
-  /// The checks of serve() that come before the embedding (which checks the token ids) and the
-  /// pools' room: the cache is this stack's, the ids are live and distinct, every sequence gets
-  /// tokens, its prefix lies inside its first call, and its positions stay below max_positions.
+  /// The checks of serve() that come before the pools' room, each message naming serve: the
+  /// cache is this stack's, the ids are live and distinct, every sequence gets tokens in
+  /// [0, V), its prefix lies inside its first call, and its positions stay below max_positions.
   /// Returns the row offsets of the sequences' tokens.
   template <class Storage>
   std::vector<Index> check_serve(const std::vector<SequenceId>& ids,
@@ -916,27 +916,36 @@ class AttentionStack {
       }
     }
     APEX_CHECK(matches,
-               "[stack] the serving cache was not made by this stack's "
+               "[serve] the serving cache was not made by this stack's "
                "make_serving_cache (its layers do not match the stack's "
                    << config().num_layers << " layers)");
-    APEX_CHECK(ids.size() == tokens.size(), "[stack] ids ("
+    APEX_CHECK(ids.size() == tokens.size(), "[serve] ids ("
                                                 << ids.size() << ") and tokens (" << tokens.size()
                                                 << ") must have one entry per sequence");
     std::vector<Index> cu{0};
     for (std::size_t i = 0; i < ids.size(); ++i) {
-      const Index length = cache.length(ids[i]);  // throws unless live
+      APEX_CHECK(cache.contains(ids[i]), "[serve] ids[" << i << "]: sequence " << ids[i]
+                                                        << " does not exist in the cache (never "
+                                                           "added, or freed)");
+      const Index length = cache.length(ids[i]);
       const Index prefix = cache.prefix(ids[i]);
       const auto n = static_cast<Index>(tokens[i].size());
       APEX_CHECK(std::count(ids.begin(), ids.end(), ids[i]) == 1,
-                 "[stack] sequence " << ids[i] << " appears more than once in one call");
-      APEX_CHECK(n >= 1, "[stack] sequence " << ids[i] << " gets no token");
+                 "[serve] sequence " << ids[i] << " appears more than once in one call");
+      APEX_CHECK(n >= 1, "[serve] sequence " << ids[i] << " gets no token");
       APEX_CHECK(length >= prefix || n >= prefix,
-                 "[stack] the prefix (" << prefix << ") of sequence " << ids[i]
+                 "[serve] the prefix (" << prefix << ") of sequence " << ids[i]
                                         << " must lie inside its first call (" << n << " tokens)");
       APEX_CHECK(n <= config().max_positions - length,
-                 "[stack] positions [" << length << ", " << length + n << ") of sequence " << ids[i]
+                 "[serve] positions [" << length << ", " << length + n << ") of sequence " << ids[i]
                                        << " exceed max_positions (" << config().max_positions
                                        << ")");
+      for (std::size_t t = 0; t < tokens[i].size(); ++t) {
+        APEX_CHECK(tokens[i][t] >= 0 && tokens[i][t] < config().vocab_size,
+                   "[serve] tokens[" << i << "][" << t << "] (" << tokens[i][t]
+                                     << ") must be a token id in [0, V = " << config().vocab_size
+                                     << ")");
+      }
       cu.push_back(cu.back() + n);
     }
     return cu;
