@@ -15,6 +15,7 @@
 
 #include "fuzz_common.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -1064,6 +1065,137 @@ void cache_checks(Input& in) {
   }
 }
 
+// ---- paged caches --------------------------------------------------------------------------
+
+/// As attempt(name, must_throw, call), and an error must name `op`, the operation called (not a
+/// component it asked).
+template <class Call>
+bool attempt_named(const char* name, const char* op, bool must_throw, Call&& call) {
+  try {
+    std::forward<Call>(call)();
+  } catch (const std::invalid_argument& e) {
+    check_message(e.what());
+    APEX_FUZZ_REQUIRE(std::string(e.what()).rfind(std::string("[") + op + "]", 0) == 0,
+                      std::string(name) + "'s error names another operation: " + e.what());
+    return false;
+  } catch (...) {
+    fail(std::string(name) + " threw something other than std::invalid_argument");
+  }
+  if (must_throw) fail(std::string(name) + " accepted an argument that is invalid");
+  return true;
+}
+
+/// A paged cache with live, empty and freed sequences, and sdpa_paged over ids drawn from all
+/// of them (and unknown ones) in any order, with outputs of its own or lying inside a pool. An
+/// unknown id or an output sharing memory with the pool must be rejected under sdpa_paged's
+/// name whatever the order and the lengths, and a rejected call leaves the pool as it was.
+template <class Scalar>
+void paged_checks(Input& in) {
+  const Index page = in.flag() ? in.in(1, 4) : in.any_index();
+  const Index pages = in.flag() ? in.in(1, 6) : in.any_index();
+  const Index h = in.in(1, 2), d = in.in(1, 3);
+  const Bound bound = bound_of({2, pages, h, page, d});
+  if (!may_call(bound)) return;
+  const bool valid = page >= 1 && pages >= 1 && bound != Bound::kOverflow;
+  std::optional<PagedKvCache<Scalar>> cache;
+  const bool made = attempt("PagedKvCache", !valid, [&] {
+    cache.emplace(PagedKvCacheShape{h, d, page, pages});
+  });
+  APEX_FUZZ_REQUIRE(made == valid, "PagedKvCache rejected valid dimensions");
+  if (!made) return;
+  std::vector<SequenceId> known;
+  std::vector<bool> live;
+  for (int i = 0; i < 3; ++i) {
+    known.push_back(cache->add());
+    auto k = make_view<const Scalar>(in, 1, h, in.in(0, 5), d, Values::kModerate);
+    attempt("PagedKvCache::append", [&] { cache->append(known.back(), k.view, k.view); });
+    live.push_back(in.choice(4) != 0);
+    if (!live.back()) cache->free(known.back());
+  }
+  std::vector<SequenceId> ids;
+  std::vector<Index> cu{0};
+  bool ids_ok = true, lengths_ok = true;
+  for (Index i = in.in(0, 4); i > 0; --i) {
+    const int pick = in.choice(4);
+    ids.push_back(pick == 3 ? SequenceId{in.any_index()} : known[std::size_t(pick)]);
+    const bool ok = pick < 3 && live[std::size_t(pick)];
+    ids_ok = ids_ok && ok;
+    const Index nq = in.in(0, 2);
+    lengths_ok = lengths_ok && (!ok || nq <= cache->length(ids.back()));
+    cu.push_back(cu.back() + nq);
+  }
+  const Index total = cu.back(), h_q = h * in.in(1, 2);
+  auto q = make_view<const Scalar>(in, 1, h_q, total, d, Values::kModerate);
+  auto out = make_view<Scalar>(in, 1, h_q, total, d, Values::kModerate);
+  auto lse = make_view<Scalar>(in, 1, h_q, total, 1, Values::kModerate);
+  // The pools' first elements (a segment of any live sequence starts there) and their contents.
+  const auto live_at = std::find(live.begin(), live.end(), true);
+  const auto pool_size = static_cast<std::size_t>(pages * h * page * d);  // one plane
+  Scalar* pool[2] = {nullptr, nullptr};
+  std::vector<Scalar> before[2];
+  if (live_at != live.end()) {
+    const auto keys = cache->segment(known[std::size_t(live_at - live.begin())]);
+    pool[0] = const_cast<Scalar*>(keys.k.data());  // NOLINT: only ever compared or rejected
+    pool[1] = const_cast<Scalar*>(keys.v.data());  // NOLINT
+    for (int p = 0; p < 2; ++p) before[p].assign(pool[p], pool[p] + pool_size);
+  }
+  HeadsView<Scalar> out_view = out.view;
+  HeadsView<Scalar> lse_view = in.flag() ? lse.view : HeadsView<Scalar>();
+  bool aliased = false;  // an output inside a pool (the call must refuse it, whatever else)
+  if (pool[0] != nullptr && total >= 1 && std::size_t(h_q * total * d) <= pool_size && in.flag()) {
+    Scalar* at = pool[in.choice(2)];
+    if (in.flag()) {
+      out_view = HeadsView<Scalar>::contiguous(at, {1, h_q, total, d});
+    } else {
+      lse_view = HeadsView<Scalar>::contiguous(at, {1, h_q, total, 1});
+    }
+    aliased = true;
+  }
+  const bool must_throw = !ids_ok || !lengths_ok || aliased;
+  const bool returned = attempt_named("sdpa_paged", "sdpa_paged", must_throw, [&] {
+    sdpa_paged(q.view, cu, *cache, ids, {causal_mask()}, SdpaParams{}, out_view, lse_view);
+  });
+  APEX_FUZZ_REQUIRE(
+      returned || !aliased || before[0] == std::vector<Scalar>(pool[0], pool[0] + pool_size),
+      "a rejected sdpa_paged wrote into the key pool");
+  APEX_FUZZ_REQUIRE(
+      returned || !aliased || before[1] == std::vector<Scalar>(pool[1], pool[1] + pool_size),
+      "a rejected sdpa_paged wrote into the value pool");
+}
+
+/// sdpa_block_tables over a pool of the caller's with lengths and pages from the whole range:
+/// a call is accepted exactly when every table covers its length in pages of the pool (computed
+/// here without overflow) and every sequence holds its queries.
+template <class Scalar>
+void block_table_checks(Input& in) {
+  const Index page = in.in(1, 4), pages = in.in(1, 4), h = in.in(1, 2), d = in.in(1, 3);
+  auto k_pool = make_view<const Scalar>(in, pages, h, page, d, Values::kModerate);
+  auto v_pool = make_view<const Scalar>(in, pages, h, page, d, Values::kModerate);
+  BlockTables<Scalar, Scalar> tables{k_pool.view, v_pool.view, {}, {}};
+  std::vector<Index> cu{0};
+  bool valid = true;
+  for (Index i = in.in(0, 3); i > 0; --i) {
+    const Index length = in.flag() ? in.in(0, 12) : in.any_index();
+    std::vector<Index> table(std::size_t(in.in(0, 4)));
+    for (Index& entry : table) entry = in.choice(8) == 0 ? in.any_index() : in.in(0, pages - 1);
+    const Index nq = in.in(0, 2);
+    const bool covered = length >= 0 && static_cast<__int128>(table.size()) * page >= length;
+    bool inside = true;
+    for (const Index entry : table) inside = inside && entry >= 0 && entry < pages;
+    valid = valid && covered && inside && nq <= length;
+    tables.lengths.push_back(length);
+    tables.block_tables.push_back(std::move(table));
+    cu.push_back(cu.back() + nq);
+  }
+  auto q = make_view<const Scalar>(in, 1, h, cu.back(), d, Values::kModerate);
+  RowMatrix<Scalar> out = sentinel<Scalar>(h * cu.back(), d);
+  const auto out_view = HeadsView<Scalar>::contiguous(out.data(), {1, h, cu.back(), d});
+  const bool returned = attempt_writing("sdpa_block_tables", !valid, out, [&] {
+    sdpa_block_tables(q.view, cu, tables, {causal_mask()}, SdpaParams{}, out_view);
+  });
+  APEX_FUZZ_REQUIRE(returned == valid, "sdpa_block_tables rejected a valid call");
+}
+
 void comparison_checks(Input& in) {
   if (in.flag()) {
     CacheComparisonParams p;
@@ -1306,6 +1438,8 @@ constexpr Check kChecks[] = {
     gqa_checks<Scalar>,
     mla_checks<Scalar>,
     cache_checks<Scalar>,
+    paged_checks<Scalar>,
+    block_table_checks<Scalar>,
     comparison_checks,
     moved_from_checks<Scalar>,
     failed_stack_calls<Scalar>,
