@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <ostream>
 #include <type_traits>
 #include <utility>
 
@@ -30,6 +31,60 @@ struct HeadsShape {
   /// Some extent differs.
   friend bool operator!=(const HeadsShape& a, const HeadsShape& b) { return !(a == b); }
 };
+
+namespace detail {
+
+/// Streams a shape as "[B, H, S, D]" in error messages.
+struct ShapeText {
+  const HeadsShape& shape;
+  friend std::ostream& operator<<(std::ostream& os, const ShapeText& t) {
+    return os << "[" << t.shape.batch << ", " << t.shape.heads << ", " << t.shape.seq << ", "
+              << t.shape.dim << "]";
+  }
+};
+
+/// Whether `Buffer` (any cv and reference) is a dense Eigen object: a matrix, an array, a Map,
+/// a Ref, a block or an expression.
+template <class Buffer>
+constexpr bool is_eigen_dense_v =
+    std::is_base_of_v<Eigen::DenseBase<std::decay_t<Buffer>>, std::decay_t<Buffer>>;
+
+/// Whether `Buffer` is a contiguous range other than an Eigen object: something with .data() and
+/// .size() (std::vector, std::array, a span type).
+template <class Buffer, class = void>
+struct IsContiguousRange : std::false_type {};
+template <class Buffer>
+struct IsContiguousRange<Buffer, std::void_t<decltype(std::declval<Buffer&>().data()),
+                                             decltype(std::declval<Buffer&>().size())>>
+    : std::bool_constant<!is_eigen_dense_v<Buffer>> {};
+
+/// The type of buffer.data() for a named `Buffer` (void when it has none: an Eigen expression).
+template <class Buffer, class = void>
+struct DataPointerImpl {
+  using type = void;
+};
+template <class Buffer>
+struct DataPointerImpl<Buffer, std::void_t<decltype(std::declval<Buffer&>().data())>> {
+  using type = decltype(std::declval<Buffer&>().data());
+};
+template <class Buffer>
+using DataPointer = typename DataPointerImpl<Buffer>::type;
+
+/// Whether an Eigen object may hold its own elements, so that a view of a temporary one would
+/// dangle: a Matrix or Array, or a Ref to const (which copies what it cannot reference).
+template <class M>
+struct MayOwnStorage : std::is_base_of<Eigen::PlainObjectBase<M>, M> {};
+template <class M, int Options, class Stride>
+struct MayOwnStorage<Eigen::Ref<const M, Options, Stride>> : std::true_type {};
+
+/// What the checked factories of HeadsView accept besides a pointer: an Eigen object or a
+/// contiguous range.
+template <class Buffer>
+using EnableIfViewBuffer =
+    std::enable_if_t<is_eigen_dense_v<Buffer> ||
+                     IsContiguousRange<std::remove_reference_t<Buffer>>::value>;
+
+}  // namespace detail
 
 /// The strides of a [B, H, S, D] view, in elements, outermost first; the D elements of a row
 /// are always contiguous (stride 1).
@@ -84,8 +139,10 @@ class HeadsView {
   HeadsView(const HeadsView<U>& other)  // NOLINT(google-explicit-constructor)
       : HeadsView(other.data(), other.shape(), other.strides()) {}
 
-  /// [B, H, S, D] stored contiguously in that order. Throws std::invalid_argument on a negative
-  /// extent or when the element count does not fit in 64 bits.
+  /// [B, H, S, D] stored contiguously in that order. Unchecked: nothing is known of the buffer
+  /// behind `data`, so the caller guarantees it holds B·H·S·D elements; the overloads below that
+  /// take the buffer itself check it. Throws std::invalid_argument on a negative extent or when
+  /// the element count does not fit in 64 bits.
   static HeadsView contiguous(T* data, const HeadsShape& shape) {
     if (checked_elements(shape, "contiguous") == 0) return HeadsView(data, shape, {});
     return HeadsView(data, shape,
@@ -93,12 +150,74 @@ class HeadsView {
   }
 
   /// [B*S, H*D] token-major storage (what a projection x * W produces), viewed as [B, H, S, D]:
-  /// token s of batch b is row b*S + s, and head h is columns [h*D, (h+1)*D) of it. Throws as
+  /// token s of batch b is row b*S + s, and head h is columns [h*D, (h+1)*D) of it. Unchecked
+  /// like contiguous(data, shape): the caller guarantees B·S·H·D elements. Throws as
   /// contiguous().
   static HeadsView token_major(T* data, const HeadsShape& shape) {
     if (checked_elements(shape, "token_major") == 0) return HeadsView(data, shape, {});
     return HeadsView(data, shape,
                      {shape.seq * shape.heads * shape.dim, shape.dim, shape.heads * shape.dim});
+  }
+
+  /// contiguous(data, shape) over a buffer of `size` elements, checked: throws
+  /// std::invalid_argument unless size == B·H·S·D.
+  static HeadsView contiguous(T* data, Index size, const HeadsShape& shape) {
+    check_buffer_size(size, shape, "contiguous", "buffer");
+    return contiguous(data, shape);
+  }
+
+  /// token_major(data, shape) over a buffer of `size` elements, checked: throws
+  /// std::invalid_argument unless size == B·S·H·D.
+  static HeadsView token_major(T* data, Index size, const HeadsShape& shape) {
+    check_buffer_size(size, shape, "token_major", "buffer");
+    return token_major(data, shape);
+  }
+
+  /// contiguous(data, shape) over a buffer that knows its size, checked: an Eigen object whose
+  /// elements are contiguous (a RowMatrix, a Vector, a Map, a Ref or a block of whole rows) or a
+  /// container with .data() and .size() (std::vector, std::array, a span type). Throws
+  /// std::invalid_argument unless it holds exactly B·H·S·D elements, one after another (a block
+  /// of some columns of a wider matrix is rejected: it is not [B, H, S, D] storage). A writable
+  /// view needs a writable buffer; a temporary matrix or container does not compile (the view
+  /// would dangle).
+  template <class Buffer, class = detail::EnableIfViewBuffer<Buffer>>
+  static HeadsView contiguous(Buffer&& buffer, const HeadsShape& shape) {
+    if constexpr (!detail::is_eigen_dense_v<Buffer>) {
+      if constexpr (!accepts_range<Buffer>()) {
+        return {};  // a static_assert has failed
+      } else {
+        return contiguous(buffer.data(), static_cast<Index>(buffer.size()), shape);
+      }
+    } else if constexpr (!accepts_matrix<Buffer, false>()) {
+      return {};  // a static_assert has failed
+    } else {
+      check_matrix_is_dense(buffer.rows(), buffer.cols(), buffer.outerStride(),
+                            buffer.innerStride(), std::decay_t<Buffer>::IsVectorAtCompileTime);
+      check_buffer_size(buffer.size(), shape, "contiguous", "matrix");
+      return contiguous(buffer.data(), shape);
+    }
+  }
+
+  /// token_major(data, shape) over a buffer that knows its size, checked. A row-major Eigen
+  /// matrix [B*S, H*D] (a RowMatrix, a Map, a Ref, or a block of columns of a wider matrix such
+  /// as the Q part of a fused QKV projection): throws std::invalid_argument unless rows == B·S,
+  /// cols == H·D and each row is contiguous; its outer stride becomes the view's row stride. A
+  /// container with .data() and .size(): throws unless size == B·S·H·D. A writable view needs a
+  /// writable buffer; a temporary matrix or container does not compile (the view would dangle).
+  template <class Buffer, class = detail::EnableIfViewBuffer<Buffer>>
+  static HeadsView token_major(Buffer&& buffer, const HeadsShape& shape) {
+    if constexpr (!detail::is_eigen_dense_v<Buffer>) {
+      if constexpr (!accepts_range<Buffer>()) {
+        return {};  // a static_assert has failed
+      } else {
+        return token_major(buffer.data(), static_cast<Index>(buffer.size()), shape);
+      }
+    } else if constexpr (!accepts_matrix<Buffer, true>()) {
+      return {};  // a static_assert has failed
+    } else {
+      return token_major_of_matrix(buffer.data(), buffer.rows(), buffer.cols(),
+                                   buffer.outerStride(), buffer.innerStride(), shape);
+    }
   }
 
   /// Pointer to element (0, 0, 0, 0); null for a default-constructed view.
@@ -171,6 +290,107 @@ class HeadsView {
                                << s.seq << ", " << s.dim << "] must have no negative extent");
     if (s.has_no_elements()) return 0;
     return detail::checked_product({s.batch, s.heads, s.seq, s.dim}, "heads_view", "B*H*S*D");
+  }
+
+  /// The compile-time requirements on an Eigen buffer, each a static_assert with its reason:
+  /// storage (not an expression), the view's element type, row-major rows (a vector will do for
+  /// contiguous), writable for a writable view, and no temporary that owns its elements. True
+  /// when all hold, so that the factory compiles no further after a failure.
+  template <class Buffer, bool kTokenMajor>
+  static constexpr bool accepts_matrix() {
+    using M = std::decay_t<Buffer>;
+    constexpr bool has_storage = (M::Flags & Eigen::DirectAccessBit) != 0;
+    constexpr bool same_scalar = std::is_same_v<typename M::Scalar, Element>;
+    constexpr bool writable = std::is_convertible_v<detail::DataPointer<Buffer>, T*>;
+    constexpr bool outlives =
+        std::is_lvalue_reference_v<Buffer> || !detail::MayOwnStorage<M>::value;
+    constexpr bool row_major = M::IsRowMajor || (!kTokenMajor && M::IsVectorAtCompileTime);
+    static_assert(has_storage,
+                  "apex::HeadsView: the matrix must have storage (a Matrix, Map, Ref or block), "
+                  "not an expression; evaluate it into a RowMatrix first");
+    static_assert(!has_storage || same_scalar,
+                  "apex::HeadsView: the matrix's scalar type must be the view's element type");
+    static_assert(!has_storage || !same_scalar || writable,
+                  "apex::HeadsView: a writable view needs a writable matrix (not const, not a "
+                  "Map or Ref of const)");
+    static_assert(outlives,
+                  "apex::HeadsView: a view of a temporary matrix would dangle; name the matrix");
+    static_assert(row_major,
+                  "apex::HeadsView: the matrix must be row-major (apex::RowMatrix), or a vector "
+                  "for contiguous()");
+    return has_storage && same_scalar && writable && outlives && row_major;
+  }
+
+  /// The compile-time requirements on a contiguous range, as accepts_matrix: the view's element
+  /// type, writable for a writable view, and an lvalue (a temporary container's storage would be
+  /// freed before the view is used).
+  template <class Buffer>
+  static constexpr bool accepts_range() {
+    using Pointer = detail::DataPointer<Buffer>;
+    constexpr bool same_element =
+        std::is_same_v<std::remove_cv_t<std::remove_pointer_t<Pointer>>, Element>;
+    constexpr bool writable = std::is_convertible_v<Pointer, T*>;
+    constexpr bool outlives = std::is_lvalue_reference_v<Buffer>;
+    static_assert(same_element,
+                  "apex::HeadsView: the buffer's element type must be the view's element type");
+    static_assert(!same_element || writable,
+                  "apex::HeadsView: a writable view needs a writable buffer (not const)");
+    static_assert(outlives,
+                  "apex::HeadsView: a view of a temporary buffer would dangle; name the buffer, "
+                  "or pass (data, size)");
+    return same_element && writable && outlives;
+  }
+
+  /// Throws unless a buffer of `size` elements is exactly the B·H·S·D that `shape` addresses.
+  static void check_buffer_size(Index size, const HeadsShape& s, const char* factory,
+                                const char* what) {
+    const std::int64_t elements = checked_elements(s, factory);
+    APEX_CHECK(size == elements, "[heads_view] " << factory << " " << what << " size (" << size
+                                                 << ") must be B*H*S*D (" << elements
+                                                 << ") for shape " << detail::ShapeText{s});
+  }
+
+  /// Throws unless the elements of a [rows, cols] Eigen buffer lie one after another, as
+  /// contiguous() reads them.
+  static void check_matrix_is_dense(Index rows, Index cols, Index outer_stride, Index inner_stride,
+                                    bool is_vector) {
+    if (rows * cols <= 1) return;
+    APEX_CHECK(inner_stride == 1, "[heads_view] contiguous matrix inner stride ("
+                                      << inner_stride
+                                      << ") must be 1: the elements lie one after another");
+    APEX_CHECK(is_vector || rows == 1 || outer_stride == cols,
+               "[heads_view] contiguous matrix outer stride ("
+                   << outer_stride << ") must be cols (" << cols
+                   << "): a block of some columns of a wider matrix is not [B, H, S, D] storage "
+                      "(view it with token_major, or with strides)");
+  }
+
+  /// The token-major view of a row-major [rows, cols] matrix with the given strides: throws
+  /// unless rows == B·S, cols == H·D and rows are contiguous and do not overlap. The outer stride
+  /// is the view's row stride, so a block of columns is viewed in place.
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters)
+  static HeadsView token_major_of_matrix(T* data, Index rows, Index cols, Index outer_stride,
+                                         Index inner_stride, const HeadsShape& s) {
+    checked_elements(s, "token_major");
+    const std::int64_t tokens =
+        detail::checked_product(s.batch, s.seq, "heads_view", "token_major batch * seq");
+    const std::int64_t width =
+        detail::checked_product(s.heads, s.dim, "heads_view", "token_major heads * dim");
+    APEX_CHECK(rows == tokens, "[heads_view] token_major matrix rows ("
+                                   << rows << ") must be batch * seq (" << s.batch << " * " << s.seq
+                                   << " = " << tokens << ") for shape " << detail::ShapeText{s});
+    APEX_CHECK(cols == width, "[heads_view] token_major matrix cols ("
+                                  << cols << ") must be heads * dim (" << s.heads << " * " << s.dim
+                                  << " = " << width << ") for shape " << detail::ShapeText{s});
+    if (s.has_no_elements()) return HeadsView(data, s, {});
+    APEX_CHECK(cols == 1 || inner_stride == 1,
+               "[heads_view] token_major matrix inner stride ("
+                   << inner_stride << ") must be 1: the D elements of a head's row are contiguous");
+    const Index row_stride = rows == 1 ? cols : outer_stride;
+    APEX_CHECK(row_stride >= cols, "[heads_view] token_major matrix outer stride ("
+                                       << outer_stride << ") must be at least cols (" << cols
+                                       << "): rows must not overlap");
+    return HeadsView(data, s, {s.seq * row_stride, s.dim, row_stride});
   }
 
   T* data_ = nullptr;
