@@ -13,6 +13,10 @@
 //   - blocks a rule forbids are never read: the keys and values they hold sit in memory the
 //     process cannot read (mmap with PROT_NONE), and the kernel completes;
 //   - the result does not depend on the number of threads;
+//   - a user classifier that lies (kNone or kAll where allows() disagrees): verify_classifier
+//     names the rectangle, the answer and a pair that refutes it, and its output is that of the
+//     rule without classifier, bit for bit; unchecked, the output is that of the rule the
+//     answers imply (attention_rules.hpp, A CLASSIFIER THAT LIES);
 //   - bad sinks, slopes, chunk sizes and document ids are rejected before anything is written.
 #include <apex/detail/flash_attention.hpp>
 #include <apex/mask.hpp>
@@ -378,13 +382,19 @@ TEST(Alibi, StandardSlopes) {
 // ---- user rules
 // ----------------------------------------------------------------------------------
 
+/// The causal rule's pair test and its exact block classifier.
+bool causal_allows(Index, Index, Index q, Index k) { return k <= q; }
+apex::BlockCoverage causal_coverage(apex::PositionRange q, apex::PositionRange k) {
+  if (k.begin > q.end - 1) return apex::BlockCoverage::kNone;
+  if (k.end - 1 <= q.begin) return apex::BlockCoverage::kAll;
+  return apex::BlockCoverage::kPartial;
+}
+
 /// A user rule restating causal attention, with its exact block classifier.
 auto user_causal() {
-  return apex::mask_rule([](Index, Index, Index q, Index k) { return k <= q; },
+  return apex::mask_rule(causal_allows,
                          [](Index, Index, apex::PositionRange q, apex::PositionRange k) {
-                           if (k.begin > q.end - 1) return apex::BlockCoverage::kNone;
-                           if (k.end - 1 <= q.begin) return apex::BlockCoverage::kAll;
-                           return apex::BlockCoverage::kPartial;
+                           return causal_coverage(q, k);
                          });
 }
 
@@ -501,6 +511,258 @@ TYPED_TEST(SdpaRules, UserRulesSeeTheBatchAndTheHead) {
       }
     }
     EXPECT_LE(max_err, apex::testing::Tolerances<Scalar>::kAttention * max_ref);
+  }
+}
+
+// ---- user rules: classifiers that lie (attention_rules.hpp, A CLASSIFIER THAT LIES) ----------
+
+using apex::BlockCoverage;
+using apex::PositionRange;
+
+/// Whether two outputs hold the same bits (out and lse).
+template <class Scalar>
+bool same_bits(const Outputs<Scalar>& a, const Outputs<Scalar>& b) {
+  const auto same = [](const apex::testing::Heads<Scalar>& x,
+                       const apex::testing::Heads<Scalar>& y) {
+    return x.size() == y.size() && std::memcmp(&x.at(0), &y.at(0), x.size() * sizeof(Scalar)) == 0;
+  };
+  return same(a.out, b.out) && same(a.lse, b.lse);
+}
+
+/// Runs `rules` on `p` through apex::sdpa itself, writing `o`.
+template <class Scalar, class Rules>
+void run_sdpa(const Problem<Scalar>& p, const Rules& rules, Outputs<Scalar>& o) {
+  apex::sdpa(p.q.view(), p.k.view(), p.v.view(), p.attention_mask(), p.params, rules, o.out.view(),
+             o.lse.view());
+}
+
+/// The paths of the tiled kernel, and apex::sdpa's own (blocking unset).
+std::vector<std::pair<const char*, std::optional<FlashBlocking>>> entry_points() {
+  std::vector<std::pair<const char*, std::optional<FlashBlocking>>> all = {{"apex::sdpa", {}}};
+  for (const auto& [path, blocking] : paths()) all.emplace_back(path, blocking);
+  return all;
+}
+
+/// Runs `rules` on `p` on one entry point.
+template <class Scalar, class Rules>
+void run_on(const Problem<Scalar>& p, const Rules& rules, Outputs<Scalar>& o,
+            const std::optional<FlashBlocking>& blocking) {
+  if (blocking) {
+    run_with_rules(p, rules, o, *blocking);
+  } else {
+    run_sdpa(p, rules, o);
+  }
+}
+
+/// Causal attention as a user rule whose classifier answers `lie` for the one rectangle (b, h,
+/// [32, 48) × [32, 48)) and the truth elsewhere. With the small blocks and G = 1 that rectangle
+/// is a tile, so the lie is told exactly once.
+auto causal_lying_once(Index lie_b, Index lie_h, BlockCoverage lie) {
+  return apex::mask_rule(causal_allows, [=](Index b, Index h, PositionRange q, PositionRange k) {
+    if (b == lie_b && h == lie_h && q.begin == 32 && k.begin == 32) return lie;
+    return causal_coverage(q, k);
+  });
+}
+
+/// verify_classifier, run with the small blocks on a B = 2, H = 4, G = 1 problem without a
+/// PositionMask, reports exactly one false answer, with `message`; its output is that of the
+/// rule without a classifier, bit for bit, and a second run after reset() reports the same.
+template <class Scalar, class Rules>
+void expect_lie_reported(const Rules& lying, const std::string& message) {
+  const Shape shape{2, 4, 4, 100, 100, 16, 8};
+  const Problem<Scalar> p(shape, Layout::kContiguous, 51, Values::kNormal);
+  const FlashBlocking small = paths()[1].second;
+  apex::ClassifierReport report;
+  Outputs<Scalar> checked(shape), plain(shape);
+  for (int run = 0; run < 2; ++run) {
+    report.reset();
+    run_with_rules(p, apex::verify_classifier(lying, report), checked, small);
+    EXPECT_FALSE(report.ok());
+    EXPECT_EQ(report.violations(), 1);
+    EXPECT_GT(report.blocks_checked(), 1);
+    EXPECT_EQ(report.message(), message);
+    ASSERT_TRUE(report.first_violation().has_value());
+    EXPECT_EQ(report.first_violation()->message(), message);
+    apex::testing::expect_invalid([&] { report.throw_if_violated(); }, message);
+  }
+  run_with_rules(p, apex::mask_rule(lying.allows), plain, small);
+  EXPECT_TRUE(same_bits(checked, plain))
+      << "the checked run must equal the rule without classifier";
+}
+
+// A classifier that calls a diagonal block kNone is caught, with the rectangle and the first
+// pair (in row order) that allows() accepts.
+TYPED_TEST(SdpaRules, LyingClassifier_VerifyNamesAKNoneLie) {
+  expect_lie_reported<TypeParam>(causal_lying_once(1, 3, BlockCoverage::kNone),
+                                 "[verify_classifier] classify(b=1, h=3, q=[32,48), k=[32,48)) "
+                                 "said kNone but allows(1, 3, 32, 32) is true");
+}
+
+// A classifier that calls a diagonal block kAll is caught, with the first pair it rejects.
+TYPED_TEST(SdpaRules, LyingClassifier_VerifyNamesAKAllLie) {
+  expect_lie_reported<TypeParam>(causal_lying_once(0, 2, BlockCoverage::kAll),
+                                 "[verify_classifier] classify(b=0, h=2, q=[32,48), k=[32,48)) "
+                                 "said kAll but allows(0, 2, 32, 33) is false");
+}
+
+// An answer that is no BlockCoverage is reported too, and without the check the kernel takes
+// it as kPartial (the output of the rule without classifier, bit for bit).
+TYPED_TEST(SdpaRules, LyingClassifier_VerifyNamesAnInvalidAnswer) {
+  using Scalar = TypeParam;
+  const auto invalid = causal_lying_once(0, 0, static_cast<BlockCoverage>(7));
+  expect_lie_reported<Scalar>(invalid,
+                              "[verify_classifier] classify(b=0, h=0, q=[32,48), k=[32,48)) said "
+                              "BlockCoverage(7), which is not kNone, kPartial or kAll");
+  const Shape shape{2, 4, 4, 100, 100, 16, 8};
+  const Problem<Scalar> p(shape, Layout::kContiguous, 51, Values::kNormal);
+  Outputs<Scalar> unchecked(shape), plain(shape);
+  run_with_rules(p, invalid, unchecked, paths()[1].second);
+  run_with_rules(p, apex::mask_rule(causal_allows), plain, paths()[1].second);
+  EXPECT_TRUE(same_bits(unchecked, plain));
+}
+
+/// Shapes for the classifier tests: prefill with G = 4, and decoding S_q = 3 against 1300 keys
+/// with G = 4 (split over key chunks).
+std::vector<Shape> classifier_shapes() {
+  return {Shape{1, 4, 1, 100, 100, 16, 8}, Shape{1, 8, 2, 3, 1300, 16, 8}};
+}
+
+// Classifiers that lie on every diagonal tile (kNone for every block not wholly before the
+// queries; kAll for every block not wholly after them) are caught on every entry point and
+// path, prefill and decode: the report names a rectangle, the answer and a pair that refutes
+// it, and the checked output is that of the rule without classifier, bit for bit.
+TYPED_TEST(SdpaRules, LyingClassifier_VerifyCatchesLiesOnEveryPath) {
+  using Scalar = TypeParam;
+  const auto none_lie = [](Index, Index, PositionRange q, PositionRange k) {
+    return k.end - 1 <= q.begin ? BlockCoverage::kAll : BlockCoverage::kNone;
+  };
+  const auto all_lie = [](Index, Index, PositionRange q, PositionRange k) {
+    return k.begin > q.end - 1 ? BlockCoverage::kNone : BlockCoverage::kAll;
+  };
+  const auto check = [](const auto& lying, BlockCoverage lie, const Problem<Scalar>& p,
+                        const std::optional<FlashBlocking>& blocking) {
+    apex::ClassifierReport report;
+    Outputs<Scalar> checked(p.shape), plain(p.shape);
+    run_on(p, apex::verify_classifier(lying, report), checked, blocking);
+    run_on(p, apex::mask_rule(causal_allows), plain, blocking);
+    EXPECT_TRUE(same_bits(checked, plain));
+    ASSERT_FALSE(report.ok());
+    EXPECT_GE(report.violations(), 1);
+    EXPECT_GE(report.blocks_checked(), report.violations());
+    const apex::ClassifierViolation v = *report.first_violation();
+    EXPECT_EQ(v.said, lie);
+    EXPECT_TRUE(v.q.begin <= v.q_pos && v.q_pos < v.q.end) << v.message();
+    EXPECT_TRUE(v.k.begin <= v.k_pos && v.k_pos < v.k.end) << v.message();
+    EXPECT_EQ(causal_allows(v.b, v.h, v.q_pos, v.k_pos), lie == BlockCoverage::kNone)
+        << v.message();
+    EXPECT_EQ(report.message().rfind(v.message(), 0), 0U) << report.message();
+    EXPECT_THROW(report.throw_if_violated(), std::invalid_argument);
+  };
+  for (const Shape& shape : classifier_shapes()) {
+    const Problem<Scalar> p(shape, Layout::kTokenMajor, 52, Values::kNormal);
+    for (const auto& [path, blocking] : entry_points()) {
+      SCOPED_TRACE(apex::testing::describe(shape) + ", " + path);
+      check(apex::mask_rule(causal_allows, none_lie), BlockCoverage::kNone, p, blocking);
+      check(apex::mask_rule(causal_allows, all_lie), BlockCoverage::kAll, p, blocking);
+    }
+  }
+}
+
+// The causal classifier of the header's comment is honest: the report is ok after checking
+// blocks, nothing is thrown, and the output is that of the rule without classifier, bit for
+// bit, and of causal attention. reference::sdpa never asks the classifier.
+TYPED_TEST(SdpaRules, LyingClassifier_HonestClassifierReportsOk) {
+  using Scalar = TypeParam;
+  for (const Shape& shape : classifier_shapes()) {
+    Problem<Scalar> causal(shape, Layout::kTokenMajor, 53, Values::kNormal);
+    causal.rule = {true, 0, 0};
+    const Problem<Scalar> p(shape, Layout::kTokenMajor, 53, Values::kNormal);  // same values
+    for (const auto& [path, blocking] : entry_points()) {
+      SCOPED_TRACE(apex::testing::describe(shape) + ", " + path);
+      apex::ClassifierReport report;
+      Outputs<Scalar> checked(shape), plain(shape);
+      run_on(p, apex::verify_classifier(user_causal(), report), checked, blocking);
+      run_on(p, apex::mask_rule(causal_allows), plain, blocking);
+      EXPECT_TRUE(report.ok()) << report.message();
+      EXPECT_GT(report.blocks_checked(), 0);
+      EXPECT_EQ(report.violations(), 0);
+      EXPECT_EQ(report.message(), "");
+      EXPECT_FALSE(report.first_violation().has_value());
+      EXPECT_NO_THROW(report.throw_if_violated());
+      EXPECT_TRUE(same_bits(checked, plain));
+      expect_matches_loops(causal, checked, /*with_lse=*/true);
+    }
+    apex::ClassifierReport report;
+    Outputs<Scalar> reference(shape);
+    run_with_rules(p, apex::verify_classifier(user_causal(), report), reference, {},
+                   /*reference=*/true);
+    EXPECT_EQ(report.blocks_checked(), 0);
+    expect_matches_loops(causal, reference, /*with_lse=*/true);
+  }
+}
+
+/// The largest |a − b| over the outputs.
+template <class Scalar>
+double max_difference(const Outputs<Scalar>& a, const Outputs<Scalar>& b) {
+  double d = 0.0;
+  for (std::size_t i = 0; i < a.out.size(); ++i) {
+    d = std::max(d, std::abs(double(a.out.at(i)) - double(b.out.at(i))));
+  }
+  return d;
+}
+
+// Unchecked, a classifier that says kAll of every rectangle gives the attention of the
+// PositionMask (a causal window) and the dense mask alone, as if allows() were true: the rule
+// (every third key forbidden) is never asked, and the masks still apply. On every entry point
+// and path, prefill and decode, against the plain loops of that implied rule.
+TYPED_TEST(SdpaRules, LyingClassifier_UncheckedKAllTakesEveryPairTheMasksAllow) {
+  using Scalar = TypeParam;
+  const auto lying = apex::mask_rule(
+      [](Index, Index, Index, Index k) { return k % 3 != 0; },
+      [](Index, Index, PositionRange, PositionRange) { return BlockCoverage::kAll; });
+  for (const Shape& shape : classifier_shapes()) {
+    Problem<Scalar> p(shape, Layout::kTokenMajor, 54, Values::kNormal);
+    p.rule = {true, 70, 0};
+    p.add_dense_mask(1, shape.q_heads, 0.7);
+    for (const auto& [path, blocking] : entry_points()) {
+      SCOPED_TRACE(apex::testing::describe(shape) + ", " + path);
+      Outputs<Scalar> o(shape), honest(shape);
+      run_on(p, lying, o, blocking);
+      expect_matches_loops(p, o, /*with_lse=*/true);  // the PositionMask and the dense mask only
+      run_on(p, apex::mask_rule(lying.allows), honest, blocking);
+      EXPECT_GT(max_difference(o, honest), 1e-3) << "the lie must change the result";
+    }
+  }
+}
+
+// Unchecked, a classifier that says kNone of every rectangle for all the heads of the last
+// key/value head fully masks them (zeros, lse = -inf), as if allows() were false; head 0 saying
+// kNone alone (the other heads of its group say kAll) takes no effect: allows() decides its
+// pairs (true). Every entry point and path, prefill and decode, against the plain loops of the
+// implied rule (a dense mask false for the last group's heads).
+TYPED_TEST(SdpaRules, LyingClassifier_UncheckedKNoneSkipsTheBlocksOfAWholeGroup) {
+  using Scalar = TypeParam;
+  for (const Shape& shape : {Shape{2, 4, 2, 100, 100, 16, 8}, Shape{1, 8, 2, 3, 1300, 16, 8}}) {
+    const Index group = shape.q_heads / shape.kv_heads;
+    const Index last_group = shape.q_heads - group;  // its first head
+    const auto lying = apex::mask_rule([](Index, Index, Index, Index) { return true; },
+                                       [last_group](Index, Index h, PositionRange, PositionRange) {
+                                         return h == 0 || h >= last_group ? BlockCoverage::kNone
+                                                                          : BlockCoverage::kAll;
+                                       });
+    Problem<Scalar> p(shape, Layout::kTokenMajor, 55, Values::kNormal);
+    p.rule = {true, 0, 0};
+    Problem<Scalar> implied(shape, Layout::kTokenMajor, 55, Values::kNormal);  // same values
+    implied.rule = p.rule;
+    implied.add_dense_mask(1, shape.q_heads, 1.0);
+    for (Index h = last_group; h < shape.q_heads; ++h)
+      implied.allowed_rows(0, h).setConstant(false);
+    for (const auto& [path, blocking] : entry_points()) {
+      SCOPED_TRACE(apex::testing::describe(shape) + ", " + path);
+      Outputs<Scalar> o(shape);
+      run_on(p, lying, o, blocking);
+      expect_matches_loops(implied, o, /*with_lse=*/true);
+    }
   }
 }
 
