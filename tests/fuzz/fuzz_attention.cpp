@@ -18,12 +18,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace apex::fuzz {
@@ -637,6 +639,90 @@ void sixteen_bit_case(Input& in) {
   }
 }
 
+/// A user mask rule whose block classifier lies (or tells the truth, or answers a value that is
+/// no BlockCoverage), on random block sizes so that every path asks it: no crash, no undefined
+/// behaviour, and finite inputs give finite outputs whatever it says; verify_classifier reports
+/// no violation for the honest classifier, and its run equals the rule without a classifier bit
+/// for bit, lie or not.
+template <class Scalar>
+void lying_classifier_case(Input& in) {
+  Shape sh;
+  sh.batch = in.in(1, 2);
+  sh.kv_heads = in.in(1, 2);
+  sh.group = in.in(1, 3);
+  sh.s_q = in.in(0, 12);
+  sh.s_k = in.in(0, 40);
+  sh.d_qk = in.in(1, 12);
+  sh.d_v = in.in(1, 12);
+  Tensor<Scalar> q(sh.batch, sh.q_heads(), sh.s_q, sh.d_qk, in.flag());
+  Tensor<Scalar> k(sh.batch, sh.kv_heads, sh.s_k, sh.d_qk, in.flag());
+  Tensor<Scalar> v(sh.batch, sh.kv_heads, sh.s_k, sh.d_v, in.flag());
+  fill(q.storage, in, Values::kModerate, 2.0);
+  fill(k.storage, in, Values::kModerate, 2.0);
+  fill(v.storage, in, Values::kModerate, 2.0);
+  // The pair rule: a pseudo-random pattern of the positions and the head, fixed by a seed.
+  const auto seed = static_cast<std::uint64_t>(in.in(0, 1 << 20));
+  const int density = in.choice(4);
+  const auto mix = [seed](Index a, Index b, Index c, Index d) {
+    std::uint64_t x = seed ^ (std::uint64_t(a) * 0x9E3779B97F4A7C15ull) ^
+                      (std::uint64_t(b) * 0xC2B2AE3D27D4EB4Full) ^
+                      (std::uint64_t(c) * 0x165667B19E3779F9ull) ^ (std::uint64_t(d) << 17);
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    return x ^ (x >> 29);
+  };
+  const auto allows = [mix, density](Index b, Index h, Index qp, Index kp) {
+    return int(mix(b, h, qp, kp) % 4) <= density;
+  };
+  // 0: honest (the exact coverage), 1: random answers, 2: values outside the enum too.
+  const int honesty = in.choice(3);
+  const auto classify = [mix, allows, honesty](Index b, Index h, PositionRange qr,
+                                               PositionRange kr) {
+    if (honesty == 0) {
+      bool any = false, all = true;
+      for (Index qp = qr.begin; qp < qr.end; ++qp) {
+        for (Index kp = kr.begin; kp < kr.end; ++kp) {
+          const bool a = allows(b, h, qp, kp);
+          any = any || a;
+          all = all && a;
+        }
+      }
+      return !any ? BlockCoverage::kNone : all ? BlockCoverage::kAll : BlockCoverage::kPartial;
+    }
+    const auto r = static_cast<int>(mix(b + 7, h, qr.begin, kr.begin) % (honesty == 1 ? 3 : 5));
+    return static_cast<BlockCoverage>(r);
+  };
+  const auto rules = mask_rule(allows, classify);
+  AttentionMask<Scalar> mask;
+  mask.positions.causal = in.flag();
+  if (in.flag()) mask.positions.query_offset = in.in(0, sh.s_k + 2);
+  const detail::FlashBlocking blocking = in.flag() ? detail::FlashBlocking{} : random_blocking(in);
+  const auto run = [&](const auto& with) {
+    Tensor<Scalar> out(sh.batch, sh.q_heads(), sh.s_q, sh.d_v, false);
+    Tensor<Scalar> lse(sh.batch, sh.q_heads(), sh.s_q, 1, false);
+    detail::flash_sdpa<Scalar, Scalar, Scalar, Scalar, Scalar>(q.cview(), k.cview(), v.cview(),
+                                                               mask, SdpaParams{}, out.view,
+                                                               lse.view, {}, blocking, with);
+    return std::make_pair(std::move(out), std::move(lse));
+  };
+  const auto [out, lse] = run(rules);
+  for (Index i = 0; i < out.storage.size(); ++i) {
+    APEX_FUZZ_REQUIRE(std::isfinite(out.storage(i)),
+                      "a lying classifier made a finite input's output non-finite");
+  }
+  for (Index i = 0; i < lse.storage.size(); ++i) {
+    APEX_FUZZ_REQUIRE(!std::isnan(lse.storage(i)), "a lying classifier made lse NaN");
+  }
+  ClassifierReport report;
+  const auto [checked, checked_lse] = run(verify_classifier(rules, report));
+  const auto [plain, plain_lse] = run(mask_rule(allows));
+  APEX_FUZZ_REQUIRE(honesty != 0 || report.ok(),
+                    "verify_classifier reported an honest classifier: " + report.message());
+  APEX_FUZZ_REQUIRE(same_bits(checked.storage, plain.storage) &&
+                        same_bits(checked_lse.storage, plain_lse.storage),
+                    "verify_classifier's run differs from the rule without a classifier");
+}
+
 /// The checks of this target: SDPA (random, exact large logits, extreme parameters, 16-bit K/V)
 /// takes most of the inputs, the two layers the rest.
 template <class Scalar>
@@ -648,7 +734,8 @@ constexpr Check kChecks[] = {
     gqa_case<Scalar>,
     mla_case<Scalar>,
     sixteen_bit_case<
-        std::conditional_t<std::is_same_v<Scalar, float>, Eigen::half, Eigen::bfloat16>>};
+        std::conditional_t<std::is_same_v<Scalar, float>, Eigen::half, Eigen::bfloat16>>,
+    lying_classifier_case<Scalar>};
 
 }  // namespace
 }  // namespace apex::fuzz
