@@ -41,6 +41,10 @@ inline void eigen_assert_failed(const char* condition) {
     if (!static_cast<bool>(x)) ::alloc_count::eigen_assert_failed(#x); \
   } while (false)
 
+#include <apex/detail/eigen_adapter.hpp>
+#include <apex/detail/parallel.hpp>
+#include <apex/detail/scratch.hpp>
+#include <apex/detail/simd_kernels.hpp>
 #include <apex/mask.hpp>
 #include <apex/rms_norm.hpp>
 #include <apex/rope.hpp>
@@ -49,8 +53,11 @@ inline void eigen_assert_failed(const char* condition) {
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <thread>
+#include <type_traits>
+#include <utility>
 
 #include "test_util.hpp"
 
@@ -159,31 +166,44 @@ struct Case {
   bool causal, dense_mask, bias, lse;
 };
 
+/// The inputs and outputs of one sdpa call of a Case, built once so that the call can be made
+/// (and counted) again and again.
 template <class Scalar>
-void expect_second_call_allocates_nothing(const Case& c) {
-  SCOPED_TRACE(c.name);
-  const auto q = apex::testing::random_heads<Scalar>(c.batch, c.q_heads, c.s_q, c.d_qk, 1);
-  const auto k = apex::testing::random_heads<Scalar>(c.batch, c.kv_heads, c.s_k, c.d_qk, 2);
-  const auto v = apex::testing::random_heads<Scalar>(c.batch, c.kv_heads, c.s_k, c.d_v, 3);
-  HeadsTensor<Scalar> out({c.batch, c.q_heads, c.s_q, c.d_v});
-  HeadsTensor<Scalar> lse({c.batch, c.q_heads, c.s_q, 1});
-  apex::BoolMatrix allowed = apex::BoolMatrix::Constant(c.s_q, c.s_k, true);
-  for (Index i = 0; i < c.s_q; ++i) allowed(i, (i * 7) % c.s_k) = false;
-  const RowMatrix<Scalar> bias = apex::testing::random_matrix<Scalar>(c.s_q, c.s_k, 4);
-  AttentionMask<Scalar> mask;
-  if (c.causal) mask.positions = apex::causal_mask();
-  if (c.dense_mask) mask.allowed = apex::as_heads_view(allowed);
-  if (c.bias) mask.bias = apex::as_heads_view(bias);
-  const auto call = [&] {
-    apex::sdpa<Scalar>(q.view(), k.view(), v.view(), mask, {}, out.view(),
-                       c.lse ? lse.view() : apex::HeadsView<Scalar>());
-  };
-  call();  // grows this thread's (and the OpenMP workers') scratch to these shapes
-  const Allocations second = count(call);
-  EXPECT_EQ(second.eigen, 0) << "Eigen heap allocations in a repeated sdpa call";
-  EXPECT_EQ(second.news, 0) << "operator new in a repeated sdpa call";
-  const Allocations third = count(call);
-  EXPECT_EQ(third.eigen + third.news, 0);
+class SdpaCall {
+ public:
+  explicit SdpaCall(const Case& c)
+      : c_(c),
+        q_(apex::testing::random_heads<Scalar>(c.batch, c.q_heads, c.s_q, c.d_qk, 1)),
+        k_(apex::testing::random_heads<Scalar>(c.batch, c.kv_heads, c.s_k, c.d_qk, 2)),
+        v_(apex::testing::random_heads<Scalar>(c.batch, c.kv_heads, c.s_k, c.d_v, 3)),
+        out_({c.batch, c.q_heads, c.s_q, c.d_v}),
+        lse_({c.batch, c.q_heads, c.s_q, 1}),
+        allowed_(apex::BoolMatrix::Constant(c.s_q, c.s_k, true)),
+        bias_(apex::testing::random_matrix<Scalar>(c.s_q, c.s_k, 4)) {
+    for (Index i = 0; i < c.s_q; ++i) allowed_(i, (i * 7) % c.s_k) = false;
+    if (c.causal) mask_.positions = apex::causal_mask();
+    if (c.dense_mask) mask_.allowed = apex::as_heads_view(allowed_);
+    if (c.bias) mask_.bias = apex::as_heads_view(bias_);
+  }
+  void operator()() {
+    apex::sdpa<Scalar>(q_.view(), k_.view(), v_.view(), mask_, {}, out_.view(),
+                       c_.lse ? lse_.view() : apex::HeadsView<Scalar>());
+  }
+
+ private:
+  Case c_;
+  HeadsTensor<Scalar> q_, k_, v_, out_, lse_;
+  apex::BoolMatrix allowed_;
+  RowMatrix<Scalar> bias_;
+  AttentionMask<Scalar> mask_;
+};
+
+/// Runs `body` on a new std::thread: its scratch, and that of the OpenMP team it starts, begins
+/// empty whatever the tests before it did.
+template <class Body>
+void on_a_new_thread(Body&& body) {
+  std::thread fresh(std::forward<Body>(body));
+  fresh.join();
 }
 
 template <class Scalar>
@@ -194,7 +214,10 @@ class AllocationTyped : public ::testing::Test {
 using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(AllocationTyped, Scalars, apex::testing::ScalarName);
 
-TYPED_TEST(AllocationTyped, SdpaRepeatedCallAllocatesNothing) {
+// ---- the promise of include/apex/detail/scratch.hpp (ALLOCATION), clause by clause -------------
+
+TYPED_TEST(AllocationTyped, ExactPromise_SteadyStateCallAllocatesNothing) {
+  // "any other request reuses it": a call repeated with its shapes allocates nothing.
   using Scalar = TypeParam;
   const Case cases[] = {
       // GEMM kernel, several query blocks, grouped heads, causal skipping.
@@ -206,22 +229,144 @@ TYPED_TEST(AllocationTyped, SdpaRepeatedCallAllocatesNothing) {
       // One new token against a long cache: split-key decoding and its partials.
       {"decoding", 2, 8, 2, 1, 3000, 64, 64, true, false, false, true},
   };
-  for (const Case& c : cases) expect_second_call_allocates_nothing<Scalar>(c);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    SdpaCall<Scalar> call(c);
+    call();  // grows this thread's (and the OpenMP workers') scratch to these shapes
+    const Allocations second = count(call);
+    EXPECT_EQ(second.eigen, 0) << "Eigen heap allocations in a repeated sdpa call";
+    EXPECT_EQ(second.news, 0) << "operator new in a repeated sdpa call";
+    const Allocations third = count(call);
+    EXPECT_EQ(third.eigen + third.news, 0);
+  }
 }
 
-TYPED_TEST(AllocationTyped, FirstCallOnAFreshThreadGrowsItsScratch) {
-  // The other side of the promise, and proof that the counters see the kernel's scratch: a
-  // thread that has never run sdpa allocates its buffers on its first call.
+TYPED_TEST(AllocationTyped, ExactPromise_SmallerShapeAfterLargerDoesNotAllocate) {
+  // The "in particular" of ALLOCATION: after a prefill whose tasks all take the GEMM path and a
+  // split decode, of d_qk = d_v = 64 and 10 and 8 tasks (so on every thread of a team of up to
+  // 8), no call of smaller shapes allocates, whatever its G, its S_k against the key blocks (64,
+  // 512), its chunks or its lse. Before the tiles asked for their largest tile's buffers, G = 1
+  // or 2 after G = 4 (more query rows per head) and 1536 keys after 2047 (3 chunks, not 2) did.
   using Scalar = TypeParam;
-  const auto q = apex::testing::random_heads<Scalar>(1, 4, 64, 32, 1);
-  const auto k = apex::testing::random_heads<Scalar>(1, 4, 64, 32, 2);
-  HeadsTensor<Scalar> out({1, 4, 64, 32});
-  Allocations first;
-  std::thread fresh([&] {
-    first = count([&] { apex::sdpa<Scalar>(q.view(), k.view(), k.view(), {}, {}, out.view()); });
+  const Case larger[] = {
+      {"larger prefill", 2, 8, 2, 300, 300, 64, 64, true, false, false, true},
+      // 2047 keys: 2 chunks of 1024 for each of 4 (b, kv head) pairs.
+      {"larger decode", 2, 8, 2, 1, 2047, 64, 64, true, false, false, true},
+  };
+  const Case smaller[] = {
+      // G = 1 after G = 4: Bq = 70 query rows where the larger call's tiles had 64.
+      {"G = 1, S_k = 90, masks, no lse", 1, 4, 4, 70, 90, 64, 64, false, true, true, false},
+      {"G = 2, S_k = 201", 2, 4, 2, 150, 201, 64, 64, true, false, false, true},
+      {"one query and key fewer", 2, 8, 2, 299, 299, 64, 64, true, false, false, true},
+      {"narrower heads, no lse", 1, 8, 2, 37, 130, 48, 40, true, false, false, false},
+      {"streaming, 2 rows, S_k = 777", 1, 4, 2, 2, 777, 64, 64, true, false, false, true},
+      // 1536 keys: 3 chunks of 512 per pair, more than the larger decode's 2.
+      {"decode S_q = 1, more chunks", 2, 8, 2, 1, 1536, 64, 64, true, false, false, true},
+      {"decode S_q = 1, G = 8, S_k = 1999", 1, 8, 1, 1, 1999, 32, 32, true, false, false, true},
+      {"decode S_q = 1, not split, no lse", 1, 4, 4, 1, 1000, 64, 64, true, false, false, false},
+  };
+  on_a_new_thread([&] {
+    for (const Case& c : larger) {
+      SdpaCall<Scalar> call(c);
+      call();
+    }
+    for (const Case& c : smaller) {
+      SCOPED_TRACE(c.name);
+      SdpaCall<Scalar> call(c);
+      const Allocations first = count(call);
+      EXPECT_EQ(first.eigen, 0) << "Eigen heap allocations in the first call of a smaller shape";
+      EXPECT_EQ(first.news, 0) << "operator new in the first call of a smaller shape";
+    }
   });
-  fresh.join();
-  EXPECT_GT(first.eigen, 0);
+}
+
+/// What scratch.hpp (ALLOCATION) says one task's tile asks for, in bytes of C, d_qk = d_v = d,
+/// no ALiBi, K and V of type C, no bfloat16 products; and how many buffers that is.
+template <class C>
+std::pair<std::size_t, long> stated_tile(bool streaming, Index d) {
+  const Index m = streaming ? 8 : 256, bk = streaming ? 512 : 64;
+  const Index pad_bk = (bk + 15) / 16 * 16, pad_dv = (d + 15) / 16 * 16;
+  // kQStacked, kScores, kPositionTile, kAcc, kRowStats, kRowScale
+  Index scalars = m * d + 2 * m * pad_bk + m * pad_dv + 2 * m + m;
+  long buffers = 6;
+  if (!streaming) {
+    scalars += bk * d + bk * d;  // kKCopy, kVCopy
+    buffers += 2;
+    const apex::detail::FloatKernels* simd =
+        std::is_same_v<C, float> ? apex::detail::float_kernels() : nullptr;
+    if (simd != nullptr) {
+      scalars += (bk + simd->panel - 1) / simd->panel * simd->panel * d;  // kKPacked
+      buffers += 1;
+    } else if (apex::detail::TileGemm<C>::kPacks) {
+      scalars += m * d + bk * d + m * bk + bk * d;  // kQPacked, kKPacked, kPPacked, kVPacked
+      buffers += 4;
+    }
+  }
+  return {static_cast<std::size_t>(scalars) * sizeof(C), buffers};
+}
+
+/// The calling thread's kTaskFlags: one 4096-byte page up to 4096 tasks and merges.
+constexpr std::size_t kFlagPage = 4096;
+
+TYPED_TEST(AllocationTyped, ExactPromise_FirstCallOnANewThreadAllocatesTheStatedBuffers) {
+  // "a thread starts with none", and the sizes of its buffers: one task (one (b, kv head) pair,
+  // one query block), so the calling thread runs it, and the count is exact.
+  using Scalar = TypeParam;
+  for (const bool streaming : {false, true}) {
+    SCOPED_TRACE(streaming ? "streaming, S_q = 1" : "GEMM path, M = 256");
+    const Case c{"one task", 1, 4, 1, streaming ? 1 : 64, 300, 64, 64, true, false, false, true};
+    const auto [tile_bytes, tile_buffers] = stated_tile<Scalar>(streaming, 64);
+    on_a_new_thread([&, tile_bytes = tile_bytes, tile_buffers = tile_buffers] {
+      SdpaCall<Scalar> call(c);
+      EXPECT_EQ(apex::scratch_bytes(), 0U);
+      const Allocations first = count(call);
+      EXPECT_EQ(first.eigen, tile_buffers + 1) << "the tile's buffers and the task flags";
+      EXPECT_EQ(first.news, 0);
+      EXPECT_EQ(apex::scratch_bytes(), tile_bytes + kFlagPage);
+      EXPECT_EQ(count(call).eigen, 0);
+    });
+  }
+}
+
+TYPED_TEST(AllocationTyped, ExactPromise_FirstSplitCallAllocatesTheWholePartialBudget) {
+  // Split-key decoding: 3 chunks of 1024 keys of one pair, run on min(3, threads) threads, one
+  // merge on the calling thread. Its partials are partial_budget scalars whatever the call, and
+  // its merge weights ⌊S_k / 512⌋ + d_v.
+  using Scalar = TypeParam;
+  const Case c{"split decode", 1, 4, 1, 1, 3000, 64, 64, true, false, false, true};
+  const auto [tile_bytes, tile_buffers] = stated_tile<Scalar>(true, 64);
+  const long threads = std::min<long>(3, apex::detail::max_threads());
+  const std::size_t partials = (std::size_t{1} << 19) * sizeof(Scalar);
+  const std::size_t weights = static_cast<std::size_t>(3000 / 512 + 64) * sizeof(Scalar);
+  on_a_new_thread([&, tile_bytes = tile_bytes, tile_buffers = tile_buffers] {
+    SdpaCall<Scalar> call(c);
+    const Allocations first = count(call);
+    EXPECT_EQ(first.eigen, threads * tile_buffers + 3) << "tiles, flags, partials, weights";
+    EXPECT_EQ(first.news, 0);
+    EXPECT_EQ(apex::scratch_bytes(), tile_bytes + kFlagPage + partials + weights);
+    EXPECT_EQ(count(call).eigen, 0);
+  });
+}
+
+TYPED_TEST(AllocationTyped, ExactPromise_ReleaseScratchMakesTheNextCallAllocateAgain) {
+  // "release_scratch() frees the calling thread's buffers and those of its OpenMP team": the
+  // next call allocates what the first one did, to the byte, and the one after it nothing.
+  using Scalar = TypeParam;
+  const Case c{"decode", 2, 8, 2, 1, 3000, 64, 64, true, false, false, true};
+  on_a_new_thread([&] {
+    SdpaCall<Scalar> call(c);
+    const Allocations first = count(call);
+    const std::size_t held = apex::scratch_bytes();
+    EXPECT_GT(first.eigen, 0);
+    EXPECT_EQ(count(call).eigen, 0);
+    apex::release_scratch();
+    EXPECT_EQ(apex::scratch_bytes(), 0U);
+    const Allocations again = count(call);
+    EXPECT_EQ(again.eigen, first.eigen) << "every buffer of every thread, once each";
+    EXPECT_EQ(again.news, 0);
+    EXPECT_EQ(apex::scratch_bytes(), held);
+    EXPECT_EQ(count(call).eigen, 0);
+  });
 }
 
 TYPED_TEST(AllocationTyped, SingleHeadSdpaRepeatedCallAllocatesNothing) {

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: MIT
 // The kernel's scratch (include/apex/detail/scratch.hpp and the MEMORY section of
-// detail/flash_attention.hpp): bounded whatever the number of keys, and released on request.
+// detail/flash_attention.hpp): bounded whatever the number of keys, and released on request;
+// the growth rule of ALLOCATION on a ThreadScratch of its own (allocation_test.cpp counts what
+// sdpa allocates).
 // Resident memory is read from /proc/self/status inside a new thread, after sdpa returns and
 // while the thread (and its OpenMP team) still holds its buffers.
 #include <apex/cpu.hpp>
@@ -42,13 +44,13 @@ double resident_kib() {
 /// The bound sdpa documents for its scratch, in bytes (detail/flash_attention.hpp, MEMORY), for
 /// d_qk = d_v = d and the default blocks (M <= 256 stacked rows, Bk = 64, or 256 for bfloat16
 /// products on AMX tiles; the streaming path needs less), float: per thread that runs tasks
-///   2·M·d + 4·Bk·d + 2·M·Bk + M·d + Bq·Bk + 3·M  scalars,
-/// and on the calling thread at most 2^19 scalars of split-key partials.
+///   2·M·d + 4·Bk·d + 2·M·Bk + M·d + M·Bk + 3·M  scalars,
+/// and on the calling thread 2^19 scalars of split-key partials.
 double documented_scratch_bytes(Index d, int threads, bool bf16_products) {
   const bool tiles = bf16_products && apex::kernel_isa() == apex::KernelIsa::kAmx;
-  const double m = 256, bk = tiles ? 256 : 64, bq = 256;
+  const double m = 256, bk = tiles ? 256 : 64;
   const double dd = static_cast<double>(d);
-  const double per_thread = 2 * m * dd + 4 * bk * dd + 2 * m * bk + m * dd + bq * bk + 3 * m;
+  const double per_thread = 2 * m * dd + 4 * bk * dd + 2 * m * bk + m * dd + m * bk + 3 * m;
   return 4.0 * (per_thread * threads + double(Index{1} << 19));
 }
 
@@ -143,6 +145,31 @@ TEST(Scratch, ReleaseScratchFreesTheCallingThreadsBuffers) {
               Eigen::Map<const Vector<float>>(out.data(), 8 * 64));
   });
   fresh.join();
+}
+
+TEST(Scratch, ExactPromise_ABufferHoldsItsLargestRequestUntilReleased) {
+  // ALLOCATION: a request for more than a buffer holds grows it to exactly that request; a
+  // smaller one reuses it (same memory); release() empties every buffer.
+  using apex::detail::ScratchSlot;
+  apex::detail::ThreadScratch scratch;
+  EXPECT_EQ(scratch.bytes(), 0U);
+  float* first = scratch.get<float>(ScratchSlot::kScores, 1000);
+  EXPECT_EQ(scratch.bytes(), 4000U);
+  EXPECT_EQ(scratch.get<float>(ScratchSlot::kScores, 999), first);
+  EXPECT_EQ(scratch.get<double>(ScratchSlot::kScores, 500), reinterpret_cast<double*>(first));
+  EXPECT_EQ(scratch.get<char>(ScratchSlot::kScores, 0), reinterpret_cast<char*>(first));
+  EXPECT_EQ(scratch.bytes(), 4000U);
+  scratch.get<double>(ScratchSlot::kScores, 501);  // 4008 bytes: grows to exactly that
+  EXPECT_EQ(scratch.bytes(), 4008U);
+  scratch.get<unsigned char>(ScratchSlot::kTaskFlags, 3);
+  EXPECT_EQ(scratch.bytes(), 4011U);
+  scratch.release();
+  EXPECT_EQ(scratch.bytes(), 0U);
+  // The flags' size: whole pages, so that a count of tasks below 4096 never grows them.
+  EXPECT_EQ(apex::detail::ThreadScratch::whole_pages(0), 0);
+  EXPECT_EQ(apex::detail::ThreadScratch::whole_pages(1), 4096);
+  EXPECT_EQ(apex::detail::ThreadScratch::whole_pages(4096), 4096);
+  EXPECT_EQ(apex::detail::ThreadScratch::whole_pages(4097), 8192);
 }
 
 TEST(Scratch, EveryBufferStartsOnACacheLine) {

@@ -16,6 +16,9 @@
 //     float call returns the double reference's finite answer, rounded to float. The lse is
 //     rounded to the output type, so it may be ±inf there;
 //   - other rows, heads and batches are unaffected.
+//
+// ALLOCATION: which calls of sdpa (and of everything built on its kernel) allocate scratch, when,
+// and how much per buffer and thread, is stated once, in detail/scratch.hpp (ALLOCATION).
 #pragma once
 
 #include <apex/attention_rules.hpp>

@@ -129,25 +129,26 @@
 //   - stream_key_block = decode_chunk = 512: 28 GB/s, against 27 with blocks of 256 and 23 with
 //     blocks of 32–64 (fixed costs per block); chunks of 512 to 4096 keys were within 2 %.
 //
-// MEMORY (ScratchSlot buffers of the thread running a task, grown on first use, then reused;
-// apex::release_scratch() frees them), in scalars of C with rows padded to 16:
+// MEMORY (ScratchSlot buffers of the thread running a task, each sized for the path's largest
+// tile whatever S_q and S_k; when they are allocated: detail/scratch.hpp, ALLOCATION), in
+// scalars of C with rows padded to 16:
 //   GEMM path: 2·M·d_qk (stacked and packed Q) + 2·Bk·d_qk (copied and packed K) + 2·M·Bk
-//   (scores and packed P) + 2·Bk·d_v (copied and packed V) + M·d_v (accumulator) + Bq·Bk
+//   (scores and packed P) + 2·Bk·d_v (copied and packed V) + M·d_v (accumulator) + M·Bk
 //   (position tile) + 3·M (m, l, α). For float, M = 256, Bk = 64, d_qk = d_v = 128: about
 //   0.7 MiB per thread, whatever S is.
-//   Streaming path: M·d_qk + M·Bk + M·d_v + Bq·Bk + 3·M, plus 32·(d_qk + d_v) when K and V are
-//   widened before they are streamed (a panel of kStreamPanel = 32 keys at a time: a storage
-//   type the streaming products do not widen in registers themselves, streams_in_place).
+//   Streaming path (M = 8, Bk = 512): M·d_qk + 2·M·Bk + M·d_v + 3·M, plus 32·(d_qk + d_v)
+//   when K and V are widened before they are streamed (a panel of kStreamPanel = 32 keys at a time:
+//   a storage type the streaming products do not widen in registers themselves, streams_in_place).
 //   On apex's float kernels the GEMM path needs less: no packed Q, P or V, and the transposed
 //   K is ⌈Bk / panel⌉·panel·d_qk (panel = 16 or 32 keys).
 //   With bfloat16 products the GEMM path adds, in 32-bit pairs, M·⌈d_qk/2⌉ (Qs), ⌈Bk/32⌉·32·
 //   ⌈d_qk/2⌉ (K_j), M·⌈Bk/2⌉ (P) and ⌈Bk/2⌉·d_v (V_j): no more than the packed buffers of
 //   Eigen's path above. On AMX tiles Bk = amx_key_block = 256: for M = 256, d_qk = d_v = 128
 //   about 1.6 MiB per thread.
-//   With ALiBi, both paths add G·Bk (the term of each head's first row).
-// Split-key decoding also keeps, on the calling thread, the partial results of every chunk,
-// at most partial_budget = 2^19 scalars (2 MiB of float) whatever S_k, and each merging thread
-// chunks + d_v scalars.
+//   With ALiBi, both paths add M·Bk (the term of each head's first row).
+// Split-key decoding also keeps, on the calling thread, the partial results of every chunk in
+// partial_budget = 2^19 scalars (2 MiB of float) whatever S_k, and each merging thread
+// ⌊S_k / decode_chunk⌋ + d_v scalars.
 #pragma once
 
 #include <apex/attention_rules.hpp>
@@ -455,6 +456,9 @@ C sink_of(const P& p, Index h) {
 // The tile: one task's stacked query rows while key blocks stream past
 // ---------------------------------------------------------------------------------------------
 
+template <class P>
+Index key_block_for(const P& p, bool streaming, const FlashBlocking& blocking, Index keys);
+
 /// The running state of one task (M = G·bq stacked rows of the G heads that share key/value head
 /// (b, kv_head), query rows [q0, q0 + bq)), computing in C.
 template <class C, class P>
@@ -462,9 +466,10 @@ class AttentionTile {
  public:
   using Block = KeyBlock<typename P::Key, typename P::Value>;
 
-  /// `streaming` picks the path; key_block is the most keys add_keys will be given at once.
+  /// `streaming` picks the path; key_block is the most keys add_keys will be given at once;
+  /// `blocking` sizes the scratch (allocate).
   AttentionTile(const P& p, Index b, Index kv_head, Index q0, Index bq, Index key_block,
-                bool streaming)
+                bool streaming, const FlashBlocking& blocking)
       : p_(p),
         streaming_(streaming),
         simd_(std::is_same_v<C, float> ? float_kernels() : nullptr),
@@ -478,7 +483,7 @@ class AttentionTile {
         rows_(p.group * bq),
         ld_s_(padded(key_block)),
         ld_acc_(padded(p.d_v)) {
-    allocate(key_block);
+    allocate(key_block, blocking);
     load_queries();
     std::fill(stats_, stats_ + rows_, SoftmaxStats<C>{});
     std::fill(acc_, acc_ + rows_ * ld_acc_, C(0));
@@ -536,39 +541,50 @@ class AttentionTile {
  private:
   using RowArray = Eigen::Map<Eigen::Array<C, 1, Eigen::Dynamic>>;
 
-  void allocate(Index key_block) {
+  /// Points the buffers into the thread's scratch, each asked for at the size of the path's
+  /// largest tile (its most rows, its key block unclamped by S_k) rather than this tile's, so
+  /// that what a thread holds depends on neither S_q, S_k nor which task it runs (scratch.hpp,
+  /// ALLOCATION).
+  void allocate(Index key_block, const FlashBlocking& blocking) {
     ThreadScratch& scratch = ThreadScratch::local();
     const auto get = [&](ScratchSlot slot, Index count) { return scratch.get<C>(slot, count); };
     const bool gemm = !streaming_;
     const bool widen_k = !k_in_place_;
     const bool widen_v = !v_in_place_;
-    q_stacked_ = get(ScratchSlot::kQStacked, rows_ * p_.d_qk);
+    // Every tile has at most max(G, stacked_rows) rows (plan_attention), a streaming one also at
+    // most stream_rows.
+    const Index largest = std::max(p_.group, blocking.stacked_rows);
+    const Index rows = std::max(rows_, gemm ? largest : std::min(largest, blocking.stream_rows));
+    const Index keys = std::max(
+        key_block, key_block_for(p_, streaming_, blocking, std::numeric_limits<Index>::max()));
+    const Index ld_s = padded(keys);
+    q_stacked_ = get(ScratchSlot::kQStacked, rows * p_.d_qk);
     // The streaming path widens one panel of keys at a time (kStreamPanel rows).
-    const Index copied = gemm ? key_block : std::min(key_block, kStreamPanel);
+    const Index copied = gemm ? keys : std::min(keys, kStreamPanel);
     if (gemm || widen_k) k_copy_ = get(ScratchSlot::kKCopy, copied * p_.d_qk);
     if (gemm || widen_v) v_copy_ = get(ScratchSlot::kVCopy, copied * p_.d_v);
     if (bf16_ != nullptr) {
       const auto pairs = [&](ScratchSlot slot, Index count) {
         return scratch.get<Bf16Pair>(slot, count);
       };
-      q_pairs_ = pairs(ScratchSlot::kQPacked, rows_ * Bf16Kernels::pairs(p_.d_qk));
-      k_pairs_ = pairs(ScratchSlot::kKPacked, bf16_->packed_pairs(key_block, p_.d_qk));
-      p_pairs_ = pairs(ScratchSlot::kPPacked, rows_ * Bf16Kernels::pairs(key_block));
-      v_pairs_ = pairs(ScratchSlot::kVPacked, Bf16Kernels::pairs(key_block) * p_.d_v);
+      q_pairs_ = pairs(ScratchSlot::kQPacked, rows * Bf16Kernels::pairs(p_.d_qk));
+      k_pairs_ = pairs(ScratchSlot::kKPacked, bf16_->packed_pairs(keys, p_.d_qk));
+      p_pairs_ = pairs(ScratchSlot::kPPacked, rows * Bf16Kernels::pairs(keys));
+      v_pairs_ = pairs(ScratchSlot::kVPacked, Bf16Kernels::pairs(keys) * p_.d_v);
     } else if (gemm && simd_ != nullptr) {
-      k_packed_ = get(ScratchSlot::kKPacked, simd_->packed_size(key_block, p_.d_qk));
+      k_packed_ = get(ScratchSlot::kKPacked, simd_->packed_size(keys, p_.d_qk));
     } else if (gemm && TileGemm<C>::kPacks) {
-      q_packed_ = get(ScratchSlot::kQPacked, rows_ * p_.d_qk);
-      k_packed_ = get(ScratchSlot::kKPacked, key_block * p_.d_qk);
-      p_packed_ = get(ScratchSlot::kPPacked, rows_ * key_block);
-      v_packed_ = get(ScratchSlot::kVPacked, key_block * p_.d_v);
+      q_packed_ = get(ScratchSlot::kQPacked, rows * p_.d_qk);
+      k_packed_ = get(ScratchSlot::kKPacked, keys * p_.d_qk);
+      p_packed_ = get(ScratchSlot::kPPacked, rows * keys);
+      v_packed_ = get(ScratchSlot::kVPacked, keys * p_.d_v);
     }
-    scores_ = get(ScratchSlot::kScores, rows_ * ld_s_);
-    acc_ = get(ScratchSlot::kAcc, rows_ * ld_acc_);
-    position_tile_ = get(ScratchSlot::kPositionTile, bq_ * ld_s_);
-    if (p_.alibi_slopes != nullptr) alibi_ = get(ScratchSlot::kAlibi, p_.group * ld_s_);
-    stats_ = scratch.get<SoftmaxStats<C>>(ScratchSlot::kRowStats, rows_);
-    alpha_ = get(ScratchSlot::kRowScale, rows_);
+    scores_ = get(ScratchSlot::kScores, rows * ld_s);
+    acc_ = get(ScratchSlot::kAcc, rows * ld_acc_);
+    position_tile_ = get(ScratchSlot::kPositionTile, rows * ld_s);  // bq_ <= rows of ld_s_
+    if (p_.alibi_slopes != nullptr) alibi_ = get(ScratchSlot::kAlibi, rows * ld_s);  // G rows
+    stats_ = scratch.get<SoftmaxStats<C>>(ScratchSlot::kRowStats, rows);
+    alpha_ = get(ScratchSlot::kRowScale, rows);
   }
 
   /// Qs = scale·Q with the G heads' rows stacked, widened to C; packed once for the GEMM path.
@@ -1052,7 +1068,7 @@ bool prefill_task(const P& p, const JobTasks& t, const AttentionOutputs<TO>& o, 
   const Index bq = std::min(t.plan.query_block, p.s_q - q0);
   const bool streaming = p.group * bq <= blocking.stream_rows;
   const Index key_block = key_block_for(p, streaming, blocking, p.s_k);
-  AttentionTile<C, P> tile(p, b, pair - b * t.kv_heads, q0, bq, key_block, streaming);
+  AttentionTile<C, P> tile(p, b, pair - b * t.kv_heads, q0, bq, key_block, streaming, blocking);
   for_each_key_block(p, 0, p.s_k, visible_keys_of(p, q0, bq), key_block,
                      [&](const auto& keys) { tile.add_keys(keys); });
   for (Index r = 0; r < tile.rows(); ++r) {
@@ -1074,7 +1090,7 @@ bool chunk_task(const P& p, const JobTasks& t, Index task, C* partials,
   const Index b = pair / t.kv_heads;
   const bool streaming = t.rows <= blocking.stream_rows;
   const Index key_block = key_block_for(p, streaming, blocking, t.plan.chunk);
-  AttentionTile<C, P> tile(p, b, pair - b * t.kv_heads, 0, p.s_q, key_block, streaming);
+  AttentionTile<C, P> tile(p, b, pair - b * t.kv_heads, 0, p.s_q, key_block, streaming, blocking);
   const Index begin = t.plan.first_key + c * t.plan.chunk;
   for_each_key_block(p, begin, std::min(p.s_k, begin + t.plan.chunk), visible_keys_of(p, 0, p.s_q),
                      key_block, [&](const auto& keys) { tile.add_keys(keys); });
@@ -1092,13 +1108,15 @@ bool chunk_task(const P& p, const JobTasks& t, Index task, C* partials,
 /// sink (merge_rows), writing the rows. Returns whether every merged row is finite (float).
 template <class C, class P, class TO>
 bool merge_task(const P& p, const JobTasks& t, const AttentionOutputs<TO>& o, Index pair,
-                const C* partials) {
+                const C* partials, const FlashBlocking& blocking) {
   const Index chunks = t.plan.chunks;
   const Index b = pair / t.kv_heads;
   const Index kv_head = pair - b * t.kv_heads;
   const Index record = p.d_v + 2;
   const C* first = partials + pair * chunks * t.rows * record;
-  C* weights = ThreadScratch::local().get<C>(ScratchSlot::kMergeWeights, chunks + p.d_v);
+  // Asked for at ⌊S_k / decode_chunk⌋ >= chunks (plan_attention), which grows with S_k alone.
+  const Index most_chunks = p.s_k / std::max<Index>(1, blocking.decode_chunk);
+  C* weights = ThreadScratch::local().get<C>(ScratchSlot::kMergeWeights, most_chunks + p.d_v);
   bool ok = true;
   for (Index r = 0; r < t.rows; ++r) {
     const auto part_at = [&](Index c) {
@@ -1147,9 +1165,13 @@ void run_wave(const AttentionJob<P, TO>* jobs, JobTasks* t, Index count, bool* f
     merges += t[j].plan.split ? t[j].pairs : 0;
     partials += t[j].partials;
   }
+  // Sizes that do not depend on the call's shapes (scratch.hpp, ALLOCATION): the whole budget
+  // once any job splits, whole pages of flags.
   ThreadScratch& scratch = ThreadScratch::local();
-  C* partial = scratch.get<C>(ScratchSlot::kDecodePartials, partials);
-  auto* ok = scratch.get<unsigned char>(ScratchSlot::kTaskFlags, tasks + merges);
+  C* partial = scratch.get<C>(ScratchSlot::kDecodePartials,
+                              partials > 0 ? std::max(partials, blocking.partial_budget) : 0);
+  auto* ok = scratch.get<unsigned char>(ScratchSlot::kTaskFlags,
+                                        ThreadScratch::whole_pages(tasks + merges));
   parallel_for(tasks, [&](Index task) {
     const Index j = job_holding(t, count, task, [](const JobTasks& x) { return x.first_task; });
     const P& p = *jobs[j].problem;
@@ -1160,8 +1182,9 @@ void run_wave(const AttentionJob<P, TO>* jobs, JobTasks* t, Index count, bool* f
   });
   parallel_for(merges, [&](Index merge) {
     const Index j = job_holding(t, count, merge, [](const JobTasks& x) { return x.first_merge; });
-    ok[tasks + merge] = merge_task<C>(*jobs[j].problem, t[j], jobs[j].outputs,
-                                      merge - t[j].first_merge, partial + t[j].first_partial);
+    ok[tasks + merge] =
+        merge_task<C>(*jobs[j].problem, t[j], jobs[j].outputs, merge - t[j].first_merge,
+                      partial + t[j].first_partial, blocking);
   });
   for (Index j = 0; j < count; ++j) {
     const unsigned char* job_ok = ok + t[j].first_task;
