@@ -16,6 +16,8 @@
 #include <omp.h>
 #endif
 
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -309,6 +311,87 @@ TEST(RingAttention, ZigzagShardsAreOneEarlyAndOneLateChunk) {
   EXPECT_EQ(r1[1].end, 8);
   EXPECT_EQ(s.local_length(0), 5);
   EXPECT_EQ(s.local_length(1), 5);
+}
+
+// Unchecked arithmetic on user-given sizes (hardening class 2): each of these sizes was formed
+// with plain signed arithmetic, which overflowed (undefined behaviour) or wrapped to a small
+// count that passed the checks after it.
+
+TEST(RingAttention, UncheckedArithmetic_RingBytesSentOverflowIsRejected) {
+  // Needs no MPI, so any rank count: P = 2, contiguous, every shard one hop.
+  const SequenceSharding two(37, 2, ShardLayout::kContiguous);
+  const std::int64_t huge = std::numeric_limits<std::int64_t>::max() / 4;
+  apex::testing::expect_invalid(
+      [&] { apex::distributed::ring_bytes_sent(two, {}, huge); },
+      {"[ring_bytes_sent] a shard's bytes kv_row_bytes*S_o (" + std::to_string(huge) + " x ",
+       "overflows 64 bits"});
+  // Each shard's bytes fit, a rank's sum over its two sends (P = 3: two hops) does not.
+  const SequenceSharding three(3, 3, ShardLayout::kContiguous);
+  const std::int64_t half = std::numeric_limits<std::int64_t>::max() / 2 + 1;
+  apex::testing::expect_invalid([&] { apex::distributed::ring_bytes_sent(three, {}, half); },
+                                {"[ring_bytes_sent] a rank's bytes sent", "fit in 64 bits"});
+  apex::testing::expect_invalid([&] { apex::distributed::ring_bytes_sent(two, {}, -1); },
+                                "[ring_bytes_sent] kv_row_bytes (-1) must be >= 0");
+  EXPECT_EQ(apex::distributed::ring_bytes_sent(three, {}, half - 1)[0], 2 * (half - 1));
+}
+
+TEST(RingAttention, UncheckedArithmetic_PositionsBeyondIndexAreRejectedByThePlan) {
+  // key_offset + a chunk's end overflowed in the plan, which checked no rule.
+  const SequenceSharding sharding(10, 2, ShardLayout::kContiguous);
+  PositionMask rule = causal();
+  rule.key_offset = std::numeric_limits<Index>::max() - 5;
+  const std::string offset = "key_offset (" + std::to_string(rule.key_offset) + ") + S_k (10)";
+  apex::testing::expect_invalid([&] { apex::distributed::ring_plan(sharding, rule); },
+                                {"[ring_plan] " + offset, "must not exceed the largest position"});
+  apex::testing::expect_invalid([&] { apex::distributed::ring_bytes_sent(sharding, rule, 1); },
+                                "[ring_bytes_sent] " + offset);
+}
+
+TEST(RingAttention, UncheckedArithmetic_HugeLengthIsRejectedOnEveryRank) {
+  // S = P·(2^60 + 1) positions of width 1: the bound on a K or V shard, B·H_kv·S_chunk·2·d·4
+  // bytes = 2^63 + 8, wrapped below INT_MAX and passed the one-message check. The views are
+  // never read (the checks come first), so they view one float.
+  const auto me = world();
+  float dummy = 0.0f;
+  const auto attend = [&](Index length) {
+    const SequenceSharding sharding(length, me.size, ShardLayout::kContiguous);
+    const Index rows = sharding.local_length(me.rank);
+    const HeadsView<const float> in(&dummy, {1, 1, rows, 1}, {0, 0, 0});
+    const HeadsView<float> out(&dummy, {1, 1, rows, 1}, {rows, rows, 1});
+    apex::distributed::ring_attention(MPI_COMM_WORLD, sharding, in, in, in, causal(), {}, out);
+  };
+  apex::testing::expect_invalid(
+      [&] { attend(((Index{1} << 60) + 1) * me.size); },
+      {"[ring_attention] a K or V shard's bytes", "overflows 64 bits", "(on rank 0)"});
+  // Within 64 bits but above one MPI message (an int count of bytes): rejected, not truncated.
+  apex::testing::expect_invalid(
+      [&] { attend((Index{1} << 28) * me.size + me.size); },
+      {"[ring_attention] a K or V shard of up to", "exceeds one MPI message", "(on rank 0)"});
+  EXPECT_EQ(dummy, 0.0f);
+}
+
+TEST(RingAttention, UncheckedArithmetic_NegativeDocumentsLengthIsRejectedOnEveryRank) {
+  // The agreement hashes the document ids before any check; a view of -1 ids on the last rank
+  // made it read (size_t)(-1)·8 bytes.
+  const auto me = world();
+  const int last = me.size - 1;
+  WholeSequence w;
+  w.draw(95);
+  const SequenceSharding sharding(w.length, me.size, ShardLayout::kZigzag);
+  const auto q = apex::distributed::shard_rows(w.q.view(), sharding, me.rank);
+  const auto k = apex::distributed::shard_rows(w.k.view(), sharding, me.rank);
+  const auto v = apex::distributed::shard_rows(w.v.view(), sharding, me.rank);
+  HeadsTensor<float> out({w.batch, w.q_heads, q.seq(), w.d_v});
+  const std::vector<Index> ids(static_cast<std::size_t>(w.length), 0);
+  PositionMask rule = causal();
+  rule.documents = me.rank == last ? apex::DocumentIds(ids.data(), -1) : apex::DocumentIds(ids);
+  apex::testing::expect_invalid(
+      [&] {
+        apex::distributed::ring_attention(MPI_COMM_WORLD, sharding, q.view(), k.view(), v.view(),
+                                          rule, {}, out.view());
+      },
+      {"[ring_attention] documents (-1 ids) must be a view of >= 0 ids",
+       "(on rank " + std::to_string(last) + ")"});
 }
 
 }  // namespace

@@ -14,8 +14,11 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <random>
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -173,10 +176,25 @@ TEST(ShardedDecode, BadInputOnOneRankIsRefusedOnEveryRank) {
     EXPECT_EQ(out2.data()[0], 9.0f);
     EXPECT_EQ(out4.data()[0], 9.0f);
   }
-  // A full rank refuses the append everywhere, and no rank's count moves.
-  const auto many = apex::testing::random_heads<float>(1, 2, 8 * me.size + 1, 4, 5);
-  apex::testing::expect_invalid([&] { cache.append(many.view(), many.view(), me.size); },
-                                "would exceed its capacity (8)");
+  // More tokens than all ranks have room for are refused everywhere; so is a chunk that fits
+  // in all but overflows one rank (a rank gets its ninth position before the others are full),
+  // and no rank's count moves.
+  const auto many = apex::testing::random_heads<float>(1, 2, 7 * me.size + 1, 4, 5);
+  apex::testing::expect_invalid(
+      [&] { cache.append(many.view(), many.view(), me.size); },
+      {"appending " + std::to_string(7 * me.size + 1) + " tokens",
+       "would exceed the capacity (8 per rank)", std::to_string(7 * me.size) + " positions free"});
+  EXPECT_EQ(cache.length(), me.size);
+  std::vector<Index> held(static_cast<std::size_t>(me.size), 1);
+  Index overflowing = 0;  // tokens from position P on until some rank would get a ninth
+  for (bool fits = true; fits; ++overflowing) {
+    fits = ++held[static_cast<std::size_t>(cache.owner_of(me.size + overflowing))] <= 8;
+  }
+  if (overflowing <= 7 * me.size) {
+    const auto some = apex::testing::random_heads<float>(1, 2, overflowing, 4, 5);
+    apex::testing::expect_invalid([&] { cache.append(some.view(), some.view(), me.size); },
+                                  "would exceed its capacity (8)");
+  }
   EXPECT_EQ(cache.length(), me.size);
   apex::testing::expect_invalid([&] { cache.append(kv.view(), kv.view(), me.size + 1); },
                                 "skips ahead");
@@ -202,6 +220,65 @@ TEST(ShardedDecode, EmptyAndMovedFromCachesAreValid) {
   EXPECT_EQ(cache.length(), 0);  // NOLINT(bugprone-use-after-move): moved-from is valid
   EXPECT_EQ(cache.bytes(), 0);
   apex::testing::expect_invalid([&] { cache.append(kv.view(), kv.view(), 0); }, "is empty");
+}
+
+// Unchecked arithmetic on user-given sizes (hardening class 2): each of these sizes was formed
+// with plain signed arithmetic, which overflowed (undefined behaviour) or wrapped to a count
+// that passed the checks after it, or was truncated to MPI's int count. The views of huge
+// shapes are never read (the checks come first), so they view one float.
+
+TEST(Communicator, UncheckedArithmetic_HugeBroadcastIsRejectedOnEveryRank) {
+  float dummy = 0.0f;
+  // 2^62 + 1 floats: the byte count wrapped to 4, which passed the one-message check.
+  const Index huge = (Index{1} << 62) + 1;
+  const HeadsView<float> wrapped(&dummy, {1, 1, 1, huge}, {huge, huge, huge});
+  apex::testing::expect_invalid(
+      [&] { apex::distributed::broadcast(MPI_COMM_WORLD, wrapped, 0); },
+      {"[broadcast] view bytes B*H*S*D*sizeof(T)", "overflows 64 bits", "(on rank 0)"});
+  // 2^31 bytes: within 64 bits, above one MPI message (an int count): rejected, not truncated.
+  const Index big = Index{1} << 29;
+  const HeadsView<float> message(&dummy, {1, 1, 1, big}, {big, big, big});
+  apex::testing::expect_invalid(
+      [&] { apex::distributed::broadcast(MPI_COMM_WORLD, message, 0); },
+      {"[broadcast] the view's 2147483648 bytes exceed one MPI message", "(on rank 0)"});
+  EXPECT_EQ(dummy, 0.0f);
+}
+
+TEST(ShardedDecode, UncheckedArithmetic_HugeAppendIsRejected) {
+  // The n tokens were dealt to their owners one by one before any capacity was checked, so a
+  // huge n was a hang of n steps (and the length, 1 + n, would overflow for the largest).
+  const auto me = world();
+  ShardedKvCache<float> cache(MPI_COMM_WORLD, ShardedCacheShape{1, 1, 4, 8, 4});
+  const auto one = apex::testing::random_heads<float>(1, 1, 1, 4, 3);
+  cache.append(one.view(), one.view(), 0);
+  float dummy = 0.0f;
+  for (const Index n : {Index{1} << 62, std::numeric_limits<Index>::max()}) {
+    const HeadsView<const float> kv(&dummy, {1, 1, n, 4}, {0, 0, 0});
+    apex::testing::expect_invalid(
+        [&] { cache.append(kv, kv, 1); },
+        {"[sharded_kv_cache] appending " + std::to_string(n) + " tokens at position 1",
+         "would exceed the capacity (8 per rank) of all " + std::to_string(me.size) + " ranks",
+         std::to_string(8 * me.size - 1) + " positions free"});
+  }
+  EXPECT_EQ(cache.length(), 1);
+}
+
+TEST(ShardedDecode, UncheckedArithmetic_RecordsBeyondOneMpiMessageAreRejectedOnEveryRank) {
+  // B·H_q·S_q·(d_v + 2) doubles go to MPI_Allgather with an int count: 2^29 queries of width 4
+  // make 3·2^30 records, which the count truncated.
+  ShardedKvCache<float> cache(MPI_COMM_WORLD, ShardedCacheShape{1, 1, 4, 8, 4});
+  const auto one = apex::testing::random_heads<float>(1, 1, 1, 4, 3);
+  cache.append(one.view(), one.view(), 0);
+  float dummy = 0.0f;
+  const Index queries = Index{1} << 29;
+  const HeadsView<const float> q(&dummy, {1, 1, queries, 4}, {0, 0, 0});
+  const HeadsView<float> out(&dummy, {1, 1, queries, 4}, {0, 0, 4});
+  apex::testing::expect_invalid(
+      [&] { cache.attend(q, PositionMask{}, {}, out); },
+      {"[sharded_kv_cache] the records of B*H_q*S_q*(d_v + 2) = 3221225472 doubles exceed one "
+       "MPI message",
+       "(on rank 0)"});
+  EXPECT_EQ(dummy, 0.0f);
 }
 
 }  // namespace

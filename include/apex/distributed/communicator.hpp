@@ -170,6 +170,7 @@ Traffic broadcast(MPI_Comm comm, const HeadsView<T>& view, int root) {
   constexpr const char* op = "broadcast";
   const RankInfo me = detail::rank_info(comm, op);
   const HeadsShape s = view.shape();
+  std::int64_t bytes = 0;  // of the view's elements: one MPI message, so at most INT_MAX
   detail::agree(comm, me, op,
                 {{"root", root},
                  {"batch", s.batch},
@@ -183,8 +184,9 @@ Traffic broadcast(MPI_Comm comm, const HeadsView<T>& view, int root) {
                                                               << ")");
                   apex::detail::check_extents(view, op, "view shape");
                   apex::detail::check_output_view(view, op, "view");
-                  const std::int64_t bytes =
-                      s.batch * s.heads * s.seq * s.dim * static_cast<std::int64_t>(sizeof(T));
+                  bytes = apex::detail::checked_product(
+                      {s.batch, s.heads, s.seq, s.dim, static_cast<std::int64_t>(sizeof(T))}, op,
+                      "view bytes B*H*S*D*sizeof(T)");
                   APEX_CHECK(bytes <= std::numeric_limits<int>::max(),
                              "[" << op << "] the view's " << bytes
                                  << " bytes exceed one MPI message (2^31 - 1 bytes)");
@@ -195,8 +197,6 @@ Traffic broadcast(MPI_Comm comm, const HeadsView<T>& view, int root) {
   for (Index b = 0; b < s.batch; ++b) {
     for (Index h = 0; h < s.heads; ++h) staging.view().head(b, h) = view.head(b, h);
   }
-  const std::int64_t bytes =
-      s.batch * s.heads * s.seq * s.dim * static_cast<std::int64_t>(sizeof(T));
   detail::mpi_call(MPI_Bcast(staging.data(), static_cast<int>(bytes), MPI_BYTE, root, comm), op);
   for (Index b = 0; b < s.batch; ++b) {
     for (Index h = 0; h < s.heads; ++h) view.head(b, h) = staging.view().head(b, h);

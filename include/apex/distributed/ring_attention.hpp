@@ -71,13 +71,16 @@ constexpr std::int64_t type_code() {
 }
 
 /// FNV-1a of `count` objects' bytes: lets ranks compare vectors (sinks, slopes, document ids)
-/// through one integer.
+/// through one integer. It runs before the checks (the agreement carries it), so a count that
+/// the checks will reject (negative) reads nothing, and no byte count is formed that could wrap.
 template <class T>
 std::int64_t bytes_hash(const T* data, Index count) {
   std::uint64_t h = 1469598103934665603ULL;
   const auto* bytes = reinterpret_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < static_cast<std::size_t>(count) * sizeof(T); ++i) {
-    h = (h ^ bytes[i]) * 1099511628211ULL;
+  for (Index i = 0; i < count; ++i) {
+    for (std::size_t b = 0; b < sizeof(T); ++b) {
+      h = (h ^ bytes[static_cast<std::size_t>(i) * sizeof(T) + b]) * 1099511628211ULL;
+    }
   }
   std::int64_t out = 0;
   std::memcpy(&out, &h, sizeof out);
@@ -181,8 +184,11 @@ void merge_part(RunningRows<C>& r, Index row0, Index rows) {
 }  // namespace detail
 
 /// The hops of every shard under `rule` (positions key_offset + row of the whole sequence; see
-/// THE RING above). Needs no MPI. Allocates the result.
+/// THE RING above). Needs no MPI. Throws std::invalid_argument unless the rule is one that
+/// ring_attention accepts on the positions [key_offset, key_offset + S) (check_position_mask:
+/// every position an Index). Allocates the result.
 inline RingPlan ring_plan(const SequenceSharding& sharding, const PositionMask& rule) {
+  apex::detail::check_position_mask(rule, sharding.length(), sharding.length(), "ring_plan");
   const int p = sharding.ranks();
   RingPlan plan;
   plan.hops.assign(static_cast<std::size_t>(p), 0);
@@ -200,10 +206,15 @@ inline RingPlan ring_plan(const SequenceSharding& sharding, const PositionMask& 
 /// The bytes each rank sends in ring_attention, [P]: rank r sends, at each step s <
 /// hops((r − s) mod P), the shard it holds, kv_row_bytes · S_((r − s) mod P) bytes, where
 /// kv_row_bytes = B·H_kv·(d_qk·sizeof(TK) + d_v·sizeof(TV)) is what one position's K and V take.
-/// Needs no MPI. Allocates the result.
+/// Needs no MPI. Throws std::invalid_argument as ring_plan, for kv_row_bytes < 0, and when a
+/// rank's bytes do not fit in 64 bits. Allocates the result.
 inline std::vector<std::int64_t> ring_bytes_sent(const SequenceSharding& sharding,
                                                  const PositionMask& rule,
                                                  std::int64_t kv_row_bytes) {
+  constexpr const char* op = "ring_bytes_sent";
+  APEX_CHECK(kv_row_bytes >= 0,
+             "[" << op << "] kv_row_bytes (" << kv_row_bytes << ") must be >= 0");
+  apex::detail::check_position_mask(rule, sharding.length(), sharding.length(), op);
   const RingPlan plan = ring_plan(sharding, rule);
   const int p = sharding.ranks();
   std::vector<std::int64_t> bytes(static_cast<std::size_t>(p), 0);
@@ -211,7 +222,12 @@ inline std::vector<std::int64_t> ring_bytes_sent(const SequenceSharding& shardin
     for (int s = 0; s < p; ++s) {
       const int o = ((r - s) % p + p) % p;
       if (s < plan.hops[static_cast<std::size_t>(o)]) {
-        bytes[static_cast<std::size_t>(r)] += kv_row_bytes * sharding.local_length(o);
+        std::int64_t& sent = bytes[static_cast<std::size_t>(r)];
+        sent = apex::detail::checked_sum(
+            sent,
+            apex::detail::checked_product(kv_row_bytes, sharding.local_length(o), op,
+                                          "a shard's bytes kv_row_bytes*S_o"),
+            op, "a rank's bytes sent");
       }
     }
   }
@@ -287,13 +303,24 @@ Traffic ring_attention(MPI_Comm comm, const SequenceSharding& sharding, const He
                "[" << op << "] query_offset (" << *positions.query_offset
                    << ") must be unset or equal to key_offset (" << positions.key_offset
                    << "): ring attention is self-attention");
+    // The sizes formed below: every message and shard buffer is at most a K or V shard of two
+    // of the largest chunks (sizes the ranks agree on); the running rows grow with this rank's
+    // rows. Checked here, in the agreement, so that an overflow on any rank throws on all.
+    using apex::detail::checked_product;
     const Index largest = sharding.chunk(0).end - sharding.chunk(0).begin;
-    const std::int64_t bytes = q.batch() * k.heads() * largest * 2 *
-                               std::max(q.dim() * static_cast<std::int64_t>(sizeof(TK)),
-                                        v.dim() * static_cast<std::int64_t>(sizeof(TV)));
+    const std::int64_t row_bytes =
+        std::max(checked_product(q.dim(), static_cast<std::int64_t>(sizeof(TK)), op,
+                                 "a key row's bytes d_qk*sizeof(TK)"),
+                 checked_product(v.dim(), static_cast<std::int64_t>(sizeof(TV)), op,
+                                 "a value row's bytes d_v*sizeof(TV)"));
+    const std::int64_t bytes = checked_product({q.batch(), k.heads(), largest, 2, row_bytes}, op,
+                                               "a K or V shard's bytes B*H_kv*S_chunk*2*row bytes");
     APEX_CHECK(bytes <= std::numeric_limits<int>::max(),
                "[" << op << "] a K or V shard of up to " << bytes
                    << " bytes exceeds one MPI message (2^31 − 1 bytes): use more ranks");
+    checked_product(
+        {q.batch(), q.heads(), rows, v.dim() + 1, static_cast<std::int64_t>(2 * sizeof(double))},
+        op, "the running rows' bytes B*H_q*S_r*(d_v + 1)*16");
   });
 
   const int p = me.size;

@@ -181,6 +181,16 @@ class ShardedKvCache {
     constexpr const char* op = "sharded_kv_cache";
     check_chunk(k, v);
     apex::detail::check_append_position(position, length_, op);
+    // More tokens than all ranks have room for never fit. Checked first, so that the owners
+    // below are counted over at most that room and position + n is an Index.
+    Index room = 0;
+    for (const Index held : counts_) {
+      room = apex::detail::checked_sum(room, capacity() - held, op, "positions free");
+    }
+    APEX_CHECK(k.seq() <= room, "[" << op << "] appending " << k.seq() << " tokens at position "
+                                    << position << " would exceed the capacity (" << capacity()
+                                    << " per rank) of all " << me_.get().size
+                                    << " ranks, which have " << room << " positions free");
     std::vector<Index> extra(counts_.size(), 0);
     for (Index i = 0; i < k.seq(); ++i) ++extra[static_cast<std::size_t>(owner_of(position + i))];
     for (int r = 0; r < me_.get().size; ++r) {
@@ -215,10 +225,11 @@ class ShardedKvCache {
   ///   lse (optional): [B, H_q, S_q, 1], the same on every rank.
   /// Each rank attends to its runs (one pass of the tiled kernel, the runs as key segments),
   /// then one MPI_Allgather of its B·H_q·S_q rows of (m, l, out) in double, merged with the
-  /// sinks on every rank in rank order. Checks (shapes, rule, parameters, agreed values) throw
-  /// on every rank before anything is written. Accuracy within the fast path's tolerance of the
-  /// double reference; the result does not depend on the number of threads. Allocates the
-  /// records: (P + 1)·B·H_q·S_q·(d_v + 2) doubles, a part in Scalar and a segment per run.
+  /// sinks on every rank in rank order. Checks (shapes, rule, parameters, agreed values, and
+  /// B·H_q·S_q·(d_v + 2) <= 2^31 − 1, the records being one MPI message) throw on every rank
+  /// before anything is written. Accuracy within the fast path's tolerance of the double
+  /// reference; the result does not depend on the number of threads. Allocates the records:
+  /// (P + 1)·B·H_q·S_q·(d_v + 2) doubles, a part in Scalar and a segment per run.
   /// Returns this rank's record bytes as collective_bytes.
   template <class TO>
   Traffic attend(const HeadsView<const Scalar>& q, const PositionMask& rule,
@@ -243,6 +254,13 @@ class ShardedKvCache {
       APEX_CHECK(rule.key_offset == 0, "[" << op << "] key_offset (" << rule.key_offset
                                            << ") must be 0: the cache's keys are positions 0 .. "
                                            << length_ - 1);
+      // The records go to MPI as one message of doubles, whose count is an int.
+      const std::int64_t count = apex::detail::checked_product(
+          {q.batch(), q.heads(), q.seq(), values_.dim() + 2}, op, "records B*H_q*S_q*(d_v + 2)");
+      APEX_CHECK(count <= std::numeric_limits<int>::max(),
+                 "[" << op << "] the records of B*H_q*S_q*(d_v + 2) = " << count
+                     << " doubles exceed one MPI message (2^31 - 1 elements): attend fewer "
+                        "queries at a time");
     });
 
     const Index rows = q.batch() * q.heads() * q.seq();
@@ -251,9 +269,9 @@ class ShardedKvCache {
     std::vector<double> mine(static_cast<std::size_t>(rows * width));
     local_part(q, rule, params, mine.data());
     std::vector<double> all(mine.size() * static_cast<std::size_t>(me.size));
-    detail::mpi_call(MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_DOUBLE,
-                                   all.data(), static_cast<int>(mine.size()), MPI_DOUBLE, comm_),
-                     op);
+    const int count = static_cast<int>(mine.size());  // checked above
+    detail::mpi_call(
+        MPI_Allgather(mine.data(), count, MPI_DOUBLE, all.data(), count, MPI_DOUBLE, comm_), op);
     std::vector<double> scratch(static_cast<std::size_t>(me.size + d));
     for (Index b = 0; b < q.batch(); ++b) {
       for (Index h = 0; h < q.heads(); ++h) {

@@ -30,6 +30,7 @@
 #include <apex/distributed/sharding.hpp>
 #include <apex/stack.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <variant>
@@ -213,6 +214,16 @@ RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
                    "[" << op << "] the prompt (" << sharding.length()
                        << " positions) exceeds max_positions (" << stack.config().max_positions
                        << ")");
+        // Each layer's Q [1, H_q, S_r, d_qk] (K and V have no more heads) and its attention
+        // output [S_r, H_q·d_v] are sized from this rank's rows: checked here, for every rank.
+        for (Index l = 0; l < stack.config().num_layers; ++l) {
+          const apex::detail::LayerHeads heads =
+              std::visit([](const auto& a) { return a.attention_heads(); }, stack.layer(l));
+          apex::detail::checked_product(
+              {rows, heads.num_q_heads, std::max(heads.qk_dim, heads.v_dim),
+               static_cast<std::int64_t>(sizeof(Scalar))},
+              op, "a layer's query bytes S_r*H_q*d*sizeof(Scalar)");
+        }
         const Eigen::Map<const TokenMatrix> ids(local_tokens.data(), 1, rows);
         x = stack.embed_tokens(ids);  // checks every id
       });
