@@ -37,6 +37,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -377,6 +378,48 @@ TEST(Alibi, StandardSlopes) {
   }
   EXPECT_EQ(apex::alibi_slopes(1), std::vector<double>{1.0 / 256.0});
   EXPECT_THROW(apex::alibi_slopes(0), std::invalid_argument);
+}
+
+// The ALiBi term slope·(kp − qp) is rounded once, as the double loops round it, however many
+// query rows a tile holds: a tile of 256 rows of one head once formed it as slope·(kp − qp0) −
+// slope·(qp − qp0), two rounded products of magnitude up to slope·256 whose difference carries
+// the nearest keys' weight, an error of about u·slope·256 ≈ 1e-5 in every near score. Rounded
+// once, a key at distance d errs by u·slope·d in a score whose weight is at most e^(−slope·d),
+// so the term adds at most u/e per score to the dot products' own few u: 1e-6 (about 17 u)
+// normwise holds with room, a tenth of what the split form gives. Half K/V, as decoding
+// stores them; H = 12 heads of their own (G = 1: the tiles with the most rows per head).
+TEST(Alibi, TermRoundedOnceInTilesOfManyRows) {
+  constexpr Index kHeads = 12, kLength = 1024, kDim = 16, kSize = kHeads * kLength * kDim;
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  apex::HeadsTensor<float> q({1, kHeads, kLength, kDim}), out({1, kHeads, kLength, kDim});
+  apex::HeadsTensor<Eigen::half> k({1, kHeads, kLength, kDim}), v({1, kHeads, kLength, kDim});
+  apex::HeadsTensor<double> qd({1, kHeads, kLength, kDim}), kd({1, kHeads, kLength, kDim}),
+      vd({1, kHeads, kLength, kDim}), want({1, kHeads, kLength, kDim});
+  for (Index i = 0; i < kSize; ++i) {
+    q.data()[i] = normal(rng);
+    k.data()[i] = Eigen::half(normal(rng));
+    v.data()[i] = Eigen::half(normal(rng));
+    qd.data()[i] = q.data()[i];
+    kd.data()[i] = double(k.data()[i]);
+    vd.data()[i] = double(v.data()[i]);
+  }
+  apex::AttentionMask<float> mask;
+  mask.positions = apex::causal_mask();
+  apex::SdpaParams params;
+  params.alibi_slopes = apex::alibi_slopes(kHeads);
+  apex::sdpa(std::as_const(q).view(), std::as_const(k).view(), std::as_const(v).view(), mask,
+             params, out.view());
+  apex::AttentionMask<double> mask_d;
+  mask_d.positions = apex::causal_mask();
+  apex::reference::sdpa<double>(std::as_const(qd).view(), std::as_const(kd).view(),
+                                std::as_const(vd).view(), mask_d, params, want.view());
+  double err = 0.0, ref = 0.0;
+  for (Index i = 0; i < kSize; ++i) {
+    err = std::max(err, std::abs(double(out.data()[i]) - want.data()[i]));
+    ref = std::max(ref, std::abs(want.data()[i]));
+  }
+  EXPECT_LE(err, 1e-6 * ref);
 }
 
 // ---- user rules

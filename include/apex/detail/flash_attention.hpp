@@ -145,7 +145,7 @@
 //   ⌈d_qk/2⌉ (K_j), M·⌈Bk/2⌉ (P) and ⌈Bk/2⌉·d_v (V_j): no more than the packed buffers of
 //   Eigen's path above. On AMX tiles Bk = amx_key_block = 256: for M = 256, d_qk = d_v = 128
 //   about 1.6 MiB per thread.
-//   With ALiBi, both paths add M·Bk (the term of each head's first row).
+//   With ALiBi, both paths add Bk (the key distances from the tile's first query).
 // Split-key decoding also keeps, on the calling thread, the partial results of every chunk in
 // partial_budget = 2^19 scalars (2 MiB of float) whatever S_k, and each merging thread
 // ⌊S_k / decode_chunk⌋ + d_v scalars.
@@ -582,7 +582,7 @@ class AttentionTile {
     scores_ = get(ScratchSlot::kScores, rows * ld_s);
     acc_ = get(ScratchSlot::kAcc, rows * ld_acc_);
     position_tile_ = get(ScratchSlot::kPositionTile, rows * ld_s);  // bq_ <= rows of ld_s_
-    if (p_.alibi_slopes != nullptr) alibi_ = get(ScratchSlot::kAlibi, rows * ld_s);  // G rows
+    if (p_.alibi_slopes != nullptr) alibi_ = get(ScratchSlot::kAlibi, ld_s);
     stats_ = scratch.get<SoftmaxStats<C>>(ScratchSlot::kRowStats, rows);
     alpha_ = get(ScratchSlot::kRowScale, rows);
   }
@@ -722,10 +722,10 @@ class AttentionTile {
     if (softcap > C(0)) s = softcap * (s * (C(1) / softcap)).tanh();
     const Index qp = p_.first_query + i;
     if (p_.alibi_slopes != nullptr) {
-      // slope·(kp − qp) = slope·(kp − qp0) − slope·(qp − qp0), qp0 the tile's first query.
-      const Index g = h - kv_head_ * p_.group;
+      // kp − qp = (kp − qp0) − (qp − qp0), qp0 the tile's first query: a difference of integers,
+      // exact in C, so the term slope·(kp − qp) is rounded once, as the reference rounds it.
       const C slope = static_cast<C>(p_.alibi_slopes[h]);
-      s += RowArray(alibi_ + g * ld_s_, n) - slope * static_cast<C>(i - q0_);
+      s += slope * (RowArray(alibi_, n) - static_cast<C>(i - q0_));
     }
     if constexpr (P::Rules::kScores) {
       for (Index j = 0; j < n; ++j) {
@@ -765,17 +765,13 @@ class AttentionTile {
     }
   }
 
-  /// alibi(g, j) = slope·(kp_j − qp0) for the G stacked heads g and the block's keys, qp0 the
-  /// tile's first query position: the ALiBi term of its first row, formed once per block (kp −
-  /// qp0 as C, exact integers below 2^24 in float; fits_float keeps the products finite).
+  /// alibi(j) = kp_j − qp0 for the block's keys, qp0 the tile's first query position: the key
+  /// distances of its first row, formed once per block and shared by every head (exact integers
+  /// in C below 2^24 in float; fits_float keeps the terms finite).
   void fill_alibi(const Block& keys) {
     const C first = static_cast<C>(keys.position() - (p_.first_query + q0_));
-    const auto distance =
+    RowArray(alibi_, keys.n) =
         Eigen::Array<C, 1, Eigen::Dynamic>::LinSpaced(keys.n, first, first + C(keys.n - 1));
-    for (Index g = 0; g < p_.group; ++g) {
-      RowArray(alibi_ + g * ld_s_, keys.n) =
-          static_cast<C>(p_.alibi_slopes[kv_head_ * p_.group + g]) * distance;
-    }
   }
 
   /// position_tile(i, j) = +inf where the PositionMask allows query q0 + i and the block's key j,
@@ -916,7 +912,7 @@ class AttentionTile {
   C* v_packed_ = nullptr;
   C* acc_ = nullptr;
   C* position_tile_ = nullptr;
-  C* alibi_ = nullptr;  // [G, ld_s]: the ALiBi term of the tile's first row, per head
+  C* alibi_ = nullptr;  // [ld_s]: kp − qp0, the key distances of the tile's first row
   SoftmaxStats<C>* stats_ = nullptr;
   C* alpha_ = nullptr;
 };

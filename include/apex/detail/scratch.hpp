@@ -65,7 +65,7 @@ enum class ScratchSlot : int {
   kVPacked,   ///< Bk·d_v: V_j packed for Eigen's products; bf16: ⌈Bk/2⌉·d_v pairs
   kAcc,       ///< M·pad(d_v): the unnormalised outputs
   kPositionTile,    ///< M·pad(Bk): which keys the PositionMask allows, of a partial block
-  kAlibi,           ///< M·pad(Bk), with ALiBi: the term of each head's first row
+  kAlibi,           ///< pad(Bk), with ALiBi: the key distances from the tile's first query
   kRowStats,        ///< M SoftmaxStats<C> (2·M scalars): m and l of each row
   kRowScale,        ///< M: α of each row
   kDecodePartials,  ///< partial_budget, when keys are split: each chunk's (out, m, l)
