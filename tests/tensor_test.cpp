@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "test_util.hpp"
@@ -315,6 +317,31 @@ TEST(Tensor, ViewLargerThanBuffer_StridedMatricesAreViewedOrRejected) {
         apex::HeadsView<const float>::token_major(overlapping, {2, 2, 2, 2});
       },
       "[heads_view] token_major matrix outer stride (2) must be at least cols (4)");
+}
+
+// Unchecked arithmetic on sizes that users give: the byte range and the distinctness test of
+// a view whose strides span more than 64 bits do not wrap (signed overflow, undefined
+// behaviour); the range covers all of memory, so the view overlaps everything, and such a view
+// is never called distinct.
+TEST(Tensor, UncheckedArithmetic_StridesBeyond64BitsDoNotWrap) {
+  constexpr Index kMax = std::numeric_limits<Index>::max();
+  float x[4] = {};
+  const apex::HeadsView<float> huge(x, {3, 1, 1, 1}, {kMax, 1, 1});
+  const apex::HeadsView<float> backwards(x, {1, 3, 1, 1}, {1, -kMax, 1});
+  const apex::HeadsView<float> bytes(x, {2, 1, 1, 1}, {kMax / 2, 1, 1});  // elements fit, bytes not
+  const apex::HeadsView<float> own(x, {1, 1, 1, 1}, {1, 1, 1});
+  float elsewhere = 0.0F;
+  const apex::HeadsView<float> other(&elsewhere, {1, 1, 1, 1}, {1, 1, 1});
+  for (const auto& view : {huge, backwards, bytes}) {
+    const apex::detail::ByteRange range = apex::detail::byte_range(view);
+    EXPECT_EQ(range.first, 0U);
+    EXPECT_EQ(range.last, std::numeric_limits<std::uintptr_t>::max());
+    EXPECT_TRUE(range.overlaps(apex::detail::byte_range(other)));
+  }
+  EXPECT_FALSE(apex::detail::elements_distinct(huge));  // 2·kMax + 1 elements apart
+  EXPECT_FALSE(apex::detail::elements_distinct(
+      apex::HeadsView<float>(x, {2, 1, 1, 1}, {std::numeric_limits<Index>::min(), 1, 1})));
+  EXPECT_FALSE(apex::detail::byte_range(own).overlaps(apex::detail::byte_range(other)));
 }
 
 }  // namespace

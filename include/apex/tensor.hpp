@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <ostream>
 #include <type_traits>
 #include <utility>
@@ -441,23 +442,42 @@ struct ByteRange {
   }
 };
 
+/// a·b + c, or false when a product or sum of the view's extents, strides and element size
+/// leaves 64 bits (a view that no buffer can back: its checks must then assume the worst).
+inline bool fused_fits(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t& result) {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const auto magnitude = [](std::int64_t x) {
+    return x < 0 ? std::uint64_t(0) - static_cast<std::uint64_t>(x) : static_cast<std::uint64_t>(x);
+  };
+  if (a != 0 && magnitude(b) > static_cast<std::uint64_t>(kMax) / magnitude(a)) return false;
+  const std::int64_t product = a * b;  // |a·b| <= kMax
+  if (c > 0 ? product > kMax - c : product < -kMax - c) return false;
+  result = product + c;
+  return true;
+}
+
 template <class T>
 ByteRange byte_range(const HeadsView<T>& v) {
   if (v.empty() || v.shape().has_no_elements()) return {};
+  constexpr ByteRange kEverything{0, std::numeric_limits<std::uintptr_t>::max()};
   std::int64_t low = 0;
   std::int64_t high = v.dim() - 1;
+  bool fits = true;
   const auto extend = [&](Index extent, Index stride) {
     if (extent <= 1) return;
-    const std::int64_t span = (extent - 1) * stride;
-    (span < 0 ? low : high) += span;
+    std::int64_t& end = stride < 0 ? low : high;
+    fits = fits && fused_fits(extent - 1, stride, end, end);
   };
   extend(v.batch(), v.batch_stride());
   extend(v.heads(), v.head_stride());
   extend(v.seq(), v.row_stride());
-  const auto base = reinterpret_cast<std::uintptr_t>(v.data());
   const auto size = static_cast<std::int64_t>(sizeof(T));
-  return {base + static_cast<std::uintptr_t>(low * size),
-          base + static_cast<std::uintptr_t>(high * size + size - 1)};
+  std::int64_t first = 0, last = 0;
+  if (!fits || !fused_fits(low, size, 0, first) || !fused_fits(high, size, size - 1, last)) {
+    return kEverything;  // overlaps every range: a call refuses to write through it
+  }
+  const auto base = reinterpret_cast<std::uintptr_t>(v.data());
+  return {base + static_cast<std::uintptr_t>(first), base + static_cast<std::uintptr_t>(last)};
 }
 
 /// Whether distinct elements of `v` occupy distinct memory, by the nesting test: ordered by
@@ -472,14 +492,17 @@ bool elements_distinct(const HeadsView<T>& v) {
   };
   Axis axes[3] = {
       {v.batch(), v.batch_stride()}, {v.heads(), v.head_stride()}, {v.seq(), v.row_stride()}};
-  for (Axis& a : axes) a.stride = a.stride < 0 ? -a.stride : a.stride;
+  for (Axis& a : axes) {
+    if (a.extent > 1 && a.stride == std::numeric_limits<Index>::min()) return false;
+    a.stride = a.stride < 0 ? -a.stride : a.stride;
+  }
   std::sort(std::begin(axes), std::end(axes),
             [](const Axis& a, const Axis& b) { return a.stride < b.stride; });
   std::int64_t span = v.dim();  // elements covered by the axes inside the current one
   for (const Axis& a : axes) {
     if (a.extent <= 1) continue;
     if (a.stride < span) return false;
-    span = a.stride * (a.extent - 1) + span;
+    if (!fused_fits(a.stride, a.extent - 1, span, span)) return false;  // spans no real memory
   }
   return true;
 }
