@@ -167,9 +167,9 @@ constexpr bool kWidensInRegisters =
 
 /// Asks for the row kAhead rows after `row` (rows `stride` elements apart, d elements each) when
 /// T is narrower than C. Streaming 16-bit rows leaves the thread waiting on memory more often
-/// than streaming float rows (half the bytes per instruction); prefetching 16 rows ahead raised a
-/// 16-bit decode over 32K keys from about 16 to about 19 GB/s (2 threads, Zen 4), where it
-/// slowed float rows by a few percent, so float rows are left to the hardware prefetcher.
+/// than streaming float rows (half the bytes per instruction), and prefetching them 16 rows ahead
+/// helps them while it slows float rows, which are left to the hardware prefetcher
+/// (docs/performance.md, "How the block sizes were chosen").
 template <class C, class T>
 APEX_ALWAYS_INLINE void prefetch_ahead(const T* row, Index stride, Index d) {
   if constexpr (sizeof(T) < sizeof(C)) {

@@ -81,10 +81,9 @@
 // eigen_adapter.hpp): Qs is packed once per task, nothing is allocated, and Eigen never splits a
 // product over threads (its thread-dependent blocking would make results depend on the number of
 // threads). Each K_j, V_j block is first copied to contiguous scratch: a sequential read the
-// prefetcher follows, whereas packing straight from DRAM waits on every cache line (decoding S =
-// 32768: 13 → 17 GB/s). The streaming path (M ≤ stream_rows, e.g. one new token of 4 grouped heads)
-// is bound by reading K and V: each key row, then each value row, is read once in memory order and
-// used at once by every stacked row.
+// prefetcher follows, whereas packing straight from DRAM waits on every cache line. The streaming
+// path (M ≤ stream_rows, e.g. one new token of 4 grouped heads) is bound by reading K and V: each
+// key row, then each value row, is read once in memory order and used at once by every stacked row.
 //
 // SCHEDULERS. A call of the kernel is a list of jobs, one problem each (an sdpa call, or one
 // sequence of a ragged batch, with its own positions, rule and keys), and every task of every
@@ -112,22 +111,15 @@
 // query blocks in the order 0, n−1, 1, n−2, … so that OpenMP's static schedule gives every
 // thread a similar share of a causal triangle.
 //
-// BLOCK SIZES (FlashBlocking). Measured with float, d_h = 128, H_q = 32, H_kv = 8, 2 threads on
-// an AMD EPYC (Zen 4, AVX-512), where Eigen's 4096³ GEMM runs at ≈ 158 GFLOP/s and a plain read
-// of memory at ≈ 31 GB/s:
-//   - M = G·Bq ≈ 256 stacked rows, Bk = 64. Causal S = 4096 ran at 144–150 GFLOP/s for
-//     M ∈ {192, 256, 384, 512} and Bk ∈ {48, …, 192} and at 135–140 with M = 128; M = 256,
-//     Bk = 64 was the best. Larger blocks waste more work on the diagonal and at window edges:
-//     window 512 at S = 16384 ran at 130 GFLOP/s with Bk = 64, 117 with Bk = 128.
-//   - amx_key_block = 256: with bfloat16 products on AMX tiles (an Intel Xeon with AMX, bfloat16
-//     K and V, causal S = 4096), Bk = 64, 128 and 256 ran at 660, 780 and 810 GFLOP/s (M = 256;
-//     M = 512 within 3 %): the tiles' products are short next to the softmax's work, and P·V then
-//     takes 8 steps of 32 keys per load and store of its accumulator tiles instead of 2.
-//   - stream_rows = 8. Decoding S = 32768: M = 4 streams 27 GB/s against 16 with the GEMM
-//     path, M = 8 25 against 13; at M = 16 and 32 both are compute-bound and within 6 %; at
-//     M = 64 the GEMM path is ahead.
-//   - stream_key_block = decode_chunk = 512: 28 GB/s, against 27 with blocks of 256 and 23 with
-//     blocks of 32–64 (fixed costs per block); chunks of 512 to 4096 keys were within 2 %.
+// BLOCK SIZES (FlashBlocking), each the fastest of those measured (docs/performance.md, "How
+// the block sizes were chosen"):
+//   - M = G·Bq ≈ 256 stacked rows and Bk = 64: larger key blocks waste work on the diagonal and
+//     at window edges, fewer rows leave the products short.
+//   - amx_key_block = 256 on AMX tiles: the tiles' products are short next to the softmax's
+//     work, and P·V takes 8 steps of 32 keys per load and store of its accumulator tiles.
+//   - stream_rows = 8: up to 8 stacked rows the streaming path is bound by reading K and V and
+//     well ahead of the GEMM path; from 16 rows both are compute-bound.
+//   - stream_key_block = decode_chunk = 512: fewer fixed costs per block than smaller blocks.
 //
 // MEMORY (ScratchSlot buffers of the thread running a task, each sized for the path's largest
 // tile whatever S_q and S_k; when they are allocated: detail/scratch.hpp, ALLOCATION), in
