@@ -444,6 +444,7 @@ struct ByteRange {
 
 /// a·b + c, or false when a product or sum of the view's extents, strides and element size
 /// leaves 64 bits (a view that no buffer can back: its checks must then assume the worst).
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): a·b + c, in the order it is written
 inline bool fused_fits(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t& result) {
   constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
   const auto magnitude = [](std::int64_t x) {
