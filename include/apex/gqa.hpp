@@ -340,8 +340,11 @@ class GroupedQueryAttention {
   /// Fed the tokens of a sequence in any chunks, it computes what forward() computes on the whole
   /// sequence. Every check runs before the cache or out is written: on error both are unchanged.
   /// out may be x itself. Allocates the projections and the [B*n, H_q·d_h] concatenation.
-  /// A 16-bit cache (Storage Eigen::half or Eigen::bfloat16) holds K and V rounded once; the
-  /// attention reads them as stored, so it equals forward() on rounded K and V.
+  /// A 16-bit cache (Storage Eigen::half or Eigen::bfloat16) holds each chunk's own projected K
+  /// and V rounded once, and the attention reads them as stored: it equals forward() on the K
+  /// and V the cache stored. A chunk's projection may differ from the whole sequence's in
+  /// float's last bit (another product), so a stored value may be one 16-bit step from a
+  /// rounding of forward()'s.
   template <class Derived, class Storage>
   void forward_cached(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
                       const AttentionLayerParams<Scalar>& params, KvCache<Scalar, Storage>& cache,
