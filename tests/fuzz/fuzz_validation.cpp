@@ -1116,9 +1116,9 @@ void paged_checks(Input& in) {
   std::vector<Index> cu{0};
   bool ids_ok = true, lengths_ok = true;
   for (Index i = in.in(0, 4); i > 0; --i) {
-    const int pick = in.choice(4);
+    const int pick = in.choice(4);  // 3: any id, which may still name a live sequence
     ids.push_back(pick == 3 ? SequenceId{in.any_index()} : known[std::size_t(pick)]);
-    const bool ok = pick < 3 && live[std::size_t(pick)];
+    const bool ok = cache->contains(ids.back());
     ids_ok = ids_ok && ok;
     const Index nq = in.in(0, 2);
     lengths_ok = lengths_ok && (!ok || nq <= cache->length(ids.back()));
