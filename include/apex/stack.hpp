@@ -37,6 +37,7 @@
 #include <apex/mask.hpp>
 #include <apex/mha.hpp>
 #include <apex/mla.hpp>
+#include <apex/paged_cache.hpp>
 #include <apex/rms_norm.hpp>
 #include <apex/rope.hpp>
 #include <apex/serving_cache.hpp>
@@ -923,10 +924,8 @@ class AttentionStack {
                                                 << ids.size() << ") and tokens (" << tokens.size()
                                                 << ") must have one entry per sequence");
     std::vector<Index> cu{0};
+    detail::check_live_ids(cache, ids, "serve");
     for (std::size_t i = 0; i < ids.size(); ++i) {
-      APEX_CHECK(cache.contains(ids[i]), "[serve] ids[" << i << "]: sequence " << ids[i]
-                                                        << " does not exist in the cache (never "
-                                                           "added, or freed)");
       const Index length = cache.length(ids[i]);
       const Index prefix = cache.prefix(ids[i]);
       const auto n = static_cast<Index>(tokens[i].size());
