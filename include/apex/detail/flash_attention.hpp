@@ -1279,3 +1279,6 @@ void flash_attention(const P& p, const AttentionOutputs<TO>& o, const FlashBlock
 
 }  // namespace apex::detail
 // NOLINTEND(bugprone-easily-swappable-parameters)
+
+// The common instances, declared extern where they are compiled once (precompiled_kernels.hpp).
+#include <apex/detail/kernel_instances.hpp>

@@ -1,0 +1,36 @@
+// SPDX-License-Identifier: MIT
+// The attention kernel's common instantiations, named once: the list that
+// apex/precompiled_kernels.hpp compiles in one translation unit and that every other translation
+// unit built with APEX_PRECOMPILED_KERNELS declares `extern` (so it does not compile them again).
+//
+// APEX_KERNEL_INSTANCES(X) calls X(TQ, TKV, TB, TO) for each: queries TQ, keys and values TKV,
+// bias TB, outputs TO, no user rules. They are what sdpa, sdpa_varlen, the window and paged
+// caches and the layers run for float and double models, with float, double, half and bfloat16
+// caches. Any other combination (user rules, mixed key and value types) is compiled where it is
+// used, as without the macro.
+#pragma once
+
+#include <apex/detail/flash_attention.hpp>
+
+// NOLINTBEGIN(cppcoreguidelines-macro-usage): an X-macro list, the one place it is spelled
+#define APEX_KERNEL_INSTANCES(X)                        \
+  X(float, float, float, float)                         \
+  X(double, double, double, double)                     \
+  X(float, Eigen::half, float, float)                   \
+  X(float, Eigen::bfloat16, float, float)               \
+  X(Eigen::half, Eigen::half, Eigen::half, Eigen::half) \
+  X(Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16)
+
+// `extern template` (a declaration) or `template` (the definition) of one instance.
+#define APEX_KERNEL_INSTANCE(KIND, TQ, TKV, TB, TO)                                            \
+  KIND template void                                                                           \
+  apex::detail::flash_attention<apex::detail::AttentionProblem<TQ, TKV, TKV, TB>, TO>(         \
+      const apex::detail::AttentionJob<apex::detail::AttentionProblem<TQ, TKV, TKV, TB>, TO>*, \
+      apex::Index, const apex::detail::FlashBlocking&);
+#define APEX_KERNEL_DECLARE(TQ, TKV, TB, TO) APEX_KERNEL_INSTANCE(extern, TQ, TKV, TB, TO)
+#define APEX_KERNEL_DEFINE(TQ, TKV, TB, TO) APEX_KERNEL_INSTANCE(, TQ, TKV, TB, TO)
+// NOLINTEND(cppcoreguidelines-macro-usage)
+
+#if defined(APEX_PRECOMPILED_KERNELS)
+APEX_KERNEL_INSTANCES(APEX_KERNEL_DECLARE)
+#endif
