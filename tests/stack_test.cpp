@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 #include <apex/kv_cache.hpp>
 #include <apex/mla.hpp>
+#include <apex/rope_scaling.hpp>
 #include <apex/stack.hpp>
 #include <apex/yarn.hpp>
 
@@ -13,6 +14,7 @@
 #include <random>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -336,6 +338,68 @@ TEST(Stack, YarnConfigIsChecked) {
                  "[yarn] original_context (0) must be > 0");
 }
 
+// The other RoPE scalings (rope_scaling.hpp) in the stack: the local layers with one kind, the
+// global layers with Llama 3's through global_rope. forward() equals the composition with the
+// tables built by hand, and the scaling changes the logits. (Decoding with each kind is in
+// DecodingWithEveryRopeScalingMatchesForward below.)
+std::vector<std::pair<std::string, apex::RopeScaling>> scalings(Index original, Index pairs) {
+  apex::LongRope longrope;
+  longrope.short_factor.assign(static_cast<std::size_t>(pairs), 1.25);
+  longrope.long_factor.assign(static_cast<std::size_t>(pairs), 3.0);
+  longrope.original_context = original;
+  longrope.scale = 4.0;
+  return {{"linear", apex::LinearRope{4.0}},
+          {"dynamic", apex::DynamicNtkRope{4.0, original, 0}},
+          {"llama3", apex::Llama3Rope{4.0, 1.0, 4.0, original}},
+          {"longrope", longrope}};
+}
+
+TEST(Stack, RopeScalingsForwardEqualsTheComposedFormulas) {
+  for (const auto& [name, scaling] : scalings(4, 3)) {
+    apex::StackConfig config = small_config();
+    config.rope_scaling = scaling;
+    apex::LayerRope global;
+    global.scaling = apex::Llama3Rope{4.0, 1.0, 4.0, 4};
+    config.global_rope = global;
+    const auto stack = apex::AttentionStack<double>::random(config, 29);
+    const Index batch = 2, seq = 14, prefix = 3;
+    const apex::TokenMatrix tokens = prompt(batch, seq);
+    const auto local_rope = apex::scaled_rope_table<double>(
+        config.max_positions, config.local.head_dim, config.rope, scaling);
+    const auto global_rope = apex::scaled_rope_table<double>(
+        config.max_positions, config.global.rope_dim, global.rope, global.scaling);
+    const apex::RowMatrix<double> expected =
+        composed_logits(stack, tokens, prefix, {local_rope, {}}, {global_rope, {}});
+    const apex::RowMatrix<double> logits = stack.forward(tokens, prefix);
+    EXPECT_LE((logits - expected).cwiseAbs().maxCoeff(), 1e-12 * expected.cwiseAbs().maxCoeff())
+        << name;
+    apex::StackConfig plain = config;
+    plain.rope_scaling = {};
+    const apex::RowMatrix<double> without =
+        apex::AttentionStack<double>::random(plain, 29).forward(tokens, prefix);
+    EXPECT_GT((without - logits).cwiseAbs().maxCoeff(), 1e-6 * expected.cwiseAbs().maxCoeff())
+        << name;
+  }
+  apex::StackConfig bad = small_config();
+  bad.rope_scaling = apex::LinearRope{2.0};
+  apex::YarnParams yarn;
+  yarn.scale = 4.0;
+  yarn.original_context = 4;
+  bad.yarn = yarn;
+  expect_invalid([&] { (void)apex::AttentionStack<float>::random(bad, 1); },
+                 "[stack] yarn and scaling are both set");
+  bad = small_config();
+  bad.rope_scaling = apex::Llama3Rope{4.0, 2.0, 1.0, 4};
+  expect_invalid([&] { (void)apex::AttentionStack<float>::random(bad, 1); },
+                 "[rope llama3] high_freq_factor (1)");
+  bad = small_config();
+  apex::LayerRope global;
+  global.scaling = apex::LongRope{};
+  bad.global_rope = global;
+  expect_invalid([&] { (void)apex::AttentionStack<float>::random(bad, 1); },
+                 "[rope longrope] original_context (0)");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Inference: prefill, extend, decode_step
 // ---------------------------------------------------------------------------------------------
@@ -432,6 +496,36 @@ TEST(Stack, DecodingOneTokenAtATimeMatchesForward) {
     }
     EXPECT_EQ(cache.next_position(), kTokens);
     EXPECT_EQ(cache.prefix(), v.prefix);
+    expect_logits_close(logits, expected, name);
+  }
+}
+
+// Every RoPE scaling, local and global layers alike, decoded one token at a time past its
+// original context (L = 128 of 1000 tokens): the logits of forward().
+TEST(Stack, DecodingWithEveryRopeScalingMatchesForward) {
+  const apex::testing::OneThread one_thread;
+  const Index batch = 2;
+  for (const auto& [name, scaling] : scalings(128, 3)) {
+    apex::StackConfig config = decode_config(false);
+    config.rope_scaling = scaling;
+    if (std::holds_alternative<apex::LongRope>(scaling)) {
+      // The global layers' d_r = 4 has 2 pairs, the local layers' d_h = 6 three.
+      apex::LayerRope global;
+      global.scaling = scalings(128, 2).back().second;
+      config.global_rope = global;
+    }
+    const auto stack = apex::AttentionStack<float>::random(config, 31);
+    const apex::TokenMatrix tokens = random_tokens(batch, kTokens, config.vocab_size, 32);
+    const apex::RowMatrix<float> expected = stack.forward(tokens, 0);
+    apex::StackCache<float> cache = stack.make_cache(batch, kTokens);
+    apex::RowMatrix<float> logits(batch * kTokens, config.vocab_size);
+    const apex::RowMatrix<float> first = stack.prefill(tokens.leftCols(1), 0, {}, cache);
+    for (Index b = 0; b < batch; ++b) logits.row(b * kTokens) = first.row(b);
+    for (Index t = 1; t < kTokens; ++t) {
+      const apex::RowMatrix<float> step =
+          stack.decode_step({tokens(0, t), tokens(1, t)}, {}, cache);
+      for (Index b = 0; b < batch; ++b) logits.row(b * kTokens + t) = step.row(b);
+    }
     expect_logits_close(logits, expected, name);
   }
 }

@@ -336,19 +336,27 @@ inline void rope_head_interleaved(const Scalar* c, const Scalar* s, X* x, Index 
   }
 }
 
+// The half-split rotation of `count` consecutive pairs (i, i + half) of a head whose rotary
+// width is 2·half, starting at c, s, x (already offset to the first pair): a whole head is
+// count = half = d_r / 2 (rope_head_half_split); multimodal RoPE (mrope.hpp) turns runs of pairs.
 template <class Scalar, class X>
-inline void rope_head_half_split(const Scalar* c, const Scalar* s, X* x, Index rotary_dim) {
-  const Index h = rotary_dim / 2;
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): detail, (pairs to turn, offset of b)
+inline void rope_pairs_half_split(const Scalar* c, const Scalar* s, X* x, Index count, Index half) {
   X* lo = x;
-  X* hi = x + h;
-  const Scalar* c_hi = c + h;
-  const Scalar* s_hi = s + h;
-  for (Index i = 0; i < h; ++i) {
+  X* hi = x + half;
+  const Scalar* c_hi = c + half;
+  const Scalar* s_hi = s + half;
+  for (Index i = 0; i < count; ++i) {
     const auto a = static_cast<Scalar>(lo[i]);
     const auto b = static_cast<Scalar>(hi[i]);
     lo[i] = round_to<X>(a * c[i] - b * s[i]);
     hi[i] = round_to<X>(b * c_hi[i] + a * s_hi[i]);
   }
+}
+
+template <class Scalar, class X>
+inline void rope_head_half_split(const Scalar* c, const Scalar* s, X* x, Index rotary_dim) {
+  rope_pairs_half_split(c, s, x, rotary_dim / 2, rotary_dim / 2);
 }
 
 // Rotates every row of x (heads side by side) at the position position(t); positions have been

@@ -23,9 +23,10 @@
 //
 // Long context. With StackConfig::yarn set, the RoPE tables are YaRN tables (§5) and the
 // attention temperature goes where YarnParams::temperature says (tables, or the softmax scale),
-// so the stack runs past the trained context L up to s·L positions. StackConfig::global_rope
-// gives the global layers a RoPE (and YaRN) of their own, as checkpoints with a larger base for
-// their global layers need.
+// so the stack runs past the trained context L up to s·L positions; StackConfig::rope_scaling
+// takes any other scaling (linear, dynamic NTK, Llama 3, LongRoPE: rope_scaling.hpp) instead.
+// StackConfig::global_rope gives the global layers a RoPE (and scaling) of their own, as
+// checkpoints with a larger base for their global layers need.
 #pragma once
 
 #include <apex/cache_memory.hpp>
@@ -40,6 +41,7 @@
 #include <apex/paged_cache.hpp>
 #include <apex/rms_norm.hpp>
 #include <apex/rope.hpp>
+#include <apex/rope_config.hpp>
 #include <apex/serving_cache.hpp>
 #include <apex/yarn.hpp>
 
@@ -53,13 +55,6 @@
 #include <vector>
 
 namespace apex {
-
-/// The rotary position embedding of one kind of layer: RoPE's base, rotated features and pairing
-/// (§4), and YaRN (§5) when set.
-struct LayerRope {
-  RopeParams rope;                 ///< base, rotated features and pairing
-  std::optional<YarnParams> yarn;  ///< YaRN, or unset for plain RoPE
-};
 
 /// Shape of an APEX-1 attention stack.
 struct StackConfig {
@@ -81,6 +76,10 @@ struct StackConfig {
   /// plain RoPE. When set, yarn->base must equal rope.base and max_positions must not exceed
   /// s·L (the context the YaRN frequencies are made for).
   std::optional<YarnParams> yarn;
+  /// Another scaling of the RoPE tables (rope_scaling.hpp: linear, dynamic NTK, Llama 3,
+  /// LongRoPE), for the local layers and, unless global_rope is set, the global ones; at most one
+  /// of yarn and rope_scaling. Unset (std::monostate): none.
+  RopeScaling rope_scaling;
   /// The RoPE (and YaRN) of the global layers when it differs from the local layers' rope and
   /// yarn: Gemma 3, for one, rotates its local layers with base 10 000 and its global ones with
   /// base 1 000 000. Unset: the global layers use rope and yarn too. Its rope.rotary_dim must be
@@ -729,28 +728,32 @@ class AttentionStack {
 
   /// The RoPE of the local or the global layers (rope.rotary_dim is the local layers' only).
   static LayerRope layer_rope(const StackConfig& c, bool global) {
-    if (!global) return {c.rope, c.yarn};
+    if (!global) return {c.rope, c.yarn, c.rope_scaling};
     if (c.global_rope) return *c.global_rope;
-    LayerRope r{c.rope, c.yarn};
+    LayerRope r{c.rope, c.yarn, c.rope_scaling};
     r.rope.rotary_dim = 0;
     return r;
   }
 
   /// One kind's RoPE: rotary_dim within the head (0: all of it, else even and at most head_dim),
-  /// a positive base (RopeTable checks it) and YaRN's parameters, base and reach. `prefix`
-  /// names the field in messages.
+  /// a positive base (RopeTable checks it), at most one scaling, and YaRN's parameters, base and
+  /// reach or the other scaling's parameters. `prefix` names the field in messages.
   static void check_rope(const StackConfig& c, const LayerRope& r, Index head_dim,
                          const char* prefix) {
     APEX_CHECK(r.rope.rotary_dim == 0 || (r.rope.rotary_dim >= 2 && r.rope.rotary_dim % 2 == 0 &&
                                           r.rope.rotary_dim <= head_dim),
                "[stack] " << prefix << "rope.rotary_dim (" << r.rope.rotary_dim
                           << ") must be 0 (all) or even, in [2, " << head_dim << "]");
-    if (!r.yarn) return;
+    check_layer_rope(r, "stack", prefix);
+    if (!r.yarn) {
+      const Index rotary_dim = r.rope.rotary_dim == 0 ? head_dim : r.rope.rotary_dim;
+      // Checks the scaling's parameters (and allocates its d_r/2 frequencies).
+      (void)scaled_rope_frequencies(rotary_dim, r.rope.base, r.scaling, c.max_positions);
+      (void)scaled_rope_magnitude(r.scaling);
+      return;
+    }
     const double factor = yarn_attention_factor(*r.yarn);  // checks the YaRN parameters
     (void)factor;
-    APEX_CHECK(r.yarn->base == r.rope.base, "[stack] " << prefix << "yarn.base (" << r.yarn->base
-                                                       << ") must equal " << prefix << "rope.base ("
-                                                       << r.rope.base << ")");
     const double reach = r.yarn->scale * static_cast<double>(r.yarn->original_context);
     APEX_CHECK(static_cast<double>(c.max_positions) <= reach,
                "[stack] max_positions (" << c.max_positions << ") must not exceed " << prefix
@@ -808,19 +811,13 @@ class AttentionStack {
 
   /// The RoPE table of the local (head_dim wide) or the global (d_r wide) layers.
   static RopeTable<Scalar> rope_table(const StackConfig& c, bool global) {
-    const LayerRope r = layer_rope(c, global);
     const Index head_dim = global ? c.global.rope_dim : c.local.head_dim;
-    if (r.yarn) {
-      return yarn_table<Scalar>(c.max_positions, head_dim, r.rope.rotary_dim, r.rope.pairing,
-                                *r.yarn);
-    }
-    return RopeTable<Scalar>(c.max_positions, head_dim, r.rope);
+    return layer_rope_table<Scalar>(layer_rope(c, global), c.max_positions, head_dim);
   }
 
   /// YaRN's softmax-scale multiplier of the local or the global layers (1 without YaRN).
   static double softmax_multiplier(const StackConfig& c, bool global) {
-    const LayerRope r = layer_rope(c, global);
-    return r.yarn ? yarn_softmax_scale_multiplier(*r.yarn) : 1.0;
+    return layer_rope_softmax_multiplier(layer_rope(c, global));
   }
 
   const RopeTable<Scalar>* rope_for(const Gqa&) const { return &local_rope_; }

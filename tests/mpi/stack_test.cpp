@@ -49,9 +49,10 @@ std::int64_t token_at(Index p) { return (13 * p + 5) % 50; }
 /// Prefills kPrompt tokens across the ranks and decodes kSteps more; every row of logits is
 /// compared with the single-process stack's, row by row: |Δ| ≤ tol · max |row|.
 template <class Scalar>
-void compare_with_one_process(ShardLayout layout) {
+void compare_with_one_process(ShardLayout layout,
+                              const apex::StackConfig& config = small_config()) {
   const auto me = world();
-  const auto stack = apex::AttentionStack<Scalar>::random(small_config(), 17);
+  const auto stack = apex::AttentionStack<Scalar>::random(config, 17);
   const SequenceSharding sharding(kPrompt, me.size, layout);
   std::vector<std::int64_t> local;
   for (const apex::PositionRange& c : sharding.chunks(me.rank)) {
@@ -115,6 +116,22 @@ TEST(ContextParallelStack, DoubleLogitsEqualOneProcess) {
 TEST(ContextParallelStack, FloatLogitsEqualOneProcessOnEitherLayout) {
   compare_with_one_process<float>(ShardLayout::kZigzag);
   compare_with_one_process<float>(ShardLayout::kContiguous);
+}
+
+// RoPE scalings reach the ranks through the stack's tables: Llama 3's on the local layers and
+// LongRoPE's on the global ones, both past their original context of 16 positions.
+TEST(ContextParallelStack, ScaledRopeLogitsEqualOneProcess) {
+  apex::StackConfig config = small_config();
+  config.rope_scaling = apex::Llama3Rope{4.0, 1.0, 4.0, 16};
+  apex::LongRope longrope;
+  longrope.short_factor = {1.0, 1.5};
+  longrope.long_factor = {2.0, 6.0};
+  longrope.original_context = 16;
+  longrope.scale = 4.0;
+  apex::LayerRope global;
+  global.scaling = longrope;
+  config.global_rope = global;
+  compare_with_one_process<double>(ShardLayout::kZigzag, config);
 }
 
 TEST(ContextParallelStack, BadInputOnOneRankIsRefusedEverywhere) {
