@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: MIT
-// Tests for §3: RMSNorm, against the long-double reference loop and the document's example.
+// Tests for §3: RMSNorm, against the long-double reference loop and the document's example;
+// Gemma's (1 + γ) convention; the fused residual add + RMSNorm against the two steps it fuses.
 #include <apex/rms_norm.hpp>
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "reference/rms_norm.hpp"
 #include "test_util.hpp"
@@ -413,6 +416,307 @@ TYPED_TEST(RmsNorm16Bit, RejectsBadInputBeforeWriting) {
   expect_invalid([&] { apex::rms_norm(x16, Vector<float>::Ones(8), RmsNormParams{0.0}, out); },
                  {"[rms_norm] eps (0)"});
   EXPECT_TRUE((out.array() == 7.0f).all());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Gemma's convention, out = x / RMS(x) · (1 + γ) (RmsNormGamma::kOnePlusGamma)
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+using apex::RmsNormGamma;
+
+RmsNormParams one_plus_gamma(double eps = 1e-6) {
+  RmsNormParams params;
+  params.eps = eps;
+  params.scale = RmsNormGamma::kOnePlusGamma;
+  return params;
+}
+
+// The reference of the (1 + γ) form: the plain loop of reference/rms_norm.hpp with γ' = 1 + γ
+// formed in double (exact for the γ drawn here, |γ| ≥ 0.5).
+template <class Scalar, class G>
+RowMatrix<double> reference_one_plus(const RowMatrix<Scalar>& x, const Vector<G>& gamma,
+                                     double eps) {
+  const Vector<double> g = gamma.template cast<double>().array() + 1.0;
+  return apex::reference::rms_norm(x.template cast<double>(), g, eps);
+}
+
+// Whether two matrices hold the same bits (same shape, contiguous storage).
+template <class A, class B>
+bool same_bits(const A& a, const B& b) {
+  static_assert(std::is_same_v<typename A::Scalar, typename B::Scalar>);
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), sizeof(typename A::Scalar) * std::size_t(a.size())) == 0;
+}
+
+TYPED_TEST(RmsNormTyped, OnePlusGammaMatchesReference) {
+  using Scalar = TypeParam;
+  std::uint32_t seed = 200;
+  for (const Shape& s : kShapes) {
+    SCOPED_TRACE(::testing::Message() << "tokens=" << s.tokens << " d=" << s.d);
+    const RowMatrix<Scalar> x = random_input<Scalar>(s.tokens, s.d, ++seed);
+    const Vector<Scalar> gamma = random_gamma<Scalar>(s.d, ++seed);
+    RowMatrix<Scalar> out(s.tokens, s.d);
+    apex::rms_norm(x, gamma, one_plus_gamma(0.25), out);
+    expect_matches<Scalar>(out, reference_one_plus(x, gamma, 0.25));
+    // In place gives the same bits.
+    // NOLINTNEXTLINE(performance-unnecessary-copy-initialization): the call writes it
+    RowMatrix<Scalar> in_place = x;
+    apex::rms_norm(in_place, gamma, one_plus_gamma(0.25), in_place);
+    EXPECT_TRUE(same_bits(in_place, out));
+  }
+}
+
+TYPED_TEST(RmsNormTyped, DefaultScaleIsGammaUnchanged) {
+  using Scalar = TypeParam;
+  const RowMatrix<Scalar> x = random_input<Scalar>(33, 70, 210);
+  const Vector<Scalar> gamma = random_gamma<Scalar>(70, 211);
+  RmsNormParams explicit_gamma;
+  explicit_gamma.scale = RmsNormGamma::kGamma;
+  const RowMatrix<Scalar> by_default = apex::rms_norm(x, gamma);
+  EXPECT_TRUE(same_bits(apex::rms_norm(x, gamma, explicit_gamma), by_default));
+  expect_matches<Scalar>(by_default, reference(x, gamma, 1e-6));
+  // The two conventions differ by exactly one in γ: a zero γ under (1 + γ) is a unit γ.
+  const Vector<Scalar> zeros = Vector<Scalar>::Zero(70);
+  const Vector<Scalar> ones = Vector<Scalar>::Ones(70);
+  EXPECT_TRUE(same_bits(apex::rms_norm(x, zeros, one_plus_gamma()), apex::rms_norm(x, ones)));
+}
+
+TYPED_TEST(RmsNorm16Bit, OnePlusGammaIsTheDoubleResultRoundedOnce) {
+  using T = TypeParam;
+  const RowMatrix<T> x16 = random_input<float>(11, 140, 220).cast<T>();
+  const Vector<T> gamma16 = random_gamma<float>(140, 221).cast<T>();
+  RowMatrix<double> wide(11, 140);
+  apex::rms_norm(x16, gamma16, one_plus_gamma(), wide);
+  expect_matches<double>(wide, reference_one_plus<T>(x16, gamma16, 1e-6));
+  RowMatrix<T> out16(11, 140);
+  apex::rms_norm(x16, gamma16, one_plus_gamma(), out16);
+  for (Index r = 0; r < 11; ++r) {
+    for (Index c = 0; c < 140; ++c) {
+      ASSERT_EQ(Eigen::numext::bit_cast<std::uint16_t>(out16(r, c)),
+                Eigen::numext::bit_cast<std::uint16_t>(apex::round_to<T>(wide(r, c))))
+          << r << ", " << c;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused residual add + RMSNorm (add_rms_norm) against `residual += x; rms_norm(residual)`
+// ---------------------------------------------------------------------------------------------
+
+template <class T>
+class AddRmsNorm : public ::testing::Test {};
+using AllStorage = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16>;
+TYPED_TEST_SUITE(AddRmsNorm, AllStorage, apex::testing::ScalarName);
+
+// x, residual and γ of one storage type T (drawn in float, then rounded to T).
+template <class T>
+struct AddCase {
+  RowMatrix<T> x, residual;
+  Vector<T> gamma;
+  AddCase(Index tokens, Index d, std::uint32_t seed)
+      : x(random_input<float>(tokens, d, seed).cast<T>()),
+        residual(random_input<float>(tokens, d, seed + 1).cast<T>()),
+        gamma(random_gamma<float>(d, seed + 2).cast<T>()) {}
+};
+
+TYPED_TEST(AddRmsNorm, EqualsAddThenNormBitForBit) {
+  using T = TypeParam;
+  std::uint32_t seed = 300;
+  for (const Shape& s : kShapes) {
+    for (const RmsNormParams& params : {RmsNormParams{}, one_plus_gamma(0.25)}) {
+      SCOPED_TRACE(::testing::Message() << "tokens=" << s.tokens << " d=" << s.d);
+      const AddCase<T> c(s.tokens, s.d, seed += 3);
+      RowMatrix<T> two_step_residual = c.residual;
+      two_step_residual += c.x;  // Eigen's own addition, rounded to T
+      RowMatrix<T> two_step(s.tokens, s.d);
+      apex::rms_norm(two_step_residual, c.gamma, params, two_step);
+
+      RowMatrix<T> residual = c.residual;
+      RowMatrix<T> out(s.tokens, s.d);
+      apex::add_rms_norm(c.x, residual, c.gamma, params, out);
+      EXPECT_TRUE(same_bits(residual, two_step_residual)) << "updated residual";
+      EXPECT_TRUE(same_bits(out, two_step)) << "normalised output";
+
+      // In place: out is x.
+      RowMatrix<T> x = c.x;
+      residual = c.residual;
+      apex::add_rms_norm(x, residual, c.gamma, params, x);
+      EXPECT_TRUE(same_bits(residual, two_step_residual));
+      EXPECT_TRUE(same_bits(x, two_step));
+    }
+  }
+}
+
+TYPED_TEST(AddRmsNorm, BlocksValueFormAndFloatOutput) {
+  using T = TypeParam;
+  // residual is a column block of a wider stream, out a float matrix; the rest is untouched.
+  const AddCase<T> c(9, 37, 330);
+  RowMatrix<T> stream = random_input<float>(9, 50, 333).cast<T>();
+  stream.middleCols(5, 37) = c.residual;
+  const RowMatrix<T> before = stream;
+  RowMatrix<T> expected_residual = c.residual;
+  expected_residual += c.x;
+  RowMatrix<float> out(9, 37);
+  apex::add_rms_norm(c.x, stream.middleCols(5, 37), c.gamma, {}, out);
+  EXPECT_TRUE(same_bits(RowMatrix<T>(stream.middleCols(5, 37)), expected_residual));
+  EXPECT_TRUE(same_bits(RowMatrix<T>(stream.leftCols(5)), RowMatrix<T>(before.leftCols(5))));
+  EXPECT_TRUE(same_bits(RowMatrix<T>(stream.rightCols(8)), RowMatrix<T>(before.rightCols(8))));
+  RowMatrix<float> two_step(9, 37);
+  apex::rms_norm(expected_residual, c.gamma, {}, two_step);
+  EXPECT_TRUE(same_bits(out, two_step));
+
+  // The value-returning form keeps x's type and updates the residual.
+  RowMatrix<T> residual = c.residual;
+  const RowMatrix<T> returned = apex::add_rms_norm(c.x, residual, c.gamma);
+  EXPECT_TRUE(same_bits(residual, expected_residual));
+  EXPECT_TRUE(same_bits(returned, apex::rms_norm(expected_residual, c.gamma)));
+}
+
+TEST(AddRmsNormMixed, SumIsRoundedOnceToTheResidualType) {
+  // float x into a bfloat16 residual stream: r' = round_to<bfloat16>(r + x), the sum formed in
+  // double (exact here), then the norm of r'.
+  const RowMatrix<float> x = random_input<float>(6, 45, 340);
+  const RowMatrix<Eigen::bfloat16> r0 = random_input<float>(6, 45, 341).cast<Eigen::bfloat16>();
+  const Vector<float> gamma = random_gamma<float>(45, 342);
+  RowMatrix<Eigen::bfloat16> expected_residual(6, 45);
+  for (Index i = 0; i < x.size(); ++i) {
+    expected_residual.data()[i] = apex::round_to<Eigen::bfloat16>(
+        static_cast<double>(r0.data()[i]) + static_cast<double>(x.data()[i]));
+  }
+  // NOLINTNEXTLINE(performance-unnecessary-copy-initialization): the call writes it
+  RowMatrix<Eigen::bfloat16> residual = r0;
+  RowMatrix<float> out(6, 45);
+  apex::add_rms_norm(x, residual, gamma, {}, out);
+  EXPECT_TRUE(same_bits(residual, expected_residual));
+  RowMatrix<float> two_step(6, 45);
+  apex::rms_norm(expected_residual, gamma, {}, two_step);
+  EXPECT_TRUE(same_bits(out, two_step));
+  expect_matches<float>(out, reference<float>(expected_residual.cast<float>(), gamma, 1e-6));
+}
+
+TEST(AddRmsNormDouble, ExtremeRowsTakeTheRescaledPathAsTheTwoStepsDo) {
+  // Squares that overflow and that underflow: the fused call normalises the rounded sum through
+  // the same rescaled path.
+  RowMatrix<double> x(2, 4), r0(2, 4);
+  x << 0x1p1000, -0x1p999, 0x1p998, 0x1.8p999,  //
+      0x1p-531, -0x1p-532, 0x1p-530, 0x1p-533;
+  r0 << 0x1p1000, -0x1p998, 0x1p999, 0x1p997,  //
+      0x1p-530, 0x1p-533, -0x1p-531, 0x1p-532;
+  const Vector<double> gamma = random_gamma<double>(4, 350);
+  const RmsNormParams params{std::numeric_limits<double>::denorm_min()};
+  RowMatrix<double> residual = r0;
+  RowMatrix<double> out(2, 4);
+  apex::add_rms_norm(x, residual, gamma, params, out);
+  RowMatrix<double> expected_residual = r0 + x;
+  EXPECT_TRUE(same_bits(residual, expected_residual));
+  EXPECT_TRUE(same_bits(out, apex::rms_norm(expected_residual, gamma, params)));
+  ASSERT_TRUE(out.allFinite());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The thread count does not change a bit
+// ---------------------------------------------------------------------------------------------
+
+// Runs `compute` on 1 and on 2 OpenMP threads and expects the same bits.
+template <class Compute>
+void expect_same_bits_on_1_and_2_threads(const Compute& compute) {
+#ifdef _OPENMP
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const auto one = compute();
+  omp_set_num_threads(2);
+  const auto two = compute();
+  omp_set_num_threads(saved);
+  EXPECT_TRUE(same_bits(one, two));
+#else
+  (void)compute;
+  GTEST_SKIP() << "built without OpenMP: one thread only";
+#endif
+}
+
+TYPED_TEST(AddRmsNorm, ThreadCountDoesNotChangeResults) {
+  using T = TypeParam;
+  // 600 × 300: enough rows for rms_norm's parallel threshold (32K elements).
+  const AddCase<T> c(600, 300, 360);
+  expect_same_bits_on_1_and_2_threads([&] { return apex::rms_norm(c.x, c.gamma); });
+  expect_same_bits_on_1_and_2_threads(
+      [&] { return apex::rms_norm(c.x, c.gamma, one_plus_gamma()); });
+  expect_same_bits_on_1_and_2_threads([&] {
+    RowMatrix<T> residual = c.residual;
+    RowMatrix<T> both(2 * c.x.rows(), c.x.cols());
+    both.topRows(c.x.rows()) = apex::add_rms_norm(c.x, residual, c.gamma);
+    both.bottomRows(c.x.rows()) = residual;
+    return both;
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input to add_rms_norm: rejected before anything is written
+// ---------------------------------------------------------------------------------------------
+
+TEST(AddRmsNormErrors, RejectsBadInputBeforeWriting) {
+  const RowMatrix<float> x0 = random_input<float>(3, 5, 370);
+  const RowMatrix<float> r0 = random_input<float>(3, 5, 371);
+  const Vector<float> gamma = Vector<float>::Ones(5);
+  RowMatrix<float> x = x0;
+  RowMatrix<float> residual = r0;
+  RowMatrix<float> out = RowMatrix<float>::Constant(3, 5, -7.0f);
+  const RowMatrix<float> out0 = out;
+  const auto untouched = [&] {
+    return same_bits(x, x0) && same_bits(residual, r0) && same_bits(out, out0);
+  };
+
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  expect_invalid([&] { apex::add_rms_norm(x, residual, gamma, RmsNormParams{0.0}, out); },
+                 {"[add_rms_norm] eps (0)", "positive and finite"});
+  expect_invalid([&] { apex::add_rms_norm(x, residual, gamma, RmsNormParams{-1.0}, out); },
+                 {"[add_rms_norm] eps (-1)"});
+  expect_invalid([&] { apex::add_rms_norm(x, residual, gamma, RmsNormParams{nan}, out); },
+                 {"[add_rms_norm] eps (nan)"});
+  EXPECT_TRUE(untouched());
+
+  expect_invalid([&] { apex::add_rms_norm(x, residual, Vector<float>::Ones(6), {}, out); },
+                 {"[add_rms_norm] gamma length (6)", "d (5)"});
+  RowMatrix<float> short_residual = RowMatrix<float>::Constant(2, 5, 3.0f);
+  expect_invalid([&] { apex::add_rms_norm(x, short_residual, gamma, {}, out); },
+                 {"[add_rms_norm] residual (2 x 5)", "3 x 5 like x"});
+  EXPECT_TRUE((short_residual.array() == 3.0f).all());
+  RowMatrix<float> narrow_out = RowMatrix<float>::Constant(3, 4, 3.0f);
+  expect_invalid([&] { apex::add_rms_norm(x, residual, gamma, {}, narrow_out); },
+                 {"[add_rms_norm] out (3 x 4)", "3 x 5 like x"});
+  EXPECT_TRUE((narrow_out.array() == 3.0f).all());
+  EXPECT_TRUE(untouched());
+
+  // Overlaps: out onto residual, residual onto x, γ inside residual or out, out partly onto x.
+  expect_invalid([&] { apex::add_rms_norm(x, residual, gamma, {}, residual); },
+                 {"[add_rms_norm] out must not overlap residual"});
+  expect_invalid([&] { apex::add_rms_norm(x, x, gamma, {}, out); },
+                 {"[add_rms_norm] residual must not overlap x"});
+  expect_invalid([&] { apex::add_rms_norm(x, residual, residual.row(1), {}, out); },
+                 {"[add_rms_norm] gamma must not overlap residual"});
+  expect_invalid([&] { apex::add_rms_norm(x, residual, out.row(2), {}, out); },
+                 {"[add_rms_norm] gamma must not overlap out"});
+  RowMatrix<float> wide = RowMatrix<float>::Constant(3, 6, 3.0f);
+  const RowMatrix<float> wide0 = wide;
+  expect_invalid(
+      [&] { apex::add_rms_norm(wide.leftCols(5), residual, gamma, {}, wide.rightCols(5)); },
+      {"[add_rms_norm] out must either be x itself"});
+  EXPECT_TRUE(same_bits(wide, wide0));
+  EXPECT_TRUE(untouched());
+}
+
+TEST(RmsNormErrors, OnePlusGammaChecksAsBefore) {
+  const RowMatrix<float> x = random_input<float>(3, 5, 380);
+  RowMatrix<float> out = RowMatrix<float>::Constant(3, 5, -7.0f);
+  expect_invalid([&] { apex::rms_norm(x, Vector<float>::Ones(4), one_plus_gamma(), out); },
+                 {"[rms_norm] gamma length (4)", "d (5)"});
+  expect_invalid([&] { apex::rms_norm(x, Vector<float>::Ones(5), one_plus_gamma(0.0), out); },
+                 {"[rms_norm] eps (0)"});
+  EXPECT_TRUE((out.array() == -7.0f).all());
 }
 
 }  // namespace

@@ -11,12 +11,17 @@
 #include <apex/embedding.hpp>
 #include <apex/gqa.hpp>
 #include <apex/kv_cache.hpp>
+#include <apex/layer_norm.hpp>
 #include <apex/mask.hpp>
 #include <apex/mha.hpp>
 #include <apex/mla.hpp>
+#include <apex/mrope.hpp>
 #include <apex/paged_cache.hpp>
+#include <apex/precompiled_kernels.hpp>
 #include <apex/rms_norm.hpp>
 #include <apex/rope.hpp>
+#include <apex/rope_config.hpp>
+#include <apex/rope_scaling.hpp>
 #include <apex/sdpa.hpp>
 #include <apex/serving_cache.hpp>
 #include <apex/stack.hpp>

@@ -1,0 +1,182 @@
+// SPDX-License-Identifier: MIT
+// LayerNorm (Ba, Kiros and Hinton 2016; PyTorch's nn.LayerNorm): each token's features centred
+// on their mean and divided by their standard deviation, then scaled by γ and shifted by β.
+// Not in the APEX-1 documents, which use RMSNorm (§3); GPT-2 and Phi use it with γ and β,
+// OLMo-1 without either ("non-parametric").
+//
+//   x   [tokens, d]  ──►  out[t, j] = (x[t, j] − μ_t) / sqrt(σ²_t + ε) · γ[j] + β[j]
+//   γ, β [d], each optional     μ_t = mean_j x[t, :],  σ²_t = mean_j (x[t, :] − μ_t)²  (biased)
+//
+// add_layer_norm fuses a block's residual step with the next LayerNorm, as add_rms_norm does.
+// The row kernel is RMSNorm's (detail::norm_row, detail/norm_rows.hpp) with the row centred first:
+// a pass for the mean, one for the squared deviations, one for the write, the last two from L1/L2.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/detail/norm_rows.hpp>
+#include <apex/storage.hpp>
+
+#include <optional>
+#include <type_traits>
+
+namespace apex {
+
+/// Parameters of LayerNorm.
+struct LayerNormParams {
+  /// ε added to the variance under the square root; must be positive and finite. The default
+  /// is PyTorch's (nn.LayerNorm, GPT-2, Phi).
+  double eps = 1e-5;
+};
+
+namespace detail {
+
+/// γ or β of a LayerNorm: an Eigen vector expression, read through a contiguous Ref (the
+/// primary template), or std::nullopt, unset (γ = 1, β = 0: nothing is multiplied or added).
+template <class V, bool = std::is_same_v<V, std::nullopt_t>>
+class OptionalNormVector {
+ public:
+  static_assert(std::is_base_of_v<Eigen::MatrixBase<V>, V> && V::IsVectorAtCompileTime,
+                "[layer_norm] gamma and beta are vectors or std::nullopt");
+  using Scalar = typename V::Scalar;
+  static constexpr bool kSet = true;
+  explicit OptionalNormVector(const V& v) : ref_(v.derived()) { require_storage_type<Scalar>(); }
+  const Scalar* data() const { return ref_.data(); }
+  Index size() const { return ref_.size(); }
+  ByteSpan span() const { return vector_span(ref_); }
+
+ private:
+  ConstVectorRef<Scalar> ref_;
+};
+
+template <class V>
+class OptionalNormVector<V, true> {
+ public:
+  using Scalar = float;
+  static constexpr bool kSet = false;
+  explicit OptionalNormVector(std::nullopt_t /*unset*/) {}
+  const float* data() const { return nullptr; }
+  ByteSpan span() const { return {}; }
+};
+
+/// The LayerNorm NormForm for the given γ and β.
+template <class G, class B>
+using LayerNormForm = NormForm<true, G::kSet ? NormScale::kGamma : NormScale::kNone, B::kSet>;
+
+/// γ and β have length d when set.
+template <class G, class B>
+void check_layer_norm_lengths(const char* op, const G& g, const B& b, Index d) {
+  if constexpr (G::kSet) check_norm_vector_length(op, "gamma", g.size(), d);
+  if constexpr (B::kSet) check_norm_vector_length(op, "beta", b.size(), d);
+}
+
+/// Neither γ nor β overlaps a view the call writes (unset ones are empty).
+template <class G, class B>
+void check_layer_norm_disjoint(const char* op, const G& g, const B& b, const char* written_name,
+                               ByteSpan written) {
+  check_norm_disjoint(op, "gamma", g.span(), written_name, written);
+  check_norm_disjoint(op, "beta", b.span(), written_name, written);
+}
+
+}  // namespace detail
+
+/// LayerNorm over the last dimension:
+///   out[t, :] = (x[t, :] − μ_t) / sqrt(σ²_t + ε) · γ + β,
+///   μ_t = mean(x[t, :]),  σ²_t = mean((x[t, :] − μ_t)²)  (biased, as PyTorch's LayerNorm).
+/// x: [tokens, d]; gamma, beta: [d] (any vector expression) or std::nullopt, each on its own:
+/// unset γ multiplies by nothing (γ = 1), unset β adds nothing (β = 0), so
+///   layer_norm(x, gamma, beta, {}, out)                 GPT-2, Phi
+///   layer_norm(x, std::nullopt, std::nullopt, {}, out)  OLMo-1's non-parametric LayerNorm.
+/// out: [tokens, d] (a row-major matrix, Map, Ref or block of one with contiguous rows). Each
+/// argument may have its own storage type, float, double, Eigen::half or Eigen::bfloat16.
+/// In place is allowed: out may be x itself (the same rows); any other overlap of out with x,
+/// and any overlap of out with γ or β, is rejected before anything is written.
+/// Accuracy: μ and σ² are accumulated in double in a fixed order, two-pass (the mean, taken about
+/// x[t, 0], then the squared deviations from it), so a constant row gives exactly β; the output
+/// is formed in double and rounded once to out's type. Double rows whose statistics would
+/// overflow (|x| ≳ 1e154) or underflow are scaled by powers of two (exact) first.
+/// Allocates nothing when x is row-major with contiguous rows and γ, β are contiguous vectors
+/// (otherwise Eigen::Ref copies the input). Threads over rows (detail::parallel_for); each row's
+/// result is independent of the thread count.
+template <class Derived, class Gamma, class Beta, class OutDerived>
+void layer_norm(const Eigen::MatrixBase<Derived>& x, const Gamma& gamma, const Beta& beta,
+                const LayerNormParams& params, const Eigen::MatrixBase<OutDerived>& out_) {
+  using TX = typename Derived::Scalar;
+  using TO = typename OutDerived::Scalar;
+  detail::require_storage_type<TX>();
+  detail::require_storage_type<TO>();
+  RowRef<TO> out(const_cast<OutDerived&>(out_.derived()));
+
+  const ConstRowRef<TX> xr(x.derived());
+  const char* op = "layer_norm";
+  detail::check_norm_eps(op, params.eps);
+  using G = detail::OptionalNormVector<Gamma>;
+  using B = detail::OptionalNormVector<Beta>;
+  const G g(gamma);
+  const B b(beta);
+  detail::check_layer_norm_lengths(op, g, b, xr.cols());
+  detail::check_norm_shape(op, "out", xr, out);
+  detail::check_norm_out_vs_x(op, xr, out);
+  detail::check_layer_norm_disjoint(op, g, b, "out", detail::matrix_span(out));
+
+  using Form = detail::LayerNormForm<G, B>;
+  detail::norm_rows<Form>(xr, g.data(), b.data(), params.eps, out);
+}
+
+/// LayerNorm returning a new [tokens, d] matrix of x's type; see the overload above.
+template <class Derived, class Gamma, class Beta>
+RowMatrix<typename Derived::Scalar> layer_norm(const Eigen::MatrixBase<Derived>& x,
+                                               const Gamma& gamma, const Beta& beta,
+                                               const LayerNormParams& params = {}) {
+  using Scalar = typename Derived::Scalar;
+  detail::require_storage_type<Scalar>();
+  RowMatrix<Scalar> out(x.rows(), x.cols());
+  layer_norm(x, gamma, beta, params, out);
+  return out;
+}
+
+/// The residual add of a block fused with the next LayerNorm:
+///   residual[t, :] ← residual[t, :] + x[t, :]   (rounded once to residual's type),
+///   out[t, :] = LayerNorm(residual[t, :])       (from the rounded sum, as layer_norm above).
+/// Bit for bit `residual += x; layer_norm(residual, gamma, beta, params, out)` for x and
+/// residual of one storage type; the sum, the checks and the single pass over memory are those
+/// of add_rms_norm (rms_norm.hpp). x, residual, out: [tokens, d]; gamma, beta: [d] or
+/// std::nullopt. out may be x itself; out must not overlap residual, γ or β otherwise, and
+/// residual must not overlap x, γ or β. A failed call changes nothing. Allocates nothing for
+/// contiguous rows and vectors. Threads over rows; results are independent of the thread count.
+template <class Derived, class ResidualDerived, class Gamma, class Beta, class OutDerived>
+void add_layer_norm(const Eigen::MatrixBase<Derived>& x,
+                    const Eigen::MatrixBase<ResidualDerived>& residual_, const Gamma& gamma,
+                    const Beta& beta, const LayerNormParams& params,
+                    const Eigen::MatrixBase<OutDerived>& out_) {
+  using TX = typename Derived::Scalar;
+  using TR = typename ResidualDerived::Scalar;
+  using TO = typename OutDerived::Scalar;
+  detail::require_storage_type<TX>();
+  detail::require_storage_type<TR>();
+  detail::require_storage_type<TO>();
+  RowRef<TR> residual(const_cast<ResidualDerived&>(residual_.derived()));
+  RowRef<TO> out(const_cast<OutDerived&>(out_.derived()));
+
+  const ConstRowRef<TX> xr(x.derived());
+  const char* op = "add_layer_norm";
+  detail::check_norm_eps(op, params.eps);
+  using G = detail::OptionalNormVector<Gamma>;
+  using B = detail::OptionalNormVector<Beta>;
+  const G g(gamma);
+  const B b(beta);
+  const detail::ByteSpan r_span = detail::matrix_span(residual);
+  const detail::ByteSpan out_span = detail::matrix_span(out);
+  detail::check_layer_norm_lengths(op, g, b, xr.cols());
+  detail::check_norm_shape(op, "residual", xr, residual);
+  detail::check_norm_shape(op, "out", xr, out);
+  detail::check_norm_out_vs_x(op, xr, out);
+  detail::check_norm_disjoint(op, "residual", r_span, "x", detail::matrix_span(xr));
+  detail::check_norm_disjoint(op, "out", out_span, "residual", r_span);
+  detail::check_layer_norm_disjoint(op, g, b, "out", out_span);
+  detail::check_layer_norm_disjoint(op, g, b, "residual", r_span);
+
+  using Form = detail::LayerNormForm<G, B>;
+  detail::add_norm_rows<Form>(xr, residual, g.data(), b.data(), params.eps, out);
+}
+
+}  // namespace apex
