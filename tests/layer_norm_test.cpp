@@ -315,6 +315,28 @@ TEST(LayerNormDouble, NonFiniteInputStaysInItsRow) {
   EXPECT_TRUE(out.row(2).allFinite());
 }
 
+// Float rows take their statistics in one pass about x[0] (var = mean(d²) − mean(d)²): a large
+// common offset, a first element far from the rest (so mean(d²) ≫ var) and long rows stay
+// within the float tolerance of the two-pass double reference; non-finite input gives NaN rows.
+TEST(LayerNormFloat, OnePassStatisticsHoldForOffsetsOutliersAndLongRows) {
+  const Index d = 4096;
+  RowMatrix<float> x = random_matrix<float>(3, d, 92, -1.0, 1.0);
+  x.row(0) = (x.row(0).array() * 1e-2F + 1e4F).matrix();  // offset 1e4, deviations 1e-2
+  x(1, 0) = 1e6F;                                         // x[0] far from the rest
+  x(2, 0) = -3e5F;
+  const Vector<double> beta = random_beta<double>(d, 93);
+  const RowMatrix<float> out = apex::layer_norm(x, std::nullopt, beta.cast<float>().eval());
+  expect_matches<float>(out, reference_layer_norm(x.cast<double>(), Vector<double>(), beta, 1e-5));
+
+  RowMatrix<float> bad = random_matrix<float>(3, 8, 94, -1.0, 1.0);
+  bad(0, 3) = std::numeric_limits<float>::quiet_NaN();
+  bad(1, 5) = std::numeric_limits<float>::infinity();
+  const RowMatrix<float> bad_out = apex::layer_norm(bad, std::nullopt, std::nullopt);
+  EXPECT_TRUE(bad_out.row(0).array().isNaN().all());
+  EXPECT_TRUE(bad_out.row(1).array().isNaN().all());
+  EXPECT_TRUE(bad_out.row(2).allFinite());
+}
+
 // ---- 16-bit rows ------------------------------------------------------------------------------
 
 template <class T>

@@ -8,8 +8,8 @@
 //   γ, β [d], each optional     μ_t = mean_j x[t, :],  σ²_t = mean_j (x[t, :] − μ_t)²  (biased)
 //
 // add_layer_norm fuses a block's residual step with the next LayerNorm, as add_rms_norm does.
-// The row kernel is RMSNorm's (detail::norm_row, detail/norm_rows.hpp) with the row centred first:
-// a pass for the mean, one for the squared deviations, one for the write, the last two from L1/L2.
+// The row kernel is RMSNorm's (detail::norm_row, detail/norm_rows.hpp) with the row centred
+// first: a pass for the statistics (two for double rows) and one for the write, from L1/L2.
 #pragma once
 
 #include <apex/config.hpp>
@@ -90,10 +90,11 @@ void check_layer_norm_disjoint(const char* op, const G& g, const B& b, const cha
 /// argument may have its own storage type, float, double, Eigen::half or Eigen::bfloat16.
 /// In place is allowed: out may be x itself (the same rows); any other overlap of out with x,
 /// and any overlap of out with γ or β, is rejected before anything is written.
-/// Accuracy: μ and σ² are accumulated in double in a fixed order, two-pass (the mean, taken about
-/// x[t, 0], then the squared deviations from it), so a constant row gives exactly β; the output
-/// is formed in double and rounded once to out's type. Double rows whose statistics would
-/// overflow (|x| ≳ 1e154) or underflow are scaled by powers of two (exact) first.
+/// Accuracy: μ and σ² are accumulated in double in a fixed order, about x[t, 0] (so a constant
+/// row gives exactly β): in one pass for float and 16-bit rows (relative error of σ² at most
+/// about n·2^-53, far below float's), in two (the mean, then the squared deviations) for double
+/// rows; the output is formed in double and rounded once to out's type. Double rows whose
+/// statistics would overflow (|x| ≳ 1e154) or underflow are scaled by powers of two (exact) first.
 /// Allocates nothing when x is row-major with contiguous rows and γ, β are contiguous vectors
 /// (otherwise Eigen::Ref copies the input). Threads over rows (detail::parallel_for); each row's
 /// result is independent of the thread count.

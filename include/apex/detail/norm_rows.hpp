@@ -156,13 +156,45 @@ void norm_write(const TX* x, const TG* g, const TB* b, double mean, double inv, 
 }
 
 /// A row's mean (0 when not centred) and mean square about it, in double, in a fixed order.
-/// LayerNorm's is the two-pass one: the mean, accumulated about x[0] (so that a constant row
-/// has exactly its value as mean, and a large common offset cancels before it is summed), then
-/// the mean of the squared deviations from it (biased: divided by n, as PyTorch's LayerNorm).
+/// LayerNorm's is taken about x[0] (so that a constant row has exactly its value as mean, and a
+/// large common offset cancels before it is summed), biased (divided by n, as PyTorch's
+/// LayerNorm): one pass for float and 16-bit rows, two (mean, then squared deviations) for
+/// double rows, whose result must carry double's precision.
 struct NormStats {
   double mean = 0.0;
   double var = 0.0;
 };
+
+/// Σ(x − c) and Σ(x − c)² of x[0 .. n), in lane_sum's order, in one pass (two arrays of
+/// partial sums, so that both vectorise).
+struct ShiftedMoments {
+  double sum = 0.0;
+  double squares = 0.0;
+};
+
+template <class TX>
+ShiftedMoments shifted_moments(const TX* x, Index n, double shift) {
+  constexpr Index kLanes = 16;
+  double sum[kLanes] = {};
+  double squares[kLanes] = {};
+  const auto add = [&](Index j, Index l) {
+    const double d = static_cast<double>(x[j + l]) - shift;
+    sum[l] += d;
+    squares[l] += d * d;
+  };
+  Index j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (Index l = 0; l < kLanes; ++l) add(j, l);
+  }
+  for (Index l = 0; l < kLanes && j + l < n; ++l) add(j, l);
+  for (Index width = kLanes / 2; width > 0; width /= 2) {
+    for (Index l = 0; l < width; ++l) {
+      sum[l] += sum[l + width];
+      squares[l] += squares[l + width];
+    }
+  }
+  return {sum[0], squares[0]};
+}
 
 template <bool kCentered, class TX>
 NormStats norm_stats(const TX* x, Index n) {
@@ -171,14 +203,27 @@ NormStats norm_stats(const TX* x, Index n) {
     return {0.0, rms_sum_squares<double>(x, n) / count};
   } else {
     const double shift = static_cast<double>(x[0]);
-    const double offset =
-        lane_sum<double>(n, [&](Index j) { return static_cast<double>(x[j]) - shift; });
-    const double mean = shift + offset / count;
-    const double squares = lane_sum<double>(n, [&](Index j) {
-      const double dev = static_cast<double>(x[j]) - mean;
-      return dev * dev;
-    });
-    return {mean, squares / count};
+    if constexpr (!std::is_same_v<TX, double>) {
+      // Float and 16-bit rows: one pass, var = mean(d²) − mean(d)², d = x − x[0]. Its relative
+      // error is about ε_double · mean(d²)/var ≤ ε_double · n (x[0] is one of the row's values,
+      // so (x[0] − μ)² ≤ n·var), far below float's ε for any row length apex sees.
+      const ShiftedMoments m = shifted_moments(x, n, shift);
+      const double offset = m.sum / count;
+      const double var = m.squares / count - offset * offset;
+      // Rounding can leave a tiny negative for a (nearly) constant row; a NaN (from ∞ − ∞ or a
+      // NaN in the row) stays NaN, so the whole row is NaN as with two passes.
+      return {shift + offset, var < 0.0 ? 0.0 : var};
+    } else {
+      // Double rows: two passes (the mean about x[0], then the squared deviations from it).
+      const double offset =
+          lane_sum<double>(n, [&](Index j) { return static_cast<double>(x[j]) - shift; });
+      const double mean = shift + offset / count;
+      const double squares = lane_sum<double>(n, [&](Index j) {
+        const double dev = static_cast<double>(x[j]) - mean;
+        return dev * dev;
+      });
+      return {mean, squares / count};
+    }
   }
 }
 
