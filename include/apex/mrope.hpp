@@ -41,8 +41,8 @@ enum class MropeLayout { kSections, kInterleaved };
 /// The three stream sizes of M-RoPE (a checkpoint's `mrope_section`) and their layout. The
 /// sizes are counted in rotation pairs and must sum to the table's rotary_dim / 2.
 struct MropeSections {
-  std::array<Index, 3> sections{};  ///< [s_t, s_h, s_w], pairs per stream
-  MropeLayout layout = MropeLayout::kSections;
+  std::array<Index, 3> sections{};              ///< [s_t, s_h, s_w], pairs per stream
+  MropeLayout layout = MropeLayout::kSections;  ///< contiguous sections or Qwen3-VL's interleaving
 };
 
 /// The stream (0 = temporal, 1 = height, 2 = width) whose position id turns rotation pair
