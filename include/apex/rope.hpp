@@ -110,6 +110,24 @@ inline void check_rope_theta(const Vector<double>& theta, Index max_positions) {
                  << ") must be finite in double (cos and sin of an infinite angle are NaN)");
 }
 
+// The rotary width of a table of max_positions positions for heads head_dim wide, from a
+// requested rotary_dim (0: the whole head), with every check of that shape and of the table's
+// size, before anything is allocated.
+template <class Scalar>
+Index checked_rotary_dim(Index max_positions, Index head_dim, Index rotary_dim) {
+  check_rope_max_positions(max_positions, "rope");
+  APEX_CHECK(rotary_dim != 0 || (head_dim >= 2 && head_dim % 2 == 0),
+             "[rope] head_dim (" << head_dim
+                                 << ") must be even and at least 2 when rotary_dim is 0 "
+                                    "(the whole head rotates)");
+  const Index d_r = rotary_dim == 0 ? head_dim : rotary_dim;
+  check_rope_rotary_dim(d_r);
+  APEX_CHECK(d_r <= head_dim,
+             "[rope] rotary_dim (" << d_r << ") must not exceed head_dim (" << head_dim << ")");
+  check_rope_table_size<Scalar>(max_positions, d_r, "rope");
+  return d_r;
+}
+
 }  // namespace detail
 
 /// θ_i = base^(-2i/d_r) for i = 0 … d_r/2 − 1 (§4.3), in double precision.
@@ -152,18 +170,9 @@ class RopeTable {
   /// The plain RoPE table (§4.3, §4.7): θ_i = base^(-2i/d_r), magnitude 1.
   RopeTable(Index max_positions, Index head_dim, const RopeParams& params = {}) {
     detail::require_supported_scalar<Scalar>();
-    detail::check_rope_max_positions(max_positions, "rope");
-    APEX_CHECK(params.rotary_dim != 0 || (head_dim >= 2 && head_dim % 2 == 0),
-               "[rope] head_dim (" << head_dim
-                                   << ") must be even and at least 2 when rotary_dim is 0 "
-                                      "(the whole head rotates)");
-    const Index rotary_dim = params.rotary_dim == 0 ? head_dim : params.rotary_dim;
-    detail::check_rope_rotary_dim(rotary_dim);
-    APEX_CHECK(rotary_dim <= head_dim, "[rope] rotary_dim (" << rotary_dim
-                                                             << ") must not exceed head_dim ("
-                                                             << head_dim << ")");
+    const Index rotary_dim =
+        detail::checked_rotary_dim<Scalar>(max_positions, head_dim, params.rotary_dim);
     detail::check_rope_base(params.base);
-    detail::check_rope_table_size<Scalar>(max_positions, rotary_dim, "rope");
     // θ ∈ (0, 1] and magnitude 1: build() cannot reject what follows.
     build(rope_frequencies(rotary_dim, params.base), max_positions, head_dim, params.pairing, 1.0);
   }

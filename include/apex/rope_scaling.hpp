@@ -291,17 +291,8 @@ template <class Scalar>
 RopeTable<Scalar> scaled_rope_table(Index max_positions, Index head_dim, const RopeParams& params,
                                     const RopeScaling& scaling) {
   detail::require_supported_scalar<Scalar>();
-  detail::check_rope_max_positions(max_positions, "rope");
-  APEX_CHECK(params.rotary_dim != 0 || (head_dim >= 2 && head_dim % 2 == 0),
-             "[rope] head_dim (" << head_dim
-                                 << ") must be even and at least 2 when rotary_dim is 0 (the "
-                                    "whole head rotates)");
-  const Index rotary_dim = params.rotary_dim == 0 ? head_dim : params.rotary_dim;
-  detail::check_rope_rotary_dim(rotary_dim);
-  APEX_CHECK(rotary_dim <= head_dim, "[rope] rotary_dim ("
-                                         << rotary_dim << ") must not exceed head_dim (" << head_dim
-                                         << ")");
-  detail::check_rope_table_size<Scalar>(max_positions, rotary_dim, "rope");
+  const Index rotary_dim =
+      detail::checked_rotary_dim<Scalar>(max_positions, head_dim, params.rotary_dim);
   const Vector<double> theta =
       scaled_rope_frequencies(rotary_dim, params.base, scaling, max_positions);
   const double magnitude = scaled_rope_magnitude(scaling);
