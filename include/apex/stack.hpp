@@ -730,9 +730,11 @@ class AttentionStack {
   static LayerRope layer_rope(const StackConfig& c, bool global) {
     if (!global) return {c.rope, c.yarn, c.rope_scaling};
     if (c.global_rope) return *c.global_rope;
-    LayerRope r{c.rope, c.yarn, c.rope_scaling};
-    r.rope.rotary_dim = 0;
-    return r;
+    // Returned as a prvalue, not a named local: moving a local variant makes GCC 12 warn falsely
+    // (-Wmaybe-uninitialized) about the members of an alternative it does not hold.
+    RopeParams whole = c.rope;
+    whole.rotary_dim = 0;
+    return {whole, c.yarn, c.rope_scaling};
   }
 
   /// One kind's RoPE: rotary_dim within the head (0: all of it, else even and at most head_dim),
