@@ -263,6 +263,13 @@ TEST(RopeConfig, BadFieldsAreNamed) {
   c.factor = 4.0;
   c.original_max_position_embeddings = 32768;
   expect_invalid([&] { table(c); }, {"factor (4) is inconsistent", "40960 / 32768 = 1.25"});
+  // A factor printed to a few digits agrees with the ratio it stands for.
+  c.max_position_embeddings = 100000;
+  c.original_max_position_embeddings = 3000;
+  c.factor = 33.33333333;
+  EXPECT_NO_THROW(table(c));
+  c.factor = 33.33;
+  expect_invalid([&] { table(c); }, "factor (33.33) is inconsistent");
   c.factor.reset();
   c.max_position_embeddings = 0;
   expect_invalid([&] { table(c); }, "max_position_embeddings (0) must be > 0 when");
