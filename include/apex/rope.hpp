@@ -114,6 +114,7 @@ inline void check_rope_theta(const Vector<double>& theta, Index max_positions) {
 // requested rotary_dim (0: the whole head), with every check of that shape and of the table's
 // size, before anything is allocated.
 template <class Scalar>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the order of RopeTable's arguments
 Index checked_rotary_dim(Index max_positions, Index head_dim, Index rotary_dim) {
   check_rope_max_positions(max_positions, "rope");
   APEX_CHECK(rotary_dim != 0 || (head_dim >= 2 && head_dim % 2 == 0),

@@ -173,6 +173,7 @@ struct ShiftedMoments {
 };
 
 template <class TX>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): (row, length, shift), one caller
 ShiftedMoments shifted_moments(const TX* x, Index n, double shift) {
   constexpr Index kLanes = 16;
   double sum[kLanes] = {};
