@@ -234,6 +234,224 @@ inline std::vector<std::int64_t> ring_bytes_sent(const SequenceSharding& shardin
   return bytes;
 }
 
+namespace detail {
+
+/// What every rank of a ring_attention call must agree on: the sharding, the shapes, the storage
+/// types, the choice of lse, and the rule and parameters (rule_agreement).
+template <class TQ, class TK, class TV, class TO>
+std::vector<Agreed> ring_agreement(const SequenceSharding& sharding, const HeadsShape& q,
+                                   const HeadsShape& k, Index d_v, bool lse_given,
+                                   const PositionMask& positions, const SdpaParams& params) {
+  std::vector<Agreed> agreed = {{"ranks", sharding.ranks()},
+                                {"sequence length", sharding.length()},
+                                {"layout", static_cast<std::int64_t>(sharding.layout())},
+                                {"batch", q.batch},
+                                {"query heads", q.heads},
+                                {"key/value heads", k.heads},
+                                {"d_qk", q.dim},
+                                {"d_v", d_v},
+                                {"query type", type_code<TQ>()},
+                                {"key type", type_code<TK>()},
+                                {"value type", type_code<TV>()},
+                                {"output type", type_code<TO>()},
+                                {"lse given", lse_given ? 1 : 0}};
+  for (const Agreed& a : rule_agreement(positions, params)) agreed.push_back(a);
+  return agreed;
+}
+
+/// This rank's checks of a ring_attention call (run inside the agreement, so that one rank's
+/// failure throws on all): the shard lengths, sdpa's checks of the shapes and outputs, the rule
+/// on the whole sequence, self-attention, and every size formed later (each message and shard
+/// buffer at most a K or V shard of two of the largest chunks; the running rows).
+template <class TQ, class TK, class TV, class TO>
+void check_ring_inputs(const RankInfo& me, const SequenceSharding& sharding,
+                       const HeadsView<const TQ>& q, const HeadsView<const TK>& k,
+                       const HeadsView<const TV>& v, const PositionMask& positions,
+                       const SdpaParams& params, const HeadsView<TO>& out, const HeadsView<TO>& lse,
+                       const char* op) {
+  APEX_CHECK(sharding.ranks() == me.size, "[" << op << "] sharding ranks (" << sharding.ranks()
+                                              << ") must be the communicator's size " << me.size);
+  const Index rows = sharding.local_length(me.rank);
+  APEX_CHECK(q.seq() == rows && k.seq() == rows && v.seq() == rows,
+             "[" << op << "] q, k, v rows (" << q.seq() << ", " << k.seq() << ", " << v.seq()
+                 << ") must be this rank's shard length " << rows);
+  PositionMask local;  // the shapes against each other; the rule against the whole sequence
+  apex::detail::check_sdpa(q, k, v, AttentionMask<TO>{local, {}, {}}, params, out, lse, op);
+  apex::detail::check_outputs<TO>({out, lse}, op);
+  apex::detail::check_position_mask(positions, sharding.length(), sharding.length(), op);
+  APEX_CHECK(!positions.query_offset || *positions.query_offset == positions.key_offset,
+             "[" << op << "] query_offset (" << *positions.query_offset
+                 << ") must be unset or equal to key_offset (" << positions.key_offset
+                 << "): ring attention is self-attention");
+  using apex::detail::checked_product;
+  const Index largest = sharding.chunk(0).end - sharding.chunk(0).begin;
+  const std::int64_t row_bytes =
+      std::max(checked_product(q.dim(), static_cast<std::int64_t>(sizeof(TK)), op,
+                               "a key row's bytes d_qk*sizeof(TK)"),
+               checked_product(v.dim(), static_cast<std::int64_t>(sizeof(TV)), op,
+                               "a value row's bytes d_v*sizeof(TV)"));
+  const std::int64_t bytes = checked_product({q.batch(), k.heads(), largest, 2, row_bytes}, op,
+                                             "a K or V shard's bytes B*H_kv*S_chunk*2*row bytes");
+  APEX_CHECK(bytes <= std::numeric_limits<int>::max(),
+             "[" << op << "] a K or V shard of up to " << bytes
+                 << " bytes exceeds one MPI message (2^31 − 1 bytes): use more ranks");
+  checked_product(
+      {q.batch(), q.heads(), rows, v.dim() + 1, static_cast<std::int64_t>(2 * sizeof(double))}, op,
+      "the running rows' bytes B*H_q*S_r*(d_v + 1)*16");
+}
+
+/// The two K/V shard buffers of the ring, each with room for the largest shard; the first holds
+/// this rank's own K and V.
+template <class TK, class TV>
+std::array<KvShard<TK, TV>, 2> ring_shards(const SequenceSharding& sharding,
+                                           const HeadsView<const TK>& k,
+                                           const HeadsView<const TV>& v) {
+  Index room = 0;
+  for (int r = 0; r < sharding.ranks(); ++r) room = std::max(room, sharding.local_length(r));
+  std::array<KvShard<TK, TV>, 2> shards;
+  for (auto& s : shards) {
+    s.k_shape = k.shape();
+    s.v_shape = v.shape();
+    s.reserve(k.shape(), v.shape(), room);
+  }
+  copy_rows(k, shards[0].keys());
+  copy_rows(v, shards[0].values());
+  return shards;
+}
+
+/// The running result of `rows` query rows of every head, zero parts so far.
+template <class C>
+RunningRows<C> running_rows(const HeadsShape& q, Index d_v) {
+  const HeadsShape rows{q.batch, q.heads, q.seq, 1};
+  return {HeadsTensor<C>({q.batch, q.heads, q.seq, d_v}),
+          HeadsTensor<C>({q.batch, q.heads, q.seq, d_v}), HeadsTensor<C>(rows),
+          HeadsTensor<C>(rows),
+          std::vector<apex::detail::SoftmaxStats<double>>(
+              static_cast<std::size_t>(q.batch * q.heads * q.seq))};
+}
+
+/// One step's non-blocking transfers: requests 0, 1 receive the next shard's K and V from the
+/// rank before, 2, 3 send the held one's to the rank after (tags 2s and 2s + 1).
+template <class TK, class TV>
+void post_receive(MPI_Comm comm, KvShard<TK, TV>& next, int from, int step,
+                  std::array<MPI_Request, 4>& requests, const char* op) {
+  mpi_call(MPI_Irecv(next.k.data(), static_cast<int>(next.key_bytes()), MPI_BYTE, from, 2 * step,
+                     comm, &requests[0]),
+           op);
+  mpi_call(MPI_Irecv(next.v.data(), static_cast<int>(next.value_bytes()), MPI_BYTE, from,
+                     2 * step + 1, comm, &requests[1]),
+           op);
+}
+
+template <class TK, class TV>
+void post_send(MPI_Comm comm, KvShard<TK, TV>& held, int to, int step,
+               std::array<MPI_Request, 4>& requests, Traffic& traffic, const char* op) {
+  mpi_call(MPI_Isend(held.k.data(), static_cast<int>(held.key_bytes()), MPI_BYTE, to, 2 * step,
+                     comm, &requests[2]),
+           op);
+  mpi_call(MPI_Isend(held.v.data(), static_cast<int>(held.value_bytes()), MPI_BYTE, to,
+                     2 * step + 1, comm, &requests[3]),
+           op);
+  traffic.bytes_sent += held.key_bytes() + held.value_bytes();
+  traffic.messages += 2;
+}
+
+/// The chunks of the held shard (of rank `origin`) that the queries [first_query, + q_rows) may
+/// see, as key segments at their positions (at most two: a zigzag shard has two chunks).
+/// Returns the number of segments and sets `keys` to their rows.
+template <class TK, class TV>
+Index visible_segments(const SequenceSharding& sharding, int origin, KvShard<TK, TV>& held,
+                       const PositionMask& positions, Index first_query, Index q_rows,
+                       std::array<apex::detail::KeySegment<TK, TV>, 2>& segments, Index& keys) {
+  Index count = 0;
+  Index k_row = 0;
+  keys = 0;
+  for (const PositionRange& kc : sharding.chunks(origin)) {
+    const Index first_key = positions.key_offset + kc.begin;
+    const Index k_rows = kc.end - kc.begin;
+    if (classify_block(positions, first_query, first_query + q_rows, first_key,
+                       first_key + k_rows) != BlockCoverage::kNone) {
+      segments[static_cast<std::size_t>(count++)] = {held.keys().middle_rows(k_row, k_rows),
+                                                     held.values().middle_rows(k_row, k_rows),
+                                                     first_key};
+      keys += k_rows;
+    }
+    k_row += k_rows;
+  }
+  return count;
+}
+
+/// This rank's query chunks against the held shard of rank `origin`: the tiled kernel on each
+/// (query chunk, visible key chunks) pair, merged into the running rows; the MPI library gets a
+/// chance to progress the step's transfers between chunks.
+template <class C, class TQ, class TK, class TV>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (this rank, the shard's rank)
+void attend_held_shard(const SequenceSharding& sharding, int rank, int origin,
+                       const HeadsView<const TQ>& q, KvShard<TK, TV>& held,
+                       const PositionMask& positions, const SdpaParams& part_params,
+                       RunningRows<C>& run, std::array<MPI_Request, 4>& requests, const char* op) {
+  Index q_row = 0;
+  for (const PositionRange& qc : sharding.chunks(rank)) {
+    const Index q_rows = qc.end - qc.begin;
+    if (q_rows == 0) continue;  // the one empty chunk of S = 0
+    const Index first_query = positions.key_offset + qc.begin;
+    std::array<apex::detail::KeySegment<TK, TV>, 2> segments;
+    Index keys = 0;
+    const Index count =
+        visible_segments(sharding, origin, held, positions, first_query, q_rows, segments, keys);
+    if (count > 0) {
+      PositionMask rule = positions;
+      rule.query_offset = first_query;
+      rule.key_offset = segments[0].first_position;
+      auto problem =
+          apex::detail::attention_problem<TQ, TK, TV>(q.middle_rows(q_row, q_rows), segments.data(),
+                                                      count, keys, rule, first_query, part_params);
+      apex::detail::flash_attention(
+          problem,
+          apex::detail::AttentionOutputs<C>{run.part_out.view().middle_rows(q_row, q_rows),
+                                            {},
+                                            run.part_max.view().middle_rows(q_row, q_rows),
+                                            run.part_sum.view().middle_rows(q_row, q_rows)},
+          apex::detail::FlashBlocking{});
+      merge_part(run, q_row, q_rows);
+      int done = 0;
+      mpi_call(MPI_Testall(4, requests.data(), &done, MPI_STATUSES_IGNORE), op);
+    }
+    q_row += q_rows;
+  }
+}
+
+/// The end of the ring: each row's sink joins once (-inf without sinks), and the rows go to out
+/// (and lse) in their type.
+template <class C, class TO>
+// NOLINTBEGIN(bugprone-easily-swappable-parameters): internal, (out, lse) as sdpa's
+void finish_ring_rows(const RunningRows<C>& run, const std::vector<double>& sinks,
+                      const HeadsView<TO>& out, const HeadsView<TO>& lse) {
+  // NOLINTEND(bugprone-easily-swappable-parameters)
+  const HeadsShape s = run.out.shape();
+  std::vector<double> scratch(static_cast<std::size_t>(1 + s.dim));
+  for (Index b = 0; b < s.batch; ++b) {
+    for (Index h = 0; h < s.heads; ++h) {
+      const double sink = sinks.empty() ? -std::numeric_limits<double>::infinity()
+                                        : sinks[static_cast<std::size_t>(h)];
+      for (Index i = 0; i < s.seq; ++i) {
+        const auto part_at = [&](Index) {
+          return apex::detail::PartRow<C, double>{
+              run.out.head(b, h).row(i).data(),
+              run.stats[static_cast<std::size_t>((b * s.heads + h) * s.seq + i)]};
+        };
+        const auto total =
+            apex::detail::merge_rows<double>(1, s.dim, part_at, out.head(b, h).row(i).data(),
+                                             scratch.data(), scratch.data() + 1, sink);
+        if (!lse.empty())
+          lse.head(b, h)(i, 0) = apex::round_to<TO>(apex::detail::log_sum_exp(total));
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
 /// Ring attention (collective): the attention of one sequence of S positions, sharded over the
 /// ranks of `comm` by `sharding`, each rank computing the rows of its own queries:
 ///   out_r = sdpa(Q, K, V, {positions}, params) restricted to rank r's rows,
@@ -274,78 +492,22 @@ Traffic ring_attention(MPI_Comm comm, const SequenceSharding& sharding, const He
                                double, float>;
   constexpr const char* op = "ring_attention";
   const RankInfo me = detail::rank_info(comm, op);
-  std::vector<detail::Agreed> agreed = {{"ranks", sharding.ranks()},
-                                        {"sequence length", sharding.length()},
-                                        {"layout", static_cast<std::int64_t>(sharding.layout())},
-                                        {"batch", q.batch()},
-                                        {"query heads", q.heads()},
-                                        {"key/value heads", k.heads()},
-                                        {"d_qk", q.dim()},
-                                        {"d_v", v.dim()},
-                                        {"query type", detail::type_code<TQ>()},
-                                        {"key type", detail::type_code<TK>()},
-                                        {"value type", detail::type_code<TV>()},
-                                        {"output type", detail::type_code<TO>()},
-                                        {"lse given", lse.empty() ? 0 : 1}};
-  for (const detail::Agreed& a : detail::rule_agreement(positions, params)) agreed.push_back(a);
-  detail::agree(comm, me, op, agreed, [&] {
-    APEX_CHECK(sharding.ranks() == me.size, "[" << op << "] sharding ranks (" << sharding.ranks()
-                                                << ") must be the communicator's size " << me.size);
-    const Index rows = sharding.local_length(me.rank);
-    APEX_CHECK(q.seq() == rows && k.seq() == rows && v.seq() == rows,
-               "[" << op << "] q, k, v rows (" << q.seq() << ", " << k.seq() << ", " << v.seq()
-                   << ") must be this rank's shard length " << rows);
-    PositionMask local;  // the shapes against each other; the rule against the whole sequence
-    apex::detail::check_sdpa(q, k, v, AttentionMask<TO>{local, {}, {}}, params, out, lse, op);
-    apex::detail::check_outputs<TO>({out, lse}, op);
-    apex::detail::check_position_mask(positions, sharding.length(), sharding.length(), op);
-    APEX_CHECK(!positions.query_offset || *positions.query_offset == positions.key_offset,
-               "[" << op << "] query_offset (" << *positions.query_offset
-                   << ") must be unset or equal to key_offset (" << positions.key_offset
-                   << "): ring attention is self-attention");
-    // The sizes formed below: every message and shard buffer is at most a K or V shard of two
-    // of the largest chunks (sizes the ranks agree on); the running rows grow with this rank's
-    // rows. Checked here, in the agreement, so that an overflow on any rank throws on all.
-    using apex::detail::checked_product;
-    const Index largest = sharding.chunk(0).end - sharding.chunk(0).begin;
-    const std::int64_t row_bytes =
-        std::max(checked_product(q.dim(), static_cast<std::int64_t>(sizeof(TK)), op,
-                                 "a key row's bytes d_qk*sizeof(TK)"),
-                 checked_product(v.dim(), static_cast<std::int64_t>(sizeof(TV)), op,
-                                 "a value row's bytes d_v*sizeof(TV)"));
-    const std::int64_t bytes = checked_product({q.batch(), k.heads(), largest, 2, row_bytes}, op,
-                                               "a K or V shard's bytes B*H_kv*S_chunk*2*row bytes");
-    APEX_CHECK(bytes <= std::numeric_limits<int>::max(),
-               "[" << op << "] a K or V shard of up to " << bytes
-                   << " bytes exceeds one MPI message (2^31 − 1 bytes): use more ranks");
-    checked_product(
-        {q.batch(), q.heads(), rows, v.dim() + 1, static_cast<std::int64_t>(2 * sizeof(double))},
-        op, "the running rows' bytes B*H_q*S_r*(d_v + 1)*16");
-  });
+  const HeadsView<const TQ> cq(q);
+  const HeadsView<const TK> ck(k);
+  const HeadsView<const TV> cv(v);
+  detail::agree(comm, me, op,
+                detail::ring_agreement<TQ, TK, TV, TO>(sharding, q.shape(), k.shape(), v.dim(),
+                                                       !lse.empty(), positions, params),
+                [&] {
+                  detail::check_ring_inputs(me, sharding, cq, ck, cv, positions, params, out, lse,
+                                            op);
+                });
 
   const int p = me.size;
   const RingPlan plan = ring_plan(sharding, positions);
-  const std::vector<PositionRange> mine = sharding.chunks(me.rank);
-  const Index rows = sharding.local_length(me.rank);
-  const HeadsShape ks{k.batch(), k.heads(), rows, k.dim()};
-  const HeadsShape vs{v.batch(), v.heads(), rows, v.dim()};
-  Index room = 0;
-  for (int r = 0; r < p; ++r) room = std::max(room, sharding.local_length(r));
-  std::array<detail::KvShard<TK, TV>, 2> shards;
-  for (auto& s : shards) {
-    s.k_shape = ks;
-    s.v_shape = vs;
-    s.reserve(ks, vs, room);
-  }
-  detail::copy_rows(k, shards[0].keys());
-  detail::copy_rows(v, shards[0].values());
-
-  const HeadsShape row_shape{q.batch(), q.heads(), rows, 1};
-  detail::RunningRows<C> run{HeadsTensor<C>({q.batch(), q.heads(), rows, v.dim()}),
-                             HeadsTensor<C>({q.batch(), q.heads(), rows, v.dim()}),
-                             HeadsTensor<C>(row_shape), HeadsTensor<C>(row_shape),
-                             std::vector<apex::detail::SoftmaxStats<double>>(
-                                 static_cast<std::size_t>(q.batch() * q.heads() * rows))};
+  std::array<detail::KvShard<TK, TV>, 2> shards = detail::ring_shards(sharding, ck, cv);
+  detail::RunningRows<C> run =
+      detail::running_rows<C>({q.batch(), q.heads(), sharding.local_length(me.rank), 1}, v.dim());
   SdpaParams part_params = params;
   part_params.sinks.clear();  // the sink joins once, at the end
 
@@ -362,95 +524,20 @@ Traffic ring_attention(MPI_Comm comm, const SequenceSharding& sharding, const He
     const bool receive = s + 1 < plan.steps && s + 1 <= hops_of(next_origin);
     if (receive) {
       next.hold(sharding.local_length(next_origin));
-      const int from = (me.rank - 1 + p) % p;
-      detail::mpi_call(MPI_Irecv(next.k.data(), static_cast<int>(next.key_bytes()), MPI_BYTE, from,
-                                 2 * s, comm, &requests[0]),
-                       op);
-      detail::mpi_call(MPI_Irecv(next.v.data(), static_cast<int>(next.value_bytes()), MPI_BYTE,
-                                 from, 2 * s + 1, comm, &requests[1]),
-                       op);
+      detail::post_receive(comm, next, (me.rank - 1 + p) % p, s, requests, op);
     }
     const int origin = origin_at(s);
     if (have && s < hops_of(origin)) {
-      const int to = (me.rank + 1) % p;
-      detail::mpi_call(MPI_Isend(held.k.data(), static_cast<int>(held.key_bytes()), MPI_BYTE, to,
-                                 2 * s, comm, &requests[2]),
-                       op);
-      detail::mpi_call(MPI_Isend(held.v.data(), static_cast<int>(held.value_bytes()), MPI_BYTE, to,
-                                 2 * s + 1, comm, &requests[3]),
-                       op);
-      traffic.bytes_sent += held.key_bytes() + held.value_bytes();
-      traffic.messages += 2;
+      detail::post_send(comm, held, (me.rank + 1) % p, s, requests, traffic, op);
     }
     if (have) {
-      // The held shard's chunks, as key segments at their positions.
-      const std::vector<PositionRange> theirs = sharding.chunks(origin);
-      Index q_row = 0;
-      for (const PositionRange& qc : mine) {
-        const Index q_rows = qc.end - qc.begin;
-        if (q_rows == 0) continue;  // the one empty chunk of S = 0
-        const Index first_query = positions.key_offset + qc.begin;
-        std::array<apex::detail::KeySegment<TK, TV>, 2> segments;
-        Index count = 0;
-        Index keys = 0;
-        Index k_row = 0;
-        for (const PositionRange& kc : theirs) {
-          const Index first_key = positions.key_offset + kc.begin;
-          const Index k_rows = kc.end - kc.begin;
-          if (classify_block(positions, first_query, first_query + q_rows, first_key,
-                             first_key + k_rows) != BlockCoverage::kNone) {
-            segments[static_cast<std::size_t>(count++)] = {held.keys().middle_rows(k_row, k_rows),
-                                                           held.values().middle_rows(k_row, k_rows),
-                                                           first_key};
-            keys += k_rows;
-          }
-          k_row += k_rows;
-        }
-        if (count > 0) {
-          PositionMask rule = positions;
-          rule.query_offset = first_query;
-          rule.key_offset = segments[0].first_position;
-          auto problem = apex::detail::attention_problem<TQ, TK, TV>(
-              HeadsView<const TQ>(q).middle_rows(q_row, q_rows), segments.data(), count, keys, rule,
-              first_query, part_params);
-          apex::detail::flash_attention(
-              problem,
-              apex::detail::AttentionOutputs<C>{run.part_out.view().middle_rows(q_row, q_rows),
-                                                {},
-                                                run.part_max.view().middle_rows(q_row, q_rows),
-                                                run.part_sum.view().middle_rows(q_row, q_rows)},
-              apex::detail::FlashBlocking{});
-          detail::merge_part(run, q_row, q_rows);
-          int done = 0;  // lets the MPI library progress the transfers between chunks
-          detail::mpi_call(MPI_Testall(4, requests.data(), &done, MPI_STATUSES_IGNORE), op);
-        }
-        q_row += q_rows;
-      }
+      detail::attend_held_shard(sharding, me.rank, origin, cq, held, positions, part_params, run,
+                                requests, op);
     }
     detail::mpi_call(MPI_Waitall(4, requests.data(), MPI_STATUSES_IGNORE), op);
     have = receive;
   }
-
-  // The sink joins each row once, and the rows go to the outputs.
-  std::vector<double> scratch(static_cast<std::size_t>(1 + v.dim()));
-  for (Index b = 0; b < q.batch(); ++b) {
-    for (Index h = 0; h < q.heads(); ++h) {
-      const double sink = params.sinks.empty() ? -std::numeric_limits<double>::infinity()
-                                               : params.sinks[static_cast<std::size_t>(h)];
-      for (Index i = 0; i < rows; ++i) {
-        const auto part_at = [&](Index) {
-          return apex::detail::PartRow<C, double>{
-              run.out.head(b, h).row(i).data(),
-              run.stats[static_cast<std::size_t>((b * q.heads() + h) * rows + i)]};
-        };
-        const auto total =
-            apex::detail::merge_rows<double>(1, v.dim(), part_at, out.head(b, h).row(i).data(),
-                                             scratch.data(), scratch.data() + 1, sink);
-        if (!lse.empty())
-          lse.head(b, h)(i, 0) = apex::round_to<TO>(apex::detail::log_sum_exp(total));
-      }
-    }
-  }
+  detail::finish_ring_rows(run, params.sinks, out, lse);
   return traffic;
 }
 
