@@ -169,6 +169,77 @@ auto make_sharded_cache(MPI_Comm comm, const AttentionStack<Scalar, Weight>& sta
   return ShardedStackCache<Scalar, S>(std::move(layers));
 }
 
+namespace detail {
+
+/// This rank's checks of a context-parallel prefill (run inside the agreement, so that one
+/// rank's failure throws on all): the cache, the sharding, this rank's tokens, the prefix and
+/// the prompt's length, and each layer's per-rank sizes (Q [1, H_q, S_r, d_qk] and the attention
+/// output [S_r, H_q·d_v]). Returns the embedded tokens [S_r, d] (embed_tokens checks every id).
+template <class Scalar, class Weight, class Storage>
+RowMatrix<Scalar> checked_prefill_input(const RankInfo& me,
+                                        const AttentionStack<Scalar, Weight>& stack,
+                                        const SequenceSharding& sharding,
+                                        const std::vector<std::int64_t>& local_tokens, Index prefix,
+                                        const ShardedStackCache<Scalar, Storage>& cache,
+                                        const char* op) {
+  APEX_CHECK(cache.num_layers() == stack.config().num_layers,
+             "[" << op << "] the cache has " << cache.num_layers() << " layers; the stack "
+                 << stack.config().num_layers << " (make_sharded_cache makes it)");
+  APEX_CHECK(cache.next_position() == 0, "[" << op << "] the cache must be empty (it holds "
+                                             << cache.next_position() << " positions)");
+  APEX_CHECK(sharding.ranks() == me.size, "[" << op << "] sharding ranks (" << sharding.ranks()
+                                              << ") must be the communicator's size " << me.size);
+  const Index rows = sharding.local_length(me.rank);
+  APEX_CHECK(static_cast<Index>(local_tokens.size()) == rows,
+             "[" << op << "] local_tokens holds " << local_tokens.size()
+                 << " ids; this rank's shard has " << rows);
+  APEX_CHECK(
+      prefix >= 0 && prefix <= sharding.length(),
+      "[" << op << "] prefix (" << prefix << ") must lie in [0, S = " << sharding.length() << "]");
+  APEX_CHECK(sharding.length() <= stack.config().max_positions,
+             "[" << op << "] the prompt (" << sharding.length()
+                 << " positions) exceeds max_positions (" << stack.config().max_positions << ")");
+  for (Index l = 0; l < stack.config().num_layers; ++l) {
+    const apex::detail::LayerHeads heads =
+        std::visit([](const auto& a) { return a.attention_heads(); }, stack.layer(l));
+    apex::detail::checked_product({rows, heads.num_q_heads, std::max(heads.qk_dim, heads.v_dim),
+                                   static_cast<std::int64_t>(sizeof(Scalar))},
+                                  op, "a layer's query bytes S_r*H_q*d*sizeof(Scalar)");
+  }
+  const Eigen::Map<const TokenMatrix> ids(local_tokens.data(), 1, rows);
+  return stack.embed_tokens(ids);
+}
+
+/// Q, K and V of this rank's rows `normed` [S_r, d] of layer l, each chunk rotated at its own
+/// positions, into q [1, H_q, S_r, d_qk], k and v [1, H_kv, S_r, d]. Returns the layer's
+/// attention parameters (scale, its sinks).
+// NOLINTBEGIN(bugprone-easily-swappable-parameters): (q, k, v) as every attention call
+template <class Scalar, class Weight>
+SdpaParams project_local_rows(const AttentionStack<Scalar, Weight>& stack, Index l,
+                              const RowMatrix<Scalar>& normed,
+                              const std::vector<PositionRange>& chunks, HeadsTensor<Scalar>& q,
+                              HeadsTensor<Scalar>& k, HeadsTensor<Scalar>& v) {
+  // NOLINTEND(bugprone-easily-swappable-parameters)
+  const auto& layer = stack.layer(l);
+  Index row = 0;
+  SdpaParams attention;
+  for (const PositionRange& c : chunks) {
+    const Index n = c.end - c.begin;
+    AttentionLayerParams<Scalar> params = stack.block_params(l);
+    params.position_offset = c.begin;
+    attention = layer_attention<Scalar, Weight>(layer, params);
+    const RowMatrix<Scalar> part = normed.middleRows(row, n);
+    const ProjectedQkv<Scalar> p = layer_projections<Scalar, Weight>(layer, part, params);
+    put_rows(p.q_heads(), q, row);
+    put_rows(p.k_heads(), k, row);
+    put_rows(p.v_heads(), v, row);
+    row += n;
+  }
+  return attention;
+}
+
+}  // namespace detail
+
 /// Context-parallel prefill (collective): the prompt of one sequence, sharded by `sharding`,
 /// through the stack, and its K/V into the (empty) cache.
 ///   local_tokens: this rank's S_r token ids, the positions of sharding.chunks(rank) in order;
@@ -188,78 +259,34 @@ RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
   constexpr const char* op = "context_parallel_prefill";
   const RankInfo me = apex::distributed::detail::rank_info(comm, op);
   RowMatrix<Scalar> x;
-  apex::distributed::detail::agree(
-      comm, me, op,
-      {{"sequence length", sharding.length()},
-       {"ranks", sharding.ranks()},
-       {"prefix", prefix},
-       {"layers", cache.num_layers()}},
-      [&] {
-        APEX_CHECK(cache.num_layers() == stack.config().num_layers,
-                   "[" << op << "] the cache has " << cache.num_layers() << " layers; the stack "
-                       << stack.config().num_layers << " (make_sharded_cache makes it)");
-        APEX_CHECK(cache.next_position() == 0, "[" << op << "] the cache must be empty (it holds "
-                                                   << cache.next_position() << " positions)");
-        APEX_CHECK(sharding.ranks() == me.size,
-                   "[" << op << "] sharding ranks (" << sharding.ranks()
-                       << ") must be the communicator's size " << me.size);
-        const Index rows = sharding.local_length(me.rank);
-        APEX_CHECK(static_cast<Index>(local_tokens.size()) == rows,
-                   "[" << op << "] local_tokens holds " << local_tokens.size()
-                       << " ids; this rank's shard has " << rows);
-        APEX_CHECK(prefix >= 0 && prefix <= sharding.length(),
-                   "[" << op << "] prefix (" << prefix
-                       << ") must lie in [0, S = " << sharding.length() << "]");
-        APEX_CHECK(sharding.length() <= stack.config().max_positions,
-                   "[" << op << "] the prompt (" << sharding.length()
-                       << " positions) exceeds max_positions (" << stack.config().max_positions
-                       << ")");
-        // Each layer's Q [1, H_q, S_r, d_qk] (K and V have no more heads) and its attention
-        // output [S_r, H_q·d_v] are sized from this rank's rows: checked here, for every rank.
-        for (Index l = 0; l < stack.config().num_layers; ++l) {
-          const apex::detail::LayerHeads heads =
-              std::visit([](const auto& a) { return a.attention_heads(); }, stack.layer(l));
-          apex::detail::checked_product(
-              {rows, heads.num_q_heads, std::max(heads.qk_dim, heads.v_dim),
-               static_cast<std::int64_t>(sizeof(Scalar))},
-              op, "a layer's query bytes S_r*H_q*d*sizeof(Scalar)");
-        }
-        const Eigen::Map<const TokenMatrix> ids(local_tokens.data(), 1, rows);
-        x = stack.embed_tokens(ids);  // checks every id
-      });
+  apex::distributed::detail::agree(comm, me, op,
+                                   {{"sequence length", sharding.length()},
+                                    {"ranks", sharding.ranks()},
+                                    {"prefix", prefix},
+                                    {"layers", cache.num_layers()}},
+                                   [&] {
+                                     x = detail::checked_prefill_input(
+                                         me, stack, sharding, local_tokens, prefix, cache, op);
+                                   });
   const std::vector<PositionRange> chunks = sharding.chunks(me.rank);
   const Index rows = x.rows();
   RowMatrix<Scalar> normed(rows, x.cols());
   RowMatrix<Scalar> attended(rows, x.cols());
   for (Index l = 0; l < stack.config().num_layers; ++l) {
-    const auto& layer = stack.layer(l);
     stack.block_norm(l, x, normed);
     const apex::detail::LayerHeads heads =
-        std::visit([](const auto& a) { return a.attention_heads(); }, layer);
+        std::visit([](const auto& a) { return a.attention_heads(); }, stack.layer(l));
     HeadsTensor<Scalar> q({1, heads.num_q_heads, rows, heads.qk_dim});
     HeadsTensor<Scalar> k({1, heads.num_kv_heads, rows, heads.qk_dim});
     HeadsTensor<Scalar> v({1, heads.num_kv_heads, rows, heads.v_dim});
-    Index row = 0;
-    SdpaParams attention;
-    for (const PositionRange& c : chunks) {  // RoPE at each chunk's own positions
-      const Index n = c.end - c.begin;
-      AttentionLayerParams<Scalar> params = stack.block_params(l);
-      params.position_offset = c.begin;
-      attention = detail::layer_attention<Scalar, Weight>(layer, params);
-      const RowMatrix<Scalar> part = normed.middleRows(row, n);
-      const ProjectedQkv<Scalar> p = detail::layer_projections<Scalar, Weight>(layer, part, params);
-      detail::put_rows(p.q_heads(), q, row);
-      detail::put_rows(p.k_heads(), k, row);
-      detail::put_rows(p.v_heads(), v, row);
-      row += n;
-    }
+    const SdpaParams attention = detail::project_local_rows(stack, l, normed, chunks, q, k, v);
     RowMatrix<Scalar> concat(rows, heads.num_q_heads * heads.v_dim);
     const Traffic t = ring_attention(
         comm, sharding, q.view(), k.view(), v.view(), stack.mask_for_layer(l, prefix).positions,
         attention,
         HeadsView<Scalar>::token_major(concat.data(), {1, heads.num_q_heads, rows, heads.v_dim}));
     if (traffic != nullptr) *traffic += t;
-    detail::output_projection<Scalar, Weight>(layer, concat, attended);
+    detail::output_projection<Scalar, Weight>(stack.layer(l), concat, attended);
     x += attended;
     cache.layers_[static_cast<std::size_t>(l)].load_prompt(sharding, k.view(), v.view());
   }
