@@ -272,31 +272,45 @@ class ShardedKvCache {
     const int count = static_cast<int>(mine.size());  // checked above
     detail::mpi_call(
         MPI_Allgather(mine.data(), count, MPI_DOUBLE, all.data(), count, MPI_DOUBLE, comm_), op);
-    std::vector<double> scratch(static_cast<std::size_t>(me.size + d));
-    for (Index b = 0; b < q.batch(); ++b) {
-      for (Index h = 0; h < q.heads(); ++h) {
-        const double sink = params.sinks.empty() ? -std::numeric_limits<double>::infinity()
-                                                 : params.sinks[static_cast<std::size_t>(h)];
-        for (Index i = 0; i < q.seq(); ++i) {
-          const Index row = (b * q.heads() + h) * q.seq() + i;
-          const auto part_at = [&](Index r) {
-            const double* rec = all.data() + (r * rows + row) * width;
-            return apex::detail::PartRow<double, double>{rec + 2, {rec[0], rec[1]}};
-          };
-          const auto total =
-              apex::detail::merge_rows<double>(me.size, d, part_at, out.head(b, h).row(i).data(),
-                                               scratch.data(), scratch.data() + me.size, sink);
-          if (!lse.empty())
-            lse.head(b, h)(i, 0) = apex::round_to<TO>(apex::detail::log_sum_exp(total));
-        }
-      }
-    }
+    merge_records(all, me.size, q.shape(), d, params.sinks, out, lse);
     Traffic traffic;
     traffic.collective_bytes = static_cast<std::int64_t>(mine.size() * sizeof(double));
     return traffic;
   }
 
  private:
+  /// The rows of every rank's records `all` (rank-major; per rank, row (b, h, i) of q's shape
+  /// holds m, l and d values of out), merged in rank order with each head's sink (-inf without
+  /// sinks) into out (and lse) in their type.
+  template <class TO>
+  // NOLINTBEGIN(bugprone-easily-swappable-parameters): internal, (out, lse) as sdpa's
+  static void merge_records(const std::vector<double>& all, int ranks, const HeadsShape& q, Index d,
+                            const std::vector<double>& sinks, const HeadsView<TO>& out,
+                            const HeadsView<TO>& lse) {
+    // NOLINTEND(bugprone-easily-swappable-parameters)
+    const Index rows = q.batch * q.heads * q.seq;
+    const Index width = d + 2;  // m, l, out
+    std::vector<double> scratch(static_cast<std::size_t>(ranks + d));
+    for (Index b = 0; b < q.batch; ++b) {
+      for (Index h = 0; h < q.heads; ++h) {
+        const double sink = sinks.empty() ? -std::numeric_limits<double>::infinity()
+                                          : sinks[static_cast<std::size_t>(h)];
+        for (Index i = 0; i < q.seq; ++i) {
+          const Index row = (b * q.heads + h) * q.seq + i;
+          const auto part_at = [&](Index r) {
+            const double* rec = all.data() + (r * rows + row) * width;
+            return apex::detail::PartRow<double, double>{rec + 2, {rec[0], rec[1]}};
+          };
+          const auto total =
+              apex::detail::merge_rows<double>(ranks, d, part_at, out.head(b, h).row(i).data(),
+                                               scratch.data(), scratch.data() + ranks, sink);
+          if (!lse.empty())
+            lse.head(b, h)(i, 0) = apex::round_to<TO>(apex::detail::log_sum_exp(total));
+        }
+      }
+    }
+  }
+
   /// Throws unless k and v are chunks [B, H_kv, n, d_qk] and [B, H_kv, n, d_v] of this cache.
   void check_chunk(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v) const {
     constexpr const char* op = "sharded_kv_cache";
