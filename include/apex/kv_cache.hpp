@@ -42,12 +42,14 @@
 
 #include <apex/config.hpp>
 #include <apex/detail/checks.hpp>
+#include <apex/kv_format.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 namespace apex {
@@ -55,7 +57,8 @@ namespace apex {
 namespace detail {
 
 /// Copies rows [src_row, src_row + count) of a [B, H, n, D] view into rows [first, first +
-/// count) of a [B, H, slots, D] buffer, each element rounded once to the buffer's type.
+/// count) of a [B, H, slots, D] buffer: stored through the buffer's format (KvFormat::store_rows,
+/// each value rounded once), or copied as they are when the source is already stored so.
 template <class Src, class Storage>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (slots, source row, count)
 void write_rows(const HeadsView<const Src>& src, Storage* dst, Index slots, Index src_row,
@@ -65,8 +68,12 @@ void write_rows(const HeadsView<const Src>& src, Storage* dst, Index slots, Inde
                                   {s.heads * slots * s.dim, slots * s.dim, s.dim});
   for (Index b = 0; b < s.batch; ++b) {
     for (Index h = 0; h < s.heads; ++h) {
-      target.head(b, h).middleRows(first, count) =
-          rounded<Storage>(src.head(b, h).middleRows(src_row, count).array()).matrix();
+      auto rows = target.head(b, h).middleRows(first, count);
+      if constexpr (std::is_same_v<Src, Storage>) {
+        rows = src.head(b, h).middleRows(src_row, count);
+      } else {
+        KvFormat<Storage>::store_rows(rows, src.head(b, h).middleRows(src_row, count));
+      }
     }
   }
 }
@@ -105,8 +112,7 @@ class KvBuffers {
   const HeadsShape& shape() const { return shape_; }
   /// Bytes of both buffers.
   std::int64_t bytes() const {
-    return static_cast<std::int64_t>(k_.size() + v_.size()) *
-           static_cast<std::int64_t>(sizeof(Storage));
+    return KvFormat<Storage>::bytes(static_cast<std::int64_t>(k_.size() + v_.size()));
   }
   /// Rows [first, first + rows) of every head of K (of V).
   HeadsView<const Storage> keys(Index first, Index rows) const {
@@ -452,7 +458,7 @@ class LatentCache {
   Index next_position() const { return size_; }
   /// Exact bytes of the stored values: B·C·(d_kv + H_kr·d_r)·sizeof(Storage).
   std::int64_t bytes() const {
-    return static_cast<std::int64_t>(rows_.size()) * static_cast<std::int64_t>(sizeof(Storage));
+    return KvFormat<Storage>::bytes(static_cast<std::int64_t>(rows_.size()));
   }
 
   /// Appends n tokens at positions [position, position + n) from their latents and rotated
@@ -476,9 +482,9 @@ class LatentCache {
     check_room(n);
     for (Index b = 0; b < batch(); ++b) {
       auto target = batch_rows(b).middleRows(size_, n);
-      target.leftCols(latent_dim()) = rounded<Storage>(c.middleRows(b * n, n).array()).matrix();
-      target.rightCols(rope_heads() * rope_dim()) =
-          rounded<Storage>(r.middleRows(b * n, n).array()).matrix();
+      KvFormat<Storage>::store_rows(target.leftCols(latent_dim()), c.middleRows(b * n, n));
+      KvFormat<Storage>::store_rows(target.rightCols(rope_heads() * rope_dim()),
+                                    r.middleRows(b * n, n));
     }
     size_.get() += n;
   }
@@ -494,8 +500,7 @@ class LatentCache {
     const Index n = r.rows() / batch();
     check_room(n);
     for (Index b = 0; b < batch(); ++b) {
-      batch_rows(b).middleRows(size_, n) =
-          rounded<Storage>(r.middleRows(b * n, n).array()).matrix();
+      KvFormat<Storage>::store_rows(batch_rows(b).middleRows(size_, n), r.middleRows(b * n, n));
     }
     size_.get() += n;
   }

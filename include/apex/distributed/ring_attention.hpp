@@ -487,9 +487,7 @@ Traffic ring_attention(MPI_Comm comm, const SequenceSharding& sharding, const He
   using TQ = std::remove_const_t<Q>;
   using TK = std::remove_const_t<K>;
   using TV = std::remove_const_t<V>;
-  using C = std::conditional_t<std::is_same_v<TQ, double> || std::is_same_v<TK, double> ||
-                                   std::is_same_v<TV, double> || std::is_same_v<TO, double>,
-                               double, float>;
+  using C = apex::detail::attention_compute_t<TQ, TK, TV, TO>;  // its running rows' type
   constexpr const char* op = "ring_attention";
   const RankInfo me = detail::rank_info(comm, op);
   const HeadsView<const TQ> cq(q);

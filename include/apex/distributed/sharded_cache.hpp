@@ -20,6 +20,7 @@
 #include <apex/distributed/ring_attention.hpp>
 #include <apex/distributed/sharding.hpp>
 #include <apex/kv_cache.hpp>
+#include <apex/kv_format.hpp>
 #include <apex/sdpa.hpp>
 #include <apex/tensor.hpp>
 
@@ -123,7 +124,7 @@ class ShardedKvCache {
     const auto elements = [](const HeadsTensor<Storage>& t) {
       return static_cast<std::int64_t>(t.batch() * t.heads() * t.seq() * t.dim());
     };
-    return (elements(keys_) + elements(values_)) * static_cast<std::int64_t>(sizeof(Storage));
+    return KvFormat<Storage>::bytes(elements(keys_) + elements(values_));
   }
   /// The rank that holds (or will hold) a position past the prompt: ⌊p / decode_block⌋ mod P.
   int owner_of(Index position) const {

@@ -1,0 +1,66 @@
+// SPDX-License-Identifier: MIT
+// K/V formats: what one stored row of a key or value cache is, and the two conversions between it
+// and the compute type. Every cache stores its rows through its format (store_rows, bytes), and
+// every read of K or V by the attention kernel widens them through it (detail/kv_read.hpp), so a
+// new format is one specialisation of KvFormat and the kernels that widen it.
+//
+// A FORMAT F describes a row of d values (a head's key or value, or a latent row) as elements:
+//   Element            what a K or V view, a cache buffer or a page holds (HeadsView<Element>);
+//   kValuesPerElement  how many values one element carries (1 for a scalar; a block of a
+//                      quantized format carries many, with its scale);
+//   elements(d)        the elements of a row of d values; bytes(n) the bytes of n elements;
+//   widen(src, dst, n) n elements to n·kValuesPerElement values of a compute type C (float or
+//                      double), exactly as stored;
+//   store_rows(dst, x) rows of values x (float or double, any Eigen expression) into rows of
+//                      elements dst, rounded once (the only rounding a cache applies).
+// The formats apex has are its storage types (storage.hpp): float, double, Eigen::half and
+// Eigen::bfloat16, one value per element, rounded once to nearest with ties to even (round_to).
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/detail/widen.hpp>
+#include <apex/storage.hpp>
+
+#include <Eigen/Core>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace apex {
+
+/// The format of rows stored as F (see the header comment); only formats have one.
+template <class F, class Enable = void>
+struct KvFormat;
+
+/// The scalar formats: float, double, Eigen::half and Eigen::bfloat16, one value per element.
+template <class T>
+struct KvFormat<T, std::enable_if_t<is_storage_v<T>>> {
+  using Element = T;
+  static constexpr Index kValuesPerElement = 1;
+
+  /// Elements of a row of `values` values.
+  static constexpr Index elements(Index values) { return values; }
+  /// Bytes of `count` elements.
+  static constexpr std::int64_t bytes(std::int64_t count) {
+    return count * static_cast<std::int64_t>(sizeof(T));
+  }
+  /// dst[0, count) = src[0, count) widened to C, exactly (detail::widen's vector conversions).
+  template <class C>
+  static void widen(const T* src, C* dst, Index count) {
+    detail::widen(src, dst, count);
+  }
+  /// dst = x rounded once to T, element by element (rounded): dst a block of T, x an expression
+  /// of float or double values of the same shape.
+  template <class Dst, class Src>
+  static void store_rows(Dst&& dst, const Eigen::MatrixBase<Src>& x) {
+    dst = rounded<T>(x.array()).matrix();
+  }
+};
+
+/// Whether rows may be stored as F (F has a KvFormat).
+template <class F, class Enable = void>
+inline constexpr bool is_kv_format_v = false;
+template <class F>
+inline constexpr bool is_kv_format_v<F, std::void_t<typename KvFormat<F>::Element>> = true;
+
+}  // namespace apex
