@@ -4,8 +4,8 @@
 // and a PagedLatentCache for each global layer, and the live sequences, each with its own
 // length and bidirectional prefix. A sequence is one SequenceId in every layer. Sequences are
 // added (empty), forked (sharing every page of every layer with their parent: a common prompt
-// is held once), fed tokens by AttentionStack::serve, and freed; the local layers give back the
-// pages their window has passed, so they hold O(W) tokens per sequence.
+// is held once), fed tokens by serve (stack_serving.hpp), and freed; the local layers give back
+// the pages their window has passed, so they hold O(W) tokens per sequence.
 #pragma once
 
 #include <apex/config.hpp>
@@ -27,12 +27,14 @@ struct ServingCacheShape {
   Index global_pages = 0;  ///< pages of each global layer's PagedLatentCache
 };
 
-template <class Scalar, class Weight>
-class AttentionStack;
+namespace detail {
+struct ServingCacheAccess;  // stack_serving.hpp: make_serving_cache and serve
+}  // namespace detail
 
 /// The paged caches of every layer of one AttentionStack and its live sequences, made by
-/// AttentionStack::make_serving_cache and advanced only by that stack's serve(). Memory: the
-/// pools, allocated (zeroed) at construction (bytes()), and a block table per sequence and layer.
+/// make_serving_cache and advanced only by serve() of that stack (stack_serving.hpp; the stack's
+/// members of those names call them). Memory: the pools, allocated (zeroed) at construction
+/// (bytes()), and a block table per sequence and layer.
 /// Default-constructed or moved from, it is empty (no layers; the stacks reject it).
 template <class Scalar, class Storage = Scalar>
 class ServingCache {
@@ -114,8 +116,7 @@ class ServingCache {
   }
 
  private:
-  template <class, class>
-  friend class AttentionStack;
+  friend struct detail::ServingCacheAccess;
 
   explicit ServingCache(std::vector<LayerCache> layers) : layers_(std::move(layers)) {}
 

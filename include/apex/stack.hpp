@@ -21,6 +21,11 @@
 // once) and decode_step() with one token per sequence. Each returns the logits of its tokens,
 // equal to the rows forward() computes for the whole sequence.
 //
+// Serving many sequences at once over paged caches (continuous batching) is serve() with a
+// ServingCache, in stack_serving.hpp. Every form — forward, the cached calls, serve and the
+// context-parallel calls of apex/distributed/stack.hpp — is one block loop,
+// AttentionStack::run_blocks, given the attention of its mode for each layer.
+//
 // Long context. With StackConfig::yarn set, the RoPE tables are YaRN tables (§5) and the
 // attention temperature goes where YarnParams::temperature says (tables, or the softmax scale),
 // so the stack runs past the trained context L up to s·L positions; StackConfig::rope_scaling
@@ -38,11 +43,11 @@
 #include <apex/mask.hpp>
 #include <apex/mha.hpp>
 #include <apex/mla.hpp>
-#include <apex/paged_cache.hpp>
 #include <apex/rms_norm.hpp>
 #include <apex/rope.hpp>
 #include <apex/rope_config.hpp>
 #include <apex/serving_cache.hpp>
+#include <apex/stack_serving.hpp>
 #include <apex/yarn.hpp>
 
 #include <algorithm>
@@ -183,6 +188,10 @@ inline StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, In
 template <class Scalar, class Weight = Scalar>
 class AttentionStack;
 
+namespace detail {
+struct StackCacheAccess;  // the cached calls of AttentionStack, below StackCache
+}  // namespace detail
+
 /// The decoding state of one AttentionStack: one cache per layer (a SlidingWindowCache of W
 /// tokens for each local layer, a LatentCache of `capacity` tokens for each global layer), the
 /// batch, the prefix and the next absolute position. Made by AttentionStack::make_cache and
@@ -249,8 +258,7 @@ class StackCache {
   }
 
  private:
-  template <class, class>
-  friend class AttentionStack;
+  friend struct detail::StackCacheAccess;
 
   // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): private, called by make_cache only
   StackCache(Index batch, Index capacity, std::vector<LayerCache> layers)
@@ -271,6 +279,326 @@ class StackCache {
   detail::ResetOnMove<Index> prefix_;
   std::vector<LayerCache> layers_;  // a moved-from vector is empty
 };
+
+namespace detail {
+
+// -------------------------------------------------------------------------------------------
+// The checks of an AttentionStack's config and layers (its constructor runs them)
+// -------------------------------------------------------------------------------------------
+
+/// The RoPE of the local or the global layers (rope.rotary_dim is the local layers' only).
+inline LayerRope stack_layer_rope(const StackConfig& c, bool global) {
+  if (!global) return {c.rope, c.yarn, c.rope_scaling};
+  if (c.global_rope) return *c.global_rope;
+  // Returned as a prvalue, not a named local: moving a local variant makes GCC 12 warn falsely
+  // (-Wmaybe-uninitialized) about the members of an alternative it does not hold.
+  RopeParams whole = c.rope;
+  whole.rotary_dim = 0;
+  return {whole, c.yarn, c.rope_scaling};
+}
+
+/// One kind's RoPE: rotary_dim within the head (0: all of it, else even and at most head_dim),
+/// a positive base (RopeTable checks it), at most one scaling, and YaRN's parameters, base and
+/// reach or the other scaling's parameters. `prefix` names the field in messages.
+inline void check_stack_rope(const StackConfig& c, const LayerRope& r, Index head_dim,
+                             const char* prefix) {
+  APEX_CHECK(r.rope.rotary_dim == 0 || (r.rope.rotary_dim >= 2 && r.rope.rotary_dim % 2 == 0 &&
+                                        r.rope.rotary_dim <= head_dim),
+             "[stack] " << prefix << "rope.rotary_dim (" << r.rope.rotary_dim
+                        << ") must be 0 (all) or even, in [2, " << head_dim << "]");
+  check_layer_rope(r, "stack", prefix);
+  if (!r.yarn) {
+    const Index rotary_dim = r.rope.rotary_dim == 0 ? head_dim : r.rope.rotary_dim;
+    // Checks the scaling's parameters (and allocates its d_r/2 frequencies).
+    (void)scaled_rope_frequencies(rotary_dim, r.rope.base, r.scaling, c.max_positions);
+    (void)scaled_rope_magnitude(r.scaling);
+    return;
+  }
+  const double factor = yarn_attention_factor(*r.yarn);  // checks the YaRN parameters
+  (void)factor;
+  const double reach = r.yarn->scale * static_cast<double>(r.yarn->original_context);
+  APEX_CHECK(static_cast<double>(c.max_positions) <= reach,
+             "[stack] max_positions (" << c.max_positions << ") must not exceed " << prefix
+                                       << "yarn.scale · original_context (" << reach << ")");
+}
+
+/// Every field of an AttentionStack's config, for a stack whose weights are stored as Weight.
+template <class Weight>
+const StackConfig& checked_stack_config(const StackConfig& c) {
+  APEX_CHECK(c.vocab_size >= 1, "[stack] vocab_size (" << c.vocab_size << ") must be >= 1");
+  APEX_CHECK(c.num_layers >= 0, "[stack] num_layers (" << c.num_layers << ") must be >= 0");
+  APEX_CHECK(c.window >= 1, "[stack] window W (" << c.window << ") must be >= 1");
+  APEX_CHECK(c.global_every >= 1,
+             "[stack] global_every F_g (" << c.global_every << ") must be >= 1");
+  APEX_CHECK(c.d_model >= 1, "[stack] d_model (" << c.d_model << ") must be >= 1");
+  // The [V, d] embedding table is allocated from these: its size must be representable.
+  checked_product({c.vocab_size, c.d_model, static_cast<Index>(sizeof(Weight))}, "stack",
+                  "embedding bytes V*d*sizeof(Weight)");
+  APEX_CHECK(c.local.d_model == c.d_model && c.global.d_model == c.d_model,
+             "[stack] local.d_model (" << c.local.d_model << ") and global.d_model ("
+                                       << c.global.d_model << ") must equal d_model (" << c.d_model
+                                       << ")");
+  // Every norm of every call uses it: a bad ε must fail here, not halfway through a call that
+  // has already written some layers' caches.
+  APEX_CHECK(std::isfinite(c.norm_eps) && c.norm_eps > 0.0,
+             "[stack] norm_eps (" << c.norm_eps << ") must be positive and finite");
+  check_gqa_config(c.local);
+  check_mla_config(c.global);
+  check_stack_rope(c, stack_layer_rope(c, false), c.local.head_dim, "");
+  check_stack_rope(c, stack_layer_rope(c, true), c.global.rope_dim, "global_rope.");
+  APEX_CHECK(!c.global_rope || c.global_rope->rope.rotary_dim == 0,
+             "[stack] global_rope.rope.rotary_dim ("
+                 << c.global_rope->rope.rotary_dim
+                 << ") must be 0 for the global layers: their decoupled RoPE rotates all d_r "
+                 << "features");
+  return c;
+}
+
+/// Layer l must be of the kind the layer rule gives it, built with the stack's config for that
+/// kind (a layer of another shape would fail only later, against its cache), with a γ of d.
+template <class Scalar, class Weight>
+void check_stack_layer(const StackConfig& c, Index l, const Vector<Scalar>& gamma,
+                       const std::variant<GroupedQueryAttention<Scalar, Weight>,
+                                          MultiHeadLatentAttention<Scalar, Weight>>& layer) {
+  using Gqa = GroupedQueryAttention<Scalar, Weight>;
+  using Mla = MultiHeadLatentAttention<Scalar, Weight>;
+  APEX_CHECK(gamma.size() == c.d_model, "[stack] gamma of layer "
+                                            << l << " has length " << gamma.size()
+                                            << ", expected d = " << c.d_model);
+  const bool global = is_global_layer(l, c.global_every);
+  APEX_CHECK(std::holds_alternative<Mla>(layer) == global,
+             "[stack] layer " << l << " must be "
+                              << (global ? "MultiHeadLatentAttention (global)"
+                                         : "GroupedQueryAttention (local)"));
+  if (const auto* mla = std::get_if<Mla>(&layer)) {
+    const MlaConfig& m = mla->config();
+    const MlaConfig& e = c.global;
+    APEX_CHECK(m.d_model == e.d_model && m.d_q == e.d_q && m.d_kv == e.d_kv &&
+                   m.num_q_heads == e.num_q_heads && m.num_kv_heads == e.num_kv_heads &&
+                   m.head_dim == e.head_dim && m.rope_dim == e.rope_dim &&
+                   m.rope_key_heads() == e.rope_key_heads(),
+               "[stack] layer " << l << " (MLA: d_kv " << m.d_kv << ", H_q " << m.num_q_heads
+                                << ", H_kv " << m.num_kv_heads << ", d_h " << m.head_dim << ", d_r "
+                                << m.rope_dim << ") must have the shape of config.global (d_kv "
+                                << e.d_kv << ", H_q " << e.num_q_heads << ", H_kv "
+                                << e.num_kv_heads << ", d_h " << e.head_dim << ", d_r "
+                                << e.rope_dim << ")");
+  } else {
+    const GqaConfig& g = std::get<Gqa>(layer).config();
+    const GqaConfig& e = c.local;
+    APEX_CHECK(g.d_model == e.d_model && g.num_q_heads == e.num_q_heads &&
+                   g.num_kv_heads == e.num_kv_heads && g.head_dim == e.head_dim,
+               "[stack] layer " << l << " (GQA: H_q " << g.num_q_heads << ", H_kv "
+                                << g.num_kv_heads << ", d_h " << g.head_dim
+                                << ") must have the shape of config.local (H_q " << e.num_q_heads
+                                << ", H_kv " << e.num_kv_heads << ", d_h " << e.head_dim << ")");
+  }
+}
+
+/// The RoPE table of the local (head_dim wide) or the global (d_r wide) layers.
+template <class Scalar>
+RopeTable<Scalar> stack_rope_table(const StackConfig& c, bool global) {
+  const Index head_dim = global ? c.global.rope_dim : c.local.head_dim;
+  return layer_rope_table<Scalar>(stack_layer_rope(c, global), c.max_positions, head_dim);
+}
+
+/// YaRN's softmax-scale multiplier of the local or the global layers (1 without YaRN).
+inline double stack_softmax_multiplier(const StackConfig& c, bool global) {
+  return layer_rope_softmax_multiplier(stack_layer_rope(c, global));
+}
+
+/// The weights given to an AttentionStack: the [V, d] table, one γ of d and one layer (of its
+/// kind and shape, check_stack_layer) per block, and the final γ of d.
+template <class Scalar, class Weight, class Layer>
+void check_stack_weights(const StackConfig& config, const RowMatrix<Weight>& embedding,
+                         const std::vector<Vector<Scalar>>& norm_gammas,
+                         const Vector<Scalar>& final_gamma, const std::vector<Layer>& layers) {
+  const Index d = config.d_model;
+  APEX_CHECK(embedding.rows() == config.vocab_size && embedding.cols() == d,
+             "[stack] embedding shape [" << embedding.rows() << ", " << embedding.cols()
+                                         << "] must be [V, d] = [" << config.vocab_size << ", " << d
+                                         << "]");
+  APEX_CHECK(static_cast<Index>(layers.size()) == config.num_layers &&
+                 static_cast<Index>(norm_gammas.size()) == config.num_layers,
+             "[stack] " << layers.size() << " layers and " << norm_gammas.size()
+                        << " norm gammas given; num_layers is " << config.num_layers);
+  for (Index l = 0; l < config.num_layers; ++l) {
+    const auto at = static_cast<std::size_t>(l);
+    check_stack_layer(config, l, norm_gammas[at], layers[at]);
+  }
+  APEX_CHECK(final_gamma.size() == d,
+             "[stack] final gamma length (" << final_gamma.size() << ") must be d = " << d);
+}
+
+// -------------------------------------------------------------------------------------------
+// The cached calls (AttentionStack::prefill / extend / decode_step): the stack's block loop
+// (AttentionStack::run_blocks) with each layer's attention on its cache in a StackCache
+// -------------------------------------------------------------------------------------------
+
+/// Throws unless `cache` has the layout AttentionStack::make_cache gives for a stack of `config`.
+template <class Scalar, class Storage>
+void check_stack_cache(const StackConfig& config, const StackCache<Scalar, Storage>& cache) {
+  bool matches = cache.num_layers() == config.num_layers;
+  for (Index l = 0; matches && l < config.num_layers; ++l) {
+    const auto& layer_cache = cache.layer(l);
+    if (is_global_layer(l, config.global_every)) {
+      const auto* c = std::get_if<LatentCache<Scalar, Storage>>(&layer_cache);
+      matches = c != nullptr && c->batch() == cache.batch() &&
+                c->latent_dim() == config.global.d_kv &&
+                c->rope_heads() == config.global.rope_key_heads() &&
+                c->rope_dim() == config.global.rope_dim && c->capacity() == cache.capacity() &&
+                c->next_position() == cache.next_position();
+    } else {
+      const auto* c = std::get_if<SlidingWindowCache<Scalar, Storage>>(&layer_cache);
+      matches = c != nullptr && c->batch() == cache.batch() &&
+                c->num_kv_heads() == config.local.num_kv_heads &&
+                c->head_dim() == config.local.head_dim && c->window() == config.window &&
+                c->next_position() == cache.next_position();
+    }
+  }
+  APEX_CHECK(matches,
+             "[stack] the cache was not made by this stack's make_cache (its layers "
+             "do not match the stack's "
+                 << config.num_layers << " layers)");
+}
+
+/// The checks of prefill / extend / decode_step for n = tokens.cols() new tokens per sequence
+/// at positions [p, p + n), p = cache.next_position(): the cache, the batch, n,
+/// max_positions, the cache's capacity and the prefix (the ids are checked by embed).
+template <class TokensDerived, class Scalar, class Storage>
+void check_cached_call(const StackConfig& config, bool has_global_layers,
+                       const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
+                       const StackCache<Scalar, Storage>& cache) {
+  check_stack_cache(config, cache);
+  const Index batch = tokens.rows();
+  const Index n = tokens.cols();
+  const Index first = cache.next_position();
+  APEX_CHECK(batch == cache.batch(), "[stack] tokens batch (" << batch
+                                                              << ") must equal the cache's batch ("
+                                                              << cache.batch() << ")");
+  APEX_CHECK(n >= 1, "[stack] tokens must hold at least one token per sequence (got " << n << ")");
+  APEX_CHECK(n <= config.max_positions - first,
+             "[stack] positions [" << first << ", " << first + n << ") exceed max_positions ("
+                                   << config.max_positions << ")");
+  APEX_CHECK(!has_global_layers || n <= cache.capacity() - first,
+             "[stack] positions [" << first << ", " << first + n
+                                   << ") exceed the cache's capacity (" << cache.capacity()
+                                   << "): a full cache does not grow by itself; reserve() a "
+                                      "larger one");
+  APEX_CHECK(prefix == 0 || first >= prefix || (first == 0 && n >= prefix),
+             "[stack] prefix (" << prefix << ") must lie inside the first chunk");
+}
+
+/// The one door into a StackCache's layers and position: only the cached calls below make a
+/// cache and advance it.
+struct StackCacheAccess {
+  template <class Scalar, class Storage>
+  static StackCache<Scalar, Storage> make(
+      Index batch, Index capacity,
+      std::vector<typename StackCache<Scalar, Storage>::LayerCache> layers) {
+    return StackCache<Scalar, Storage>(batch, capacity, std::move(layers));
+  }
+  template <class Scalar, class Storage>
+  static typename StackCache<Scalar, Storage>::LayerCache& layer(StackCache<Scalar, Storage>& cache,
+                                                                 Index l) {
+    return cache.layers_[static_cast<std::size_t>(l)];
+  }
+  /// After n tokens from position `first`: the next position, and the prefix of a first call.
+  template <class Scalar, class Storage>
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (first, n, prefix) positions
+  static void advance(StackCache<Scalar, Storage>& cache, Index first, Index n, Index prefix) {
+    cache.next_ = first + n;
+    if (first == 0) cache.prefix_ = prefix;
+  }
+};
+
+/// AttentionStack::make_cache: a SlidingWindowCache of W tokens per local layer and a
+/// LatentCache of `capacity` tokens per global layer, storing Storage.
+template <class Storage, class Scalar, class Weight>
+StackCache<Scalar, Storage> make_stack_cache(const AttentionStack<Scalar, Weight>& stack,
+                                             Index batch, Index capacity) {
+  using Stack = AttentionStack<Scalar, Weight>;
+  const auto& config = stack.config();
+  check_constructed(config.vocab_size >= 1, "stack", "stack");
+  APEX_CHECK(batch >= 1, "[stack] batch (" << batch << ") must be >= 1");
+  APEX_CHECK(capacity >= 1 && capacity <= config.max_positions,
+             "[stack] capacity (" << capacity << ") must lie in [1, max_positions = "
+                                  << config.max_positions << "]");
+  std::vector<typename StackCache<Scalar, Storage>::LayerCache> caches;
+  caches.reserve(static_cast<std::size_t>(config.num_layers));
+  for (Index l = 0; l < config.num_layers; ++l) {
+    if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
+      caches.emplace_back(mla->template make_cache<Storage>(batch, capacity));
+    } else {
+      caches.emplace_back(std::get<typename Stack::Gqa>(stack.layer(l))
+                              .template make_window_cache<Storage>(batch, config.window));
+    }
+  }
+  return StackCacheAccess::make<Scalar, Storage>(batch, capacity, std::move(caches));
+}
+
+/// One layer of the cached calls: attended [B*n, d] = Attention_l(normed [B*n, d]) under layer
+/// l's mask for the prefix, at positions from cache.next_position(), appending the rows' K/V (or
+/// latents) to the layer's cache. The global layers take the MLA path options.mla names (kAuto:
+/// the cheaper one for n).
+template <class Scalar, class Weight, class Storage>
+void cached_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
+                  const RowMatrix<Scalar>& normed, Index prefix, const DecodeOptions& options,
+                  StackCache<Scalar, Storage>& cache, RowMatrix<Scalar>& attended) {
+  using Stack = AttentionStack<Scalar, Weight>;
+  const auto& config = stack.config();
+  const PositionMask mask =
+      layer_mask(l, LayerMaskParams{prefix, config.window, config.global_every});
+  AttentionLayerParams<Scalar> params = stack.block_params(l);
+  params.position_offset = cache.next_position();
+  auto& layer_cache = StackCacheAccess::layer(cache, l);
+  if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
+    auto& latent = std::get<LatentCache<Scalar, Storage>>(layer_cache);
+    const Index n = normed.rows() / cache.batch();
+    const MlaPath path =
+        options.mla == MlaPath::kAuto ? mla_cheaper_path(config.global, n) : options.mla;
+    if (path == MlaPath::kAbsorbed) {
+      mla->forward_absorbed(normed, mask, params, stack.absorbed_weights(l), latent, attended);
+    } else {
+      mla->forward_cached(normed, mask, params, latent, attended);
+    }
+    return;
+  }
+  std::get<typename Stack::Gqa>(stack.layer(l))
+      .forward_cached(normed, mask, params,
+                      std::get<SlidingWindowCache<Scalar, Storage>>(layer_cache), attended);
+}
+
+/// prefill / extend / decode_step: n = tokens.cols() new tokens per sequence at positions
+/// [p, p + n), the stack's block loop with each layer on its cache (cached_layer). Every check
+/// (the ids included, through embed) runs before the first cache is written, so that an error
+/// leaves every layer's cache as it was.
+template <class TokensDerived, class Scalar, class Weight, class Storage>
+RowMatrix<Scalar> run_cached(const AttentionStack<Scalar, Weight>& stack,
+                             const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
+                             const DecodeOptions& options, StackCache<Scalar, Storage>& cache) {
+  const auto& config = stack.config();
+  check_constructed(config.vocab_size >= 1, "stack", "stack");
+  // Layers l with l mod F_g = F_g − 1 exist iff L >= F_g (the stack holds them by that rule).
+  check_cached_call(config, config.num_layers / config.global_every > 0, tokens, prefix, cache);
+  const Index batch = tokens.rows();
+  const Index n = tokens.cols();
+  const Index first = cache.next_position();
+  RowMatrix<Scalar> x = stack.embed_tokens(tokens);  // checks every id
+  stack.run_blocks(
+      x, [&](Index l, const auto&, const RowMatrix<Scalar>& normed, RowMatrix<Scalar>& attended) {
+        cached_layer(stack, l, normed, prefix, options, cache, attended);
+      });
+  StackCacheAccess::advance(cache, first, n, prefix);
+  if (options.logits == LogitRows::kLast) {
+    std::vector<Index> ends;
+    for (Index b = 1; b <= batch; ++b) ends.push_back(b * n);
+    return stack.last_logits(x, ends);
+  }
+  return stack.output_logits(x);
+}
+
+}  // namespace detail
 
 /// An APEX-1 attention stack that owns its weights: the [V, d] embedding table (also the LM
 /// head), one γ per block plus the final γ, and one attention layer per block, global layers
@@ -308,43 +636,29 @@ class AttentionStack {
   AttentionStack(const StackConfig& config, RowMatrix<Weight> embedding,
                  std::vector<Vector<Scalar>> norm_gammas, Vector<Scalar> final_gamma,
                  std::vector<Layer> layers)
-      : config_(checked(config)),
+      : config_(detail::checked_stack_config<Weight>(config)),
         embedding_(std::move(embedding)),
         norm_gammas_(std::move(norm_gammas)),
         final_gamma_(std::move(final_gamma)),
         layers_(std::move(layers)),
-        local_rope_(rope_table(config, false)),
-        global_rope_(rope_table(config, true)),
-        local_multiplier_(softmax_multiplier(config, false)),
-        global_multiplier_(softmax_multiplier(config, true)) {
-    const Index d = config.d_model;
-    APEX_CHECK(embedding_.rows() == config.vocab_size && embedding_.cols() == d,
-               "[stack] embedding shape [" << embedding_.rows() << ", " << embedding_.cols()
-                                           << "] must be [V, d] = [" << config.vocab_size << ", "
-                                           << d << "]");
-    APEX_CHECK(static_cast<Index>(layers_.size()) == config.num_layers &&
-                   static_cast<Index>(norm_gammas_.size()) == config.num_layers,
-               "[stack] " << layers_.size() << " layers and " << norm_gammas_.size()
-                          << " norm gammas given; num_layers is " << config.num_layers);
-    for (Index l = 0; l < config.num_layers; ++l) check_layer(config, l);
-    APEX_CHECK(final_gamma_.size() == d,
-               "[stack] final gamma length (" << final_gamma_.size() << ") must be d = " << d);
+        local_rope_(detail::stack_rope_table<Scalar>(config, false)),
+        global_rope_(detail::stack_rope_table<Scalar>(config, true)),
+        local_multiplier_(detail::stack_softmax_multiplier(config, false)),
+        global_multiplier_(detail::stack_softmax_multiplier(config, true)) {
+    detail::check_stack_weights(config, embedding_, norm_gammas_, final_gamma_, layers_);
     absorbed_.resize(layers_.size());
-    Index globals = 0;
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       if (const auto* mla = std::get_if<Mla>(&layers_[l])) {
         absorbed_[l] = absorb_mla_weights(*mla, config.absorb);
-        ++globals;
       }
     }
-    global_layers_ = globals;
   }
 
   /// A stack with random weights for examples and tests: embedding entries N(0, 0.02²) (§2.3),
   /// every γ = 1 (§3.2), attention layers from their own random() with seeds derived from `seed`
   /// (every weight drawn in double and rounded once to Weight).
   static AttentionStack random(const StackConfig& config, std::uint64_t seed) {
-    checked(config);
+    detail::checked_stack_config<Weight>(config);
     std::mt19937_64 rng(seed);
     std::normal_distribution<double> normal(0.0, 0.02);
     RowMatrix<Weight> embedding(config.vocab_size, config.d_model);
@@ -432,8 +746,8 @@ class AttentionStack {
   /// The forward pass described at the top of this header.
   ///   tokens: [B, S] ids in [0, V), the first `prefix` positions of every sequence forming the
   ///   bidirectional prefix (0 ≤ P ≤ S, S ≤ max_positions) -> logits [B*S, V].
-  /// Allocates the [B*S, d] residual stream, one [B*S, d] normalised copy, what each layer's
-  /// forward allocates, and the logits.
+  /// Allocates the [B*S, d] residual stream, the block loop's two [B*S, d] buffers (run_blocks),
+  /// what each layer's forward allocates, and the logits.
   template <class TokensDerived>
   RowMatrix<Scalar> forward(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix) const {
     check_constructed();
@@ -447,19 +761,16 @@ class AttentionStack {
                                                   << seq << ") exceeds max_positions ("
                                                   << config().max_positions << ")");
     RowMatrix<Scalar> x = embedded(tokens);  // checks every id
-    RowMatrix<Scalar> normed(x.rows(), x.cols());
-    const RmsNormParams norm{config().norm_eps};
-    for (Index l = 0; l < config().num_layers; ++l) {
-      rms_norm(x, norm_gammas_[static_cast<std::size_t>(l)], norm, normed);
+    run_blocks(x, [&](Index l, const Layer& layer, const RowMatrix<Scalar>& normed,
+                      RowMatrix<Scalar>& attended) {
       const AttentionMask<Scalar> mask = mask_for_layer(l, prefix);
       std::visit(
           [&](const auto& attention) {
-            x.noalias() += attention.forward(normed, batch, mask, layer_params(attention, 0));
+            attended = attention.forward(normed, batch, mask, layer_params(attention, 0));
           },
-          layers_[static_cast<std::size_t>(l)]);
-    }
-    rms_norm(x, final_gamma_, norm, normed);
-    return lm_head(normed, embedding_);
+          layer);
+    });
+    return output_logits(x);
   }
 
   // -------------------------------------------------------------------------------------------
@@ -473,22 +784,7 @@ class AttentionStack {
   /// stack_cache_memory(config, batch, capacity, sizeof(Storage)).total_bytes.
   template <class Storage = Scalar>
   StackCache<Scalar, Storage> make_cache(Index batch, Index capacity) const {
-    check_constructed();
-    APEX_CHECK(batch >= 1, "[stack] batch (" << batch << ") must be >= 1");
-    APEX_CHECK(capacity >= 1 && capacity <= config().max_positions,
-               "[stack] capacity (" << capacity << ") must lie in [1, max_positions = "
-                                    << config().max_positions << "]");
-    std::vector<typename StackCache<Scalar, Storage>::LayerCache> caches;
-    caches.reserve(layers_.size());
-    for (const Layer& layer : layers_) {
-      if (const auto* mla = std::get_if<Mla>(&layer)) {
-        caches.emplace_back(mla->template make_cache<Storage>(batch, capacity));
-      } else {
-        caches.emplace_back(
-            std::get<Gqa>(layer).template make_window_cache<Storage>(batch, config().window));
-      }
-    }
-    return StackCache<Scalar, Storage>(batch, capacity, std::move(caches));
+    return detail::make_stack_cache<Storage>(*this, batch, capacity);
   }
 
   /// Prefill: runs a prompt through the stack in one call and fills the (empty) cache with it.
@@ -509,7 +805,7 @@ class AttentionStack {
                    << "): use extend() to continue a sequence, or clear()");
     APEX_CHECK(prefix >= 0 && prefix <= tokens.cols(),
                "[stack] prefix (" << prefix << ") must lie in [0, S = " << tokens.cols() << "]");
-    return run_cached(tokens, prefix, options, cache);
+    return detail::run_cached(*this, tokens, prefix, options, cache);
   }
 
   /// prefill with the default options (all logits, MLA path chosen by chunk length).
@@ -528,7 +824,7 @@ class AttentionStack {
   template <class TokensDerived, class Storage>
   RowMatrix<Scalar> extend(const Eigen::MatrixBase<TokensDerived>& tokens,
                            const DecodeOptions& options, StackCache<Scalar, Storage>& cache) const {
-    return run_cached(tokens, cache.prefix(), options, cache);
+    return detail::run_cached(*this, tokens, cache.prefix(), options, cache);
   }
 
   /// extend with the default options.
@@ -547,7 +843,7 @@ class AttentionStack {
                                 StackCache<Scalar, Storage>& cache) const {
     const Eigen::Map<const TokenMatrix> column(next_tokens.data(),
                                                static_cast<Index>(next_tokens.size()), 1);
-    return run_cached(column, cache.prefix(), options, cache);
+    return detail::run_cached(*this, column, cache.prefix(), options, cache);
   }
 
   /// decode_step with the default options.
@@ -561,94 +857,54 @@ class AttentionStack {
   // Serving many sequences (continuous batching)
   // -------------------------------------------------------------------------------------------
 
-  /// An empty ServingCache for this stack: a PagedKvCache of shape.local_pages pages for each
-  /// local layer and a PagedLatentCache of shape.global_pages pages for each global layer, pages
-  /// of shape.page_size tokens, storing Storage. Throws unless the pools of the layers the stack
-  /// has are >= 1 page of >= 1 token. Allocates the pools.
+  /// make_serving_cache(*this, shape) (stack_serving.hpp): an empty ServingCache of this stack's
+  /// paged caches, storing Storage.
   template <class Storage = Scalar>
   ServingCache<Scalar, Storage> make_serving_cache(const ServingCacheShape& shape) const {
-    check_constructed();
-    std::vector<typename ServingCache<Scalar, Storage>::LayerCache> caches;
-    caches.reserve(layers_.size());
-    for (const Layer& layer : layers_) {
-      if (const auto* mla = std::get_if<Mla>(&layer)) {
-        const MlaConfig& c = mla->config();
-        caches.emplace_back(PagedLatentCache<Scalar, Storage>(
-            {c.d_kv, c.rope_key_heads(), c.rope_dim, shape.page_size, shape.global_pages}));
-      } else {
-        const GqaConfig& c = std::get<Gqa>(layer).config();
-        caches.emplace_back(PagedKvCache<Scalar, Storage>(
-            {c.num_kv_heads, c.head_dim, shape.page_size, shape.local_pages}));
-      }
-    }
-    return ServingCache<Scalar, Storage>(std::move(caches));
+    return apex::make_serving_cache<Storage>(*this, shape);
   }
 
-  /// One pass of many sequences of a ServingCache through the stack (continuous batching):
-  /// tokens[i] are the next tokens of sequence ids[i], at positions cache.length(ids[i]) + s —
-  /// its prompt in its first call (the prefix it was added with must lie inside it), then one
-  /// token per step, or any chunk — and every sequence follows the APEX-1 rules of its own
-  /// prefix (§11.1). Prompts and single tokens of different sequences may share one call: their
-  /// rows go through every projection together, and each layer's attention is one sdpa_paged
-  /// call over all of them (the global layers take the absorbed MLA path, exact for any chunk).
-  /// The local layers then give back the pages that their window has passed.
-  ///   ids: N distinct live sequences; tokens: N non-empty lists of ids in [0, V)
-  ///   -> logits [N, V], row i for the last token of ids[i]: what prefill / extend /
-  ///   decode_step of that sequence alone return for it (to the rounding of the other path).
-  /// Every check runs before any cache is written (live and distinct ids, token ids, the
-  /// prefix, max_positions, room in every layer's pool): on error nothing changes. Allocates
-  /// the [T, d] residual stream (T tokens in all) and what each layer's forward_paged allocates.
+  /// serve(*this, ids, tokens, cache) (stack_serving.hpp): one pass of many sequences of a
+  /// ServingCache through the stack -> logits [N, V] of each sequence's last token.
   template <class Storage>
   RowMatrix<Scalar> serve(const std::vector<SequenceId>& ids,
                           const std::vector<std::vector<std::int64_t>>& tokens,
                           ServingCache<Scalar, Storage>& cache) const {
-    const std::vector<Index> cu = check_serve(ids, tokens, cache);
-    TokenMatrix flat(1, cu.back());
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      std::copy(tokens[i].begin(), tokens[i].end(), flat.data() + cu[i]);
-    }
-    std::vector<std::pair<SequenceId, Index>> appends;
-    for (std::size_t i = 0; i < ids.size(); ++i) appends.emplace_back(ids[i], cu[i + 1] - cu[i]);
-    for (const auto& layer_cache : cache.layers_) {
-      std::visit([&](const auto& c) { c.check_appends(appends, "serve"); }, layer_cache);
-    }
-    RowMatrix<Scalar> x = embedded(flat);
+    return apex::serve(*this, ids, tokens, cache);
+  }
+
+  // -------------------------------------------------------------------------------------------
+  // Building blocks, for running the stack's blocks under an attention schedule of one's own
+  // (serve in stack_serving.hpp runs them over paged caches, apex/distributed/stack.hpp across
+  // the ranks of an MPI job). forward() is
+  //   x = embed_tokens(tokens);
+  //   run_blocks(x, attention of layer(l) with block_params(l) and mask_for_layer(l, P));
+  //   logits = output_logits(x).
+  // -------------------------------------------------------------------------------------------
+
+  /// The per-layer block loop of every form of the stack (forward, prefill / extend /
+  /// decode_step, serve, and the context-parallel calls of apex/distributed/stack.hpp):
+  ///   for l = 0 … L−1:   attend(l, layer(l), RMSNorm(x; γ_l), attended);   x += attended
+  /// x: [rows, d], the residual stream, updated in place. attend(l, layer, normed, attended)
+  /// writes block l's attention output [rows, d] of its normalised rows normed [rows, d] into
+  /// attended [rows, d] (or assigns a new matrix of that shape to it), in its own mode: whole
+  /// sequences, on a layer cache, paged, or across ranks; its checks must all have run before
+  /// the first call writes a cache. Allocates the two [rows, d] buffers normed and attended.
+  template <class Attend>
+  void run_blocks(RowMatrix<Scalar>& x, Attend&& attend) const {
+    check_constructed();
+    APEX_CHECK(x.cols() == config().d_model,
+               "[stack] x width (" << x.cols() << ") must be d_model = " << config().d_model);
     RowMatrix<Scalar> normed(x.rows(), x.cols());
     RowMatrix<Scalar> attended(x.rows(), x.cols());
     const RmsNormParams norm{config().norm_eps};
     for (Index l = 0; l < config().num_layers; ++l) {
       const auto at = static_cast<std::size_t>(l);
       rms_norm(x, norm_gammas_[at], norm, normed);
-      std::vector<PositionMask> rules;
-      rules.reserve(ids.size());
-      for (const SequenceId id : ids) {
-        rules.push_back(layer_mask(
-            l, LayerMaskParams{cache.prefix(id), config().window, config().global_every}));
-      }
-      auto& layer_cache = cache.layers_[at];
-      if (const auto* mla = std::get_if<Mla>(&layers_[at])) {
-        mla->forward_paged(normed, cu, ids, rules, layer_params(*mla, 0), absorbed_[at],
-                           std::get<PagedLatentCache<Scalar, Storage>>(layer_cache), attended);
-      } else {
-        const auto& gqa = std::get<Gqa>(layers_[at]);
-        auto& kv = std::get<PagedKvCache<Scalar, Storage>>(layer_cache);
-        gqa.forward_paged(normed, cu, ids, rules, layer_params(gqa, 0), kv, attended);
-        for (const SequenceId id : ids) {  // the next query, at length(id), sees no key before
-          const Index start = kv.length(id) - config().window + 1;
-          if (start > kv.first_position(id)) kv.forget_before(id, start);
-        }
-      }
+      attend(l, layers_[at], std::as_const(normed), attended);
       x += attended;
     }
-    return last_logits(x, std::vector<Index>(cu.begin() + 1, cu.end()));
   }
-
-  // -------------------------------------------------------------------------------------------
-  // Building blocks, for running the stack's blocks under an attention schedule of one's own
-  // (apex/distributed/stack.hpp runs them across the ranks of an MPI job). forward() is
-  //   x = embed_tokens(tokens); for each l: x += attention of layer(l) on block_norm(l, x)
-  //   with block_params(l) and mask_for_layer(l, P); logits = output_logits(x).
-  // -------------------------------------------------------------------------------------------
 
   /// x_0 = Embed(tokens)·√d (§2.2): tokens [B, S] -> [B*S, d], row b*S + s. Checks every id.
   /// Allocates the result.
@@ -687,6 +943,24 @@ class AttentionStack {
     return detail::matmul_transposed<Scalar>(normed, embedding_);
   }
 
+  /// The logits of rows ends[i] − 1 of the residual stream x [rows, d] (the last token of each
+  /// sequence whose rows end there): the final RMSNorm and the tied LM head (§2.5) of those rows
+  /// only, as output_logits computes them -> [ends.size(), V]. Allocates the gathered rows and
+  /// the result.
+  RowMatrix<Scalar> last_logits(const RowMatrix<Scalar>& x, const std::vector<Index>& ends) const {
+    RowMatrix<Scalar> last(static_cast<Index>(ends.size()), x.cols());
+    for (std::size_t i = 0; i < ends.size(); ++i) last.row(Index(i)) = x.row(ends[i] - 1);
+    rms_norm(last, final_gamma_, RmsNormParams{config().norm_eps}, RowRef<Scalar>(last));
+    return detail::matmul_transposed<Scalar>(last, embedding_);
+  }
+
+  /// The absorbed weights of block l (absorb_mla_weights, folded at construction; empty for a
+  /// local layer), as the absorbed MLA path takes them. Throws std::out_of_range unless
+  /// 0 <= l < L.
+  const MlaAbsorbedWeights<Weight>& absorbed_weights(Index l) const {
+    return absorbed_.at(static_cast<std::size_t>(l));
+  }
+
   /// The cache memory of this stack for `batch` sequences of `context` tokens in this scalar
   /// type, or for caches storing Storage (stack_cache_memory with bytes_per_value =
   /// sizeof(Storage)): the bytes make_cache<Storage> allocates.
@@ -696,109 +970,6 @@ class AttentionStack {
   }
 
  private:
-  static const StackConfig& checked(const StackConfig& c) {
-    APEX_CHECK(c.vocab_size >= 1, "[stack] vocab_size (" << c.vocab_size << ") must be >= 1");
-    APEX_CHECK(c.num_layers >= 0, "[stack] num_layers (" << c.num_layers << ") must be >= 0");
-    APEX_CHECK(c.window >= 1, "[stack] window W (" << c.window << ") must be >= 1");
-    APEX_CHECK(c.global_every >= 1,
-               "[stack] global_every F_g (" << c.global_every << ") must be >= 1");
-    APEX_CHECK(c.d_model >= 1, "[stack] d_model (" << c.d_model << ") must be >= 1");
-    // The [V, d] embedding table is allocated from these: its size must be representable.
-    detail::checked_product({c.vocab_size, c.d_model, static_cast<Index>(sizeof(Weight))}, "stack",
-                            "embedding bytes V*d*sizeof(Weight)");
-    APEX_CHECK(c.local.d_model == c.d_model && c.global.d_model == c.d_model,
-               "[stack] local.d_model (" << c.local.d_model << ") and global.d_model ("
-                                         << c.global.d_model << ") must equal d_model ("
-                                         << c.d_model << ")");
-    // Every norm of every call uses it: a bad ε must fail here, not halfway through a call that
-    // has already written some layers' caches.
-    APEX_CHECK(std::isfinite(c.norm_eps) && c.norm_eps > 0.0,
-               "[stack] norm_eps (" << c.norm_eps << ") must be positive and finite");
-    detail::check_gqa_config(c.local);
-    detail::check_mla_config(c.global);
-    check_rope(c, layer_rope(c, false), c.local.head_dim, "");
-    check_rope(c, layer_rope(c, true), c.global.rope_dim, "global_rope.");
-    APEX_CHECK(!c.global_rope || c.global_rope->rope.rotary_dim == 0,
-               "[stack] global_rope.rope.rotary_dim ("
-                   << c.global_rope->rope.rotary_dim
-                   << ") must be 0 for the global layers: their decoupled RoPE rotates all d_r "
-                   << "features");
-    return c;
-  }
-
-  /// The RoPE of the local or the global layers (rope.rotary_dim is the local layers' only).
-  static LayerRope layer_rope(const StackConfig& c, bool global) {
-    if (!global) return {c.rope, c.yarn, c.rope_scaling};
-    if (c.global_rope) return *c.global_rope;
-    // Returned as a prvalue, not a named local: moving a local variant makes GCC 12 warn falsely
-    // (-Wmaybe-uninitialized) about the members of an alternative it does not hold.
-    RopeParams whole = c.rope;
-    whole.rotary_dim = 0;
-    return {whole, c.yarn, c.rope_scaling};
-  }
-
-  /// One kind's RoPE: rotary_dim within the head (0: all of it, else even and at most head_dim),
-  /// a positive base (RopeTable checks it), at most one scaling, and YaRN's parameters, base and
-  /// reach or the other scaling's parameters. `prefix` names the field in messages.
-  static void check_rope(const StackConfig& c, const LayerRope& r, Index head_dim,
-                         const char* prefix) {
-    APEX_CHECK(r.rope.rotary_dim == 0 || (r.rope.rotary_dim >= 2 && r.rope.rotary_dim % 2 == 0 &&
-                                          r.rope.rotary_dim <= head_dim),
-               "[stack] " << prefix << "rope.rotary_dim (" << r.rope.rotary_dim
-                          << ") must be 0 (all) or even, in [2, " << head_dim << "]");
-    check_layer_rope(r, "stack", prefix);
-    if (!r.yarn) {
-      const Index rotary_dim = r.rope.rotary_dim == 0 ? head_dim : r.rope.rotary_dim;
-      // Checks the scaling's parameters (and allocates its d_r/2 frequencies).
-      (void)scaled_rope_frequencies(rotary_dim, r.rope.base, r.scaling, c.max_positions);
-      (void)scaled_rope_magnitude(r.scaling);
-      return;
-    }
-    const double factor = yarn_attention_factor(*r.yarn);  // checks the YaRN parameters
-    (void)factor;
-    const double reach = r.yarn->scale * static_cast<double>(r.yarn->original_context);
-    APEX_CHECK(static_cast<double>(c.max_positions) <= reach,
-               "[stack] max_positions (" << c.max_positions << ") must not exceed " << prefix
-                                         << "yarn.scale · original_context (" << reach << ")");
-  }
-
-  /// Layer l must be of the kind the layer rule gives it, built with the stack's config for that
-  /// kind (a layer of another shape would fail only later, against its cache), with a γ of d.
-  void check_layer(const StackConfig& c, Index l) const {
-    const auto at = static_cast<std::size_t>(l);
-    APEX_CHECK(norm_gammas_[at].size() == c.d_model,
-               "[stack] gamma of layer " << l << " has length " << norm_gammas_[at].size()
-                                         << ", expected d = " << c.d_model);
-    const bool global = is_global_layer(l, c.global_every);
-    APEX_CHECK(std::holds_alternative<Mla>(layers_[at]) == global,
-               "[stack] layer " << l << " must be "
-                                << (global ? "MultiHeadLatentAttention (global)"
-                                           : "GroupedQueryAttention (local)"));
-    if (const auto* mla = std::get_if<Mla>(&layers_[at])) {
-      const MlaConfig& m = mla->config();
-      const MlaConfig& e = c.global;
-      APEX_CHECK(m.d_model == e.d_model && m.d_q == e.d_q && m.d_kv == e.d_kv &&
-                     m.num_q_heads == e.num_q_heads && m.num_kv_heads == e.num_kv_heads &&
-                     m.head_dim == e.head_dim && m.rope_dim == e.rope_dim &&
-                     m.rope_key_heads() == e.rope_key_heads(),
-                 "[stack] layer " << l << " (MLA: d_kv " << m.d_kv << ", H_q " << m.num_q_heads
-                                  << ", H_kv " << m.num_kv_heads << ", d_h " << m.head_dim
-                                  << ", d_r " << m.rope_dim
-                                  << ") must have the shape of config.global (d_kv " << e.d_kv
-                                  << ", H_q " << e.num_q_heads << ", H_kv " << e.num_kv_heads
-                                  << ", d_h " << e.head_dim << ", d_r " << e.rope_dim << ")");
-    } else {
-      const GqaConfig& g = std::get<Gqa>(layers_[at]).config();
-      const GqaConfig& e = c.local;
-      APEX_CHECK(g.d_model == e.d_model && g.num_q_heads == e.num_q_heads &&
-                     g.num_kv_heads == e.num_kv_heads && g.head_dim == e.head_dim,
-                 "[stack] layer " << l << " (GQA: H_q " << g.num_q_heads << ", H_kv "
-                                  << g.num_kv_heads << ", d_h " << g.head_dim
-                                  << ") must have the shape of config.local (H_q " << e.num_q_heads
-                                  << ", H_kv " << e.num_kv_heads << ", d_h " << e.head_dim << ")");
-    }
-  }
-
   /// Throws unless the stack is constructed and 0 <= l < L.
   void check_block(Index l) const {
     check_constructed();
@@ -809,17 +980,6 @@ class AttentionStack {
   /// Throws for an empty (default-constructed or moved-from) stack.
   void check_constructed() const {
     detail::check_constructed(config().vocab_size >= 1, "stack", "stack");
-  }
-
-  /// The RoPE table of the local (head_dim wide) or the global (d_r wide) layers.
-  static RopeTable<Scalar> rope_table(const StackConfig& c, bool global) {
-    const Index head_dim = global ? c.global.rope_dim : c.local.head_dim;
-    return layer_rope_table<Scalar>(layer_rope(c, global), c.max_positions, head_dim);
-  }
-
-  /// YaRN's softmax-scale multiplier of the local or the global layers (1 without YaRN).
-  static double softmax_multiplier(const StackConfig& c, bool global) {
-    return layer_rope_softmax_multiplier(layer_rope(c, global));
   }
 
   const RopeTable<Scalar>* rope_for(const Gqa&) const { return &local_rope_; }
@@ -854,168 +1014,6 @@ class AttentionStack {
     return params;
   }
 
-  /// Throws unless `cache` has the layout make_cache gives for this stack.
-  template <class Storage>
-  void check_cache(const StackCache<Scalar, Storage>& cache) const {
-    bool matches = cache.num_layers() == config().num_layers;
-    for (Index l = 0; matches && l < config().num_layers; ++l) {
-      const auto& layer_cache = cache.layer(l);
-      if (is_global_layer(l, config().global_every)) {
-        const auto* c = std::get_if<LatentCache<Scalar, Storage>>(&layer_cache);
-        matches = c != nullptr && c->batch() == cache.batch() &&
-                  c->latent_dim() == config().global.d_kv &&
-                  c->rope_heads() == config().global.rope_key_heads() &&
-                  c->rope_dim() == config().global.rope_dim && c->capacity() == cache.capacity() &&
-                  c->next_position() == cache.next_position();
-      } else {
-        const auto* c = std::get_if<SlidingWindowCache<Scalar, Storage>>(&layer_cache);
-        matches = c != nullptr && c->batch() == cache.batch() &&
-                  c->num_kv_heads() == config().local.num_kv_heads &&
-                  c->head_dim() == config().local.head_dim && c->window() == config().window &&
-                  c->next_position() == cache.next_position();
-      }
-    }
-    APEX_CHECK(matches,
-               "[stack] the cache was not made by this stack's make_cache (its layers "
-               "do not match the stack's "
-                   << config().num_layers << " layers)");
-  }
-
-  /// The logits of rows ends[i] − 1 of the residual stream x (the last token of each sequence):
-  /// the final RMSNorm and the tied LM head (§2.5), logits = h · W_Eᵀ, as lm_head computes it
-  /// (detail::matmul: fixed tiles, bit-identical for any thread count). -> [ends.size(), V].
-  RowMatrix<Scalar> last_logits(const RowMatrix<Scalar>& x, const std::vector<Index>& ends) const {
-    RowMatrix<Scalar> last(static_cast<Index>(ends.size()), x.cols());
-    for (std::size_t i = 0; i < ends.size(); ++i) last.row(Index(i)) = x.row(ends[i] - 1);
-    rms_norm(last, final_gamma_, RmsNormParams{config().norm_eps}, RowRef<Scalar>(last));
-    return detail::matmul_transposed<Scalar>(last, embedding_);
-  }
-
-  /// The checks of serve() that come before the pools' room, each message naming serve: the
-  /// cache is this stack's, the ids are live and distinct, every sequence gets tokens in
-  /// [0, V), its prefix lies inside its first call, and its positions stay below max_positions.
-  /// Returns the row offsets of the sequences' tokens.
-  template <class Storage>
-  std::vector<Index> check_serve(const std::vector<SequenceId>& ids,
-                                 const std::vector<std::vector<std::int64_t>>& tokens,
-                                 const ServingCache<Scalar, Storage>& cache) const {
-    check_constructed();
-    bool matches = cache.num_layers() == config().num_layers;
-    for (Index l = 0; matches && l < config().num_layers; ++l) {
-      const bool global = is_global_layer(l, config().global_every);
-      const auto& c = cache.layer(l);
-      if (global) {
-        const auto* latent = std::get_if<PagedLatentCache<Scalar, Storage>>(&c);
-        matches = latent != nullptr && latent->latent_dim() == config().global.d_kv &&
-                  latent->row_dim() == config().global.d_kv + config().global.rope_key_heads() *
-                                                                  config().global.rope_dim;
-      } else {
-        const auto* kv = std::get_if<PagedKvCache<Scalar, Storage>>(&c);
-        matches = kv != nullptr && kv->num_kv_heads() == config().local.num_kv_heads &&
-                  kv->head_dim() == config().local.head_dim;
-      }
-    }
-    APEX_CHECK(matches,
-               "[serve] the serving cache was not made by this stack's "
-               "make_serving_cache (its layers do not match the stack's "
-                   << config().num_layers << " layers)");
-    APEX_CHECK(ids.size() == tokens.size(), "[serve] ids ("
-                                                << ids.size() << ") and tokens (" << tokens.size()
-                                                << ") must have one entry per sequence");
-    std::vector<Index> cu{0};
-    detail::check_live_ids(cache, ids, "serve");
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      const Index length = cache.length(ids[i]);
-      const Index prefix = cache.prefix(ids[i]);
-      const auto n = static_cast<Index>(tokens[i].size());
-      APEX_CHECK(std::count(ids.begin(), ids.end(), ids[i]) == 1,
-                 "[serve] sequence " << ids[i] << " appears more than once in one call");
-      APEX_CHECK(n >= 1, "[serve] sequence " << ids[i] << " gets no token");
-      APEX_CHECK(length >= prefix || n >= prefix,
-                 "[serve] the prefix (" << prefix << ") of sequence " << ids[i]
-                                        << " must lie inside its first call (" << n << " tokens)");
-      APEX_CHECK(n <= config().max_positions - length,
-                 "[serve] positions [" << length << ", " << length + n << ") of sequence " << ids[i]
-                                       << " exceed max_positions (" << config().max_positions
-                                       << ")");
-      for (std::size_t t = 0; t < tokens[i].size(); ++t) {
-        APEX_CHECK(tokens[i][t] >= 0 && tokens[i][t] < config().vocab_size,
-                   "[serve] tokens[" << i << "][" << t << "] (" << tokens[i][t]
-                                     << ") must be a token id in [0, V = " << config().vocab_size
-                                     << ")");
-      }
-      cu.push_back(cu.back() + n);
-    }
-    return cu;
-  }
-
-  /// prefill / extend / decode_step: n = tokens.cols() new tokens per sequence at positions
-  /// [p, p + n). Every check (the ids included, through embed) runs before the first cache is
-  /// written, so that an error leaves every layer's cache as it was.
-  template <class TokensDerived, class Storage>
-  RowMatrix<Scalar> run_cached(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
-                               const DecodeOptions& options,
-                               StackCache<Scalar, Storage>& cache) const {
-    check_constructed();
-    check_cache(cache);
-    const Index batch = tokens.rows();
-    const Index n = tokens.cols();
-    const Index first = cache.next_position();
-    APEX_CHECK(batch == cache.batch(), "[stack] tokens batch ("
-                                           << batch << ") must equal the cache's batch ("
-                                           << cache.batch() << ")");
-    APEX_CHECK(n >= 1,
-               "[stack] tokens must hold at least one token per sequence (got " << n << ")");
-    APEX_CHECK(n <= config().max_positions - first,
-               "[stack] positions [" << first << ", " << first + n << ") exceed max_positions ("
-                                     << config().max_positions << ")");
-    APEX_CHECK(global_layers_ == 0 || n <= cache.capacity() - first,
-               "[stack] positions [" << first << ", " << first + n
-                                     << ") exceed the cache's capacity (" << cache.capacity()
-                                     << "): a full cache does not grow by itself; reserve() a "
-                                        "larger one");
-    APEX_CHECK(prefix == 0 || first >= prefix || (first == 0 && n >= prefix),
-               "[stack] prefix (" << prefix << ") must lie inside the first chunk");
-    RowMatrix<Scalar> x = embedded(tokens);  // checks every id
-    RowMatrix<Scalar> normed(x.rows(), x.cols());
-    RowMatrix<Scalar> attended(x.rows(), x.cols());
-    const RmsNormParams norm{config().norm_eps};
-    for (Index l = 0; l < config().num_layers; ++l) {
-      const auto at = static_cast<std::size_t>(l);
-      rms_norm(x, norm_gammas_[at], norm, normed);
-      const PositionMask rule =
-          layer_mask(l, LayerMaskParams{prefix, config().window, config().global_every});
-      auto& layer_cache = cache.layers_[at];
-      if (const auto* mla = std::get_if<Mla>(&layers_[at])) {
-        auto& latent = std::get<LatentCache<Scalar, Storage>>(layer_cache);
-        const AttentionLayerParams<Scalar> params = layer_params(*mla, first);
-        const MlaPath path =
-            options.mla == MlaPath::kAuto ? mla_cheaper_path(config().global, n) : options.mla;
-        if (path == MlaPath::kAbsorbed) {
-          mla->forward_absorbed(normed, rule, params, absorbed_[at], latent, attended);
-        } else {
-          mla->forward_cached(normed, rule, params, latent, attended);
-        }
-      } else {
-        const auto& gqa = std::get<Gqa>(layers_[at]);
-        gqa.forward_cached(normed, rule, layer_params(gqa, first),
-                           std::get<SlidingWindowCache<Scalar, Storage>>(layer_cache), attended);
-      }
-      x += attended;
-    }
-    cache.next_ = first + n;
-    if (first == 0) cache.prefix_ = prefix;
-    // The tied LM head (§2.5), logits = h · W_Eᵀ, as lm_head computes it (detail::matmul: spread
-    // over threads in fixed tiles, bit-identical for any thread count).
-    if (options.logits == LogitRows::kLast) {
-      std::vector<Index> ends;
-      for (Index b = 1; b <= batch; ++b) ends.push_back(b * n);
-      return last_logits(x, ends);
-    }
-    rms_norm(x, final_gamma_, norm, normed);
-    return detail::matmul_transposed<Scalar>(normed, embedding_);
-  }
-
   detail::ResetOnMove<StackConfig> config_;  // a moved-from stack is an empty one
   RowMatrix<Weight> embedding_;
   std::vector<Vector<Scalar>> norm_gammas_;
@@ -1025,7 +1023,6 @@ class AttentionStack {
   RopeTable<Scalar> global_rope_;
   double local_multiplier_ = 1.0;   ///< YaRN's softmax-scale multiplier (1 without YaRN)
   double global_multiplier_ = 1.0;  ///< the same for the global layers
-  detail::ResetOnMove<Index> global_layers_;
   std::vector<MlaAbsorbedWeights<Weight>> absorbed_;  ///< per layer; empty for local layers
 };
 

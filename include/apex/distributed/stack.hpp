@@ -10,10 +10,11 @@
 //                                                                RoPE at the chunks' positions
 //   logits_r = RMSNorm(x_L; γ_final) · W_Eᵀ
 //
-// with mask_l = stack.mask_for_layer(l, P) on the whole sequence. A decoding step computes the
-// new token's projections on every rank (the same arithmetic everywhere), appends its K/V to the
-// rank that owns its position, and attends with ShardedKvCache::attend; every rank gets the same
-// logits.
+// with mask_l = stack.mask_for_layer(l, P) on the whole sequence; both calls are the stack's
+// block loop (AttentionStack::run_blocks) with the attention of their mode. A decoding step
+// computes the new token's projections on every rank (the same arithmetic everywhere), appends its
+// K/V to the rank that owns its position, and attends with ShardedKvCache::attend; every rank gets
+// the same logits.
 //
 // CACHES. Each layer caches K and V as its attention reads them: local layers H_kv heads of d_h
 // (every position, not only the window: positions are dealt to ranks, and a rank keeps what it
@@ -270,12 +271,11 @@ RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
                                    });
   const std::vector<PositionRange> chunks = sharding.chunks(me.rank);
   const Index rows = x.rows();
-  RowMatrix<Scalar> normed(rows, x.cols());
-  RowMatrix<Scalar> attended(rows, x.cols());
-  for (Index l = 0; l < stack.config().num_layers; ++l) {
-    stack.block_norm(l, x, normed);
+  std::vector<ShardedKvCache<Scalar, Storage>>& layers = cache.layers_;
+  stack.run_blocks(x, [&](Index l, const auto& layer, const RowMatrix<Scalar>& normed,
+                          RowMatrix<Scalar>& attended) {
     const apex::detail::LayerHeads heads =
-        std::visit([](const auto& a) { return a.attention_heads(); }, stack.layer(l));
+        std::visit([](const auto& a) { return a.attention_heads(); }, layer);
     HeadsTensor<Scalar> q({1, heads.num_q_heads, rows, heads.qk_dim});
     HeadsTensor<Scalar> k({1, heads.num_kv_heads, rows, heads.qk_dim});
     HeadsTensor<Scalar> v({1, heads.num_kv_heads, rows, heads.v_dim});
@@ -286,10 +286,9 @@ RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
         attention,
         HeadsView<Scalar>::token_major(concat.data(), {1, heads.num_q_heads, rows, heads.v_dim}));
     if (traffic != nullptr) *traffic += t;
-    detail::output_projection<Scalar, Weight>(stack.layer(l), concat, attended);
-    x += attended;
-    cache.layers_[static_cast<std::size_t>(l)].load_prompt(sharding, k.view(), v.view());
-  }
+    detail::output_projection<Scalar, Weight>(layer, concat, attended);
+    layers[static_cast<std::size_t>(l)].load_prompt(sharding, k.view(), v.view());
+  });
   cache.prefix_ = prefix;
   cache.next_ = sharding.length();
   return stack.output_logits(x);
@@ -328,16 +327,14 @@ RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
         const TokenMatrix ids = TokenMatrix::Constant(1, 1, token);
         x = stack.embed_tokens(ids);  // checks the id
       });
-  RowMatrix<Scalar> normed(1, x.cols());
-  RowMatrix<Scalar> attended(1, x.cols());
-  for (Index l = 0; l < stack.config().num_layers; ++l) {
-    const auto& layer = stack.layer(l);
-    stack.block_norm(l, x, normed);
+  std::vector<ShardedKvCache<Scalar, Storage>>& layers = cache.layers_;
+  stack.run_blocks(x, [&](Index l, const auto& layer, const RowMatrix<Scalar>& normed,
+                          RowMatrix<Scalar>& attended) {
     AttentionLayerParams<Scalar> params = stack.block_params(l);
     params.position_offset = p;
     const ProjectedQkv<Scalar> proj =
         detail::layer_projections<Scalar, Weight>(layer, normed, params);
-    ShardedKvCache<Scalar, Storage>& kv = cache.layers_[static_cast<std::size_t>(l)];
+    ShardedKvCache<Scalar, Storage>& kv = layers[static_cast<std::size_t>(l)];
     kv.append(proj.k_heads(), proj.v_heads(), p);
     const apex::detail::LayerHeads heads =
         std::visit([](const auto& a) { return a.attention_heads(); }, layer);
@@ -348,8 +345,7 @@ RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
         HeadsView<Scalar>::token_major(concat.data(), {1, heads.num_q_heads, 1, heads.v_dim}));
     if (traffic != nullptr) *traffic += t;
     detail::output_projection<Scalar, Weight>(layer, concat, attended);
-    x += attended;
-  }
+  });
   cache.next_ = p + 1;
   return stack.output_logits(x);
 }

@@ -1,0 +1,217 @@
+// SPDX-License-Identifier: MIT
+// Serving many sequences through an AttentionStack (continuous batching), beside the ServingCache
+// it advances: make_serving_cache builds the paged caches of every layer, serve runs one pass of
+// N sequences (T tokens in all, prompts and single tokens mixed) through the stack's block loop
+// (AttentionStack::run_blocks), each layer's attention one paged call over all of their rows:
+//
+//   x_0     = Embed(tokens_0 ‖ … ‖ tokens_{N−1})·√d                                    [T, d]
+//   x_{l+1} = x_l + Attention_l(RMSNorm(x_l; γ_l); layer_mask(l, P_i) for sequence i)  paged
+//   logits  = RMSNorm(x_L[last row of each sequence]; γ_final) · W_Eᵀ                  [N, V]
+//
+// The global layers take the absorbed MLA path (exact for any chunk); the local layers give back
+// the pages that their window has passed. AttentionStack::make_serving_cache and
+// AttentionStack::serve are these functions.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/embedding.hpp>
+#include <apex/mask.hpp>
+#include <apex/paged_cache.hpp>
+#include <apex/serving_cache.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace apex {
+
+template <class Scalar, class Weight>
+class AttentionStack;
+
+namespace detail {
+
+/// The one door into a ServingCache's layers: only this header builds a cache and writes it.
+struct ServingCacheAccess {
+  template <class Scalar, class Storage>
+  static ServingCache<Scalar, Storage> make(
+      std::vector<typename ServingCache<Scalar, Storage>::LayerCache> layers) {
+    return ServingCache<Scalar, Storage>(std::move(layers));
+  }
+  template <class Scalar, class Storage>
+  static typename ServingCache<Scalar, Storage>::LayerCache& layer(
+      ServingCache<Scalar, Storage>& cache, Index l) {
+    return cache.layers_[static_cast<std::size_t>(l)];
+  }
+};
+
+/// Throws unless `cache` has the layers make_serving_cache gives `stack` (message naming serve).
+template <class Scalar, class Weight, class Storage>
+void check_serving_layers(const AttentionStack<Scalar, Weight>& stack,
+                          const ServingCache<Scalar, Storage>& cache) {
+  const auto& config = stack.config();
+  bool matches = cache.num_layers() == config.num_layers;
+  for (Index l = 0; matches && l < config.num_layers; ++l) {
+    const auto& c = cache.layer(l);
+    if (is_global_layer(l, config.global_every)) {
+      const auto* latent = std::get_if<PagedLatentCache<Scalar, Storage>>(&c);
+      matches = latent != nullptr && latent->latent_dim() == config.global.d_kv &&
+                latent->row_dim() ==
+                    config.global.d_kv + config.global.rope_key_heads() * config.global.rope_dim;
+    } else {
+      const auto* kv = std::get_if<PagedKvCache<Scalar, Storage>>(&c);
+      matches = kv != nullptr && kv->num_kv_heads() == config.local.num_kv_heads &&
+                kv->head_dim() == config.local.head_dim;
+    }
+  }
+  APEX_CHECK(matches,
+             "[serve] the serving cache was not made by this stack's "
+             "make_serving_cache (its layers do not match the stack's "
+                 << config.num_layers << " layers)");
+}
+
+/// The checks of serve() that come before the pools' room, each message naming serve: the cache
+/// is the stack's, the ids are live and distinct, every sequence gets tokens in [0, V), its
+/// prefix lies inside its first call, and its positions stay below max_positions. Returns the
+/// row offsets cu of the sequences' tokens ([N + 1], cu[0] = 0, cu[N] = T).
+template <class Scalar, class Weight, class Storage>
+std::vector<Index> check_serve(const AttentionStack<Scalar, Weight>& stack,
+                               const std::vector<SequenceId>& ids,
+                               const std::vector<std::vector<std::int64_t>>& tokens,
+                               const ServingCache<Scalar, Storage>& cache) {
+  const auto& config = stack.config();
+  check_constructed(config.vocab_size >= 1, "stack", "stack");
+  check_serving_layers(stack, cache);
+  APEX_CHECK(ids.size() == tokens.size(), "[serve] ids (" << ids.size() << ") and tokens ("
+                                                          << tokens.size()
+                                                          << ") must have one entry per sequence");
+  std::vector<Index> cu{0};
+  check_live_ids(cache, ids, "serve");
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const Index length = cache.length(ids[i]);
+    const Index prefix = cache.prefix(ids[i]);
+    const auto n = static_cast<Index>(tokens[i].size());
+    APEX_CHECK(std::count(ids.begin(), ids.end(), ids[i]) == 1,
+               "[serve] sequence " << ids[i] << " appears more than once in one call");
+    APEX_CHECK(n >= 1, "[serve] sequence " << ids[i] << " gets no token");
+    APEX_CHECK(length >= prefix || n >= prefix,
+               "[serve] the prefix (" << prefix << ") of sequence " << ids[i]
+                                      << " must lie inside its first call (" << n << " tokens)");
+    APEX_CHECK(n <= config.max_positions - length,
+               "[serve] positions [" << length << ", " << length + n << ") of sequence " << ids[i]
+                                     << " exceed max_positions (" << config.max_positions << ")");
+    for (std::size_t t = 0; t < tokens[i].size(); ++t) {
+      APEX_CHECK(tokens[i][t] >= 0 && tokens[i][t] < config.vocab_size,
+                 "[serve] tokens[" << i << "][" << t << "] (" << tokens[i][t]
+                                   << ") must be a token id in [0, V = " << config.vocab_size
+                                   << ")");
+    }
+    cu.push_back(cu.back() + n);
+  }
+  return cu;
+}
+
+/// Throws unless every layer's pool has room for the new tokens of every sequence.
+template <class Scalar, class Storage>
+void check_serve_room(const std::vector<SequenceId>& ids, const std::vector<Index>& cu,
+                      const ServingCache<Scalar, Storage>& cache) {
+  std::vector<std::pair<SequenceId, Index>> appends;
+  for (std::size_t i = 0; i < ids.size(); ++i) appends.emplace_back(ids[i], cu[i + 1] - cu[i]);
+  for (Index l = 0; l < cache.num_layers(); ++l) {
+    std::visit([&](const auto& c) { c.check_appends(appends, "serve"); }, cache.layer(l));
+  }
+}
+
+/// One layer of serve(): attended [T, d] = Attention_l(normed [T, d]) over the layer's paged
+/// cache, each sequence under its own mask; a local layer then frees the pages its window left.
+template <class Scalar, class Weight, class Storage>
+void serve_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
+                 const RowMatrix<Scalar>& normed, const std::vector<Index>& cu,
+                 const std::vector<SequenceId>& ids, ServingCache<Scalar, Storage>& cache,
+                 RowMatrix<Scalar>& attended) {
+  using Stack = AttentionStack<Scalar, Weight>;
+  const auto& config = stack.config();
+  std::vector<PositionMask> masks;
+  masks.reserve(ids.size());
+  for (const SequenceId id : ids) {
+    masks.push_back(
+        layer_mask(l, LayerMaskParams{cache.prefix(id), config.window, config.global_every}));
+  }
+  auto& layer_cache = ServingCacheAccess::layer(cache, l);
+  if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
+    mla->forward_paged(normed, cu, ids, masks, stack.block_params(l), stack.absorbed_weights(l),
+                       std::get<PagedLatentCache<Scalar, Storage>>(layer_cache), attended);
+    return;
+  }
+  const auto& gqa = std::get<typename Stack::Gqa>(stack.layer(l));
+  auto& kv = std::get<PagedKvCache<Scalar, Storage>>(layer_cache);
+  gqa.forward_paged(normed, cu, ids, masks, stack.block_params(l), kv, attended);
+  for (const SequenceId id : ids) {  // the next query, at length(id), sees no key before
+    const Index start = kv.length(id) - config.window + 1;
+    if (start > kv.first_position(id)) kv.forget_before(id, start);
+  }
+}
+
+}  // namespace detail
+
+/// An empty ServingCache for `stack`: a PagedKvCache of shape.local_pages pages for each local
+/// layer and a PagedLatentCache of shape.global_pages pages for each global layer, pages of
+/// shape.page_size tokens, storing Storage (void: the stack's Scalar). Throws unless the pools of
+/// the layers the stack has are >= 1 page of >= 1 token. Allocates the pools.
+template <class Storage = void, class Scalar, class Weight>
+ServingCache<Scalar, std::conditional_t<std::is_void_v<Storage>, Scalar, Storage>>
+make_serving_cache(const AttentionStack<Scalar, Weight>& stack, const ServingCacheShape& shape) {
+  using Stored = std::conditional_t<std::is_void_v<Storage>, Scalar, Storage>;
+  using Stack = AttentionStack<Scalar, Weight>;
+  detail::check_constructed(stack.config().vocab_size >= 1, "stack", "stack");
+  std::vector<typename ServingCache<Scalar, Stored>::LayerCache> caches;
+  caches.reserve(static_cast<std::size_t>(stack.config().num_layers));
+  for (Index l = 0; l < stack.config().num_layers; ++l) {
+    if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
+      const auto& c = mla->config();
+      caches.emplace_back(PagedLatentCache<Scalar, Stored>(
+          {c.d_kv, c.rope_key_heads(), c.rope_dim, shape.page_size, shape.global_pages}));
+    } else {
+      const auto& c = std::get<typename Stack::Gqa>(stack.layer(l)).config();
+      caches.emplace_back(PagedKvCache<Scalar, Stored>(
+          {c.num_kv_heads, c.head_dim, shape.page_size, shape.local_pages}));
+    }
+  }
+  return detail::ServingCacheAccess::make<Scalar, Stored>(std::move(caches));
+}
+
+/// One pass of many sequences of a ServingCache through the stack (continuous batching):
+/// tokens[i] are the next tokens of sequence ids[i], at positions cache.length(ids[i]) + s — its
+/// prompt in its first call (the prefix it was added with must lie inside it), then one token per
+/// step, or any chunk — and every sequence follows the APEX-1 rules of its own prefix (§11.1).
+/// Prompts and single tokens of different sequences may share one call: their rows go through
+/// every projection together, and each layer's attention is one sdpa_paged call over all of them.
+///   ids: N distinct live sequences; tokens: N non-empty lists of ids in [0, V)
+///   -> logits [N, V], row i for the last token of ids[i]: what prefill / extend / decode_step of
+///   that sequence alone return for it (to the rounding of the other path).
+/// Every check runs before any cache is written (live and distinct ids, token ids, the prefix,
+/// max_positions, room in every layer's pool): on error nothing changes. Allocates the [T, d]
+/// residual stream (T tokens in all), the block loop's two [T, d] buffers and what each layer's
+/// forward_paged allocates.
+template <class Scalar, class Weight, class Storage>
+RowMatrix<Scalar> serve(const AttentionStack<Scalar, Weight>& stack,
+                        const std::vector<SequenceId>& ids,
+                        const std::vector<std::vector<std::int64_t>>& tokens,
+                        ServingCache<Scalar, Storage>& cache) {
+  const std::vector<Index> cu = detail::check_serve(stack, ids, tokens, cache);
+  detail::check_serve_room(ids, cu, cache);
+  TokenMatrix flat(1, cu.back());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    std::copy(tokens[i].begin(), tokens[i].end(), flat.data() + cu[i]);
+  }
+  RowMatrix<Scalar> x = stack.embed_tokens(flat);
+  stack.run_blocks(
+      x, [&](Index l, const auto&, const RowMatrix<Scalar>& normed, RowMatrix<Scalar>& attended) {
+        detail::serve_layer(stack, l, normed, cu, ids, cache, attended);
+      });
+  return stack.last_logits(x, std::vector<Index>(cu.begin() + 1, cu.end()));
+}
+
+}  // namespace apex
