@@ -3,7 +3,7 @@
 // optional block classifier so that the kernel can still skip) and a score rule (a function
 // applied to every score before the softmax), compiled into the tiled kernel as templates: the
 // CPU counterpart of PyTorch's flex_attention mask_mod / score_mod. apex::sdpa takes them beside
-// its AttentionMask and SdpaParams (sdpa.hpp).
+// its AttentionMask and SdpaParams (sdpa_params.hpp).
 //
 //   mask rule    allows(b, h, q_pos, k_pos) -> bool            true = may attend
 //   classifier   classify(b, h, q_range, k_range) -> BlockCoverage
@@ -295,6 +295,46 @@ AttentionRules<Allows, VerifiedClassifier<Allows, Classify>, Score> verify_class
 }
 
 namespace detail {
+
+/// A user function of (b, ...) called with its batch index fixed: each sequence of a call over
+/// many sequences is a problem of one batch (b = 0), and its rules see the sequence's index.
+template <class F>
+struct AtBatch {
+  const F* f;
+  Index b;
+
+  template <class... Args>
+  auto operator()(Index /*b*/, Args... args) const {
+    return (*f)(b, args...);
+  }
+};
+
+/// f with its batch index fixed at b; the defaults (no rule) stay as they are, so that the
+/// kernel still compiles their calls out.
+template <class F>
+auto at_batch(const F& f, Index b) {
+  if constexpr (std::is_same_v<F, AllowAll> || std::is_same_v<F, CheckEveryPair> ||
+                std::is_same_v<F, KeepScore>) {
+    return f;
+  } else {
+    return AtBatch<F>{&f, b};
+  }
+}
+
+/// `rules` as the rules of the sequence of index b of a call over many sequences (at_batch on
+/// each of its three functions); they refer to `rules`, which must outlive them.
+template <class A, class C, class S>
+auto rules_at_batch(const AttentionRules<A, C, S>& rules, Index b) {
+  using Allows = decltype(at_batch(rules.allows, b));
+  using Classify = decltype(at_batch(rules.classify, b));
+  using Score = decltype(at_batch(rules.score, b));
+  return AttentionRules<Allows, Classify, Score>{
+      at_batch(rules.allows, b), at_batch(rules.classify, b), at_batch(rules.score, b)};
+}
+
+/// The type of rules_at_batch(R, b).
+template <class R>
+using RulesAtBatch = decltype(rules_at_batch(std::declval<const R&>(), 0));
 
 /// What a user mask rule says of a rectangle for several heads at once (the stacked heads of a
 /// tile): kNone if it says so for every head, kAll if for every head, else kPartial. kAll

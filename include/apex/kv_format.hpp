@@ -35,8 +35,8 @@ struct KvFormat;
 /// The scalar formats: float, double, Eigen::half and Eigen::bfloat16, one value per element.
 template <class T>
 struct KvFormat<T, std::enable_if_t<is_storage_v<T>>> {
-  using Element = T;
-  static constexpr Index kValuesPerElement = 1;
+  using Element = T;                             ///< a stored value
+  static constexpr Index kValuesPerElement = 1;  ///< one value per element
 
   /// Elements of a row of `values` values.
   static constexpr Index elements(Index values) { return values; }

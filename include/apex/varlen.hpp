@@ -16,12 +16,14 @@
 //          seq 0     | seq 2            (seq 1 is empty)
 #pragma once
 
+#include <apex/attention_rules.hpp>
 #include <apex/config.hpp>
 #include <apex/detail/flash_attention.hpp>
 #include <apex/mask.hpp>
 #include <apex/sdpa.hpp>
 #include <apex/tensor.hpp>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -89,15 +91,52 @@ inline void check_offsets(const std::vector<Index>& cu, Index sequences, Index r
 }
 
 /// One sequence of a batch: its query rows, its keys (one segment, contiguous or paged; the
-/// rule's key_offset is the segment's first position), its rule and its outputs, as sdpa would
-/// take them for that sequence alone.
-template <class TQ, class TK, class TV, class TO>
+/// rule's key_offset is the segment's first position), its rule, its outputs and its rows of the
+/// dense masks (sequence_mask_rows; empty: none), as sdpa would take them for that sequence
+/// alone.
+template <class TQ, class TK, class TV, class TO, class TB = TQ>
 struct SequenceViews {
   HeadsView<const TQ> q;
   KeySegment<TK, TV> keys;
   PositionMask positions;
   HeadsView<TO> out, lse;
+  HeadsView<const bool> allowed{};
+  HeadsView<const TB> bias{};
 };
+
+/// Throws unless the dense masks of a call over many sequences fit it (empty views are no
+/// mask): each of mask.allowed and mask.bias is [1 or B, 1 or H_q, rows of q, >= keys], `keys`
+/// being the most keys of any sequence, so that row r is query row r of q and column j key j of
+/// that row's own sequence. When each sequence has a rule of its own (`own_rules`), the mask's
+/// position rule must allow every pair (the default): it would have no sequence to apply to.
+template <class TB>
+void check_batch_masks(const AttentionMask<TB>& mask, const HeadsShape& q, Index keys,
+                       bool own_rules, const char* op) {
+  APEX_CHECK(!own_rules || mask.positions.allows_everything(),
+             "[" << op << "] mask.positions must allow every pair (the default PositionMask): "
+                 << "each sequence's rule is its entry of the rules");
+  const auto check = [&](const HeadsShape& view, const char* name) {
+    APEX_CHECK(view.dim >= keys, "[" << op << "] " << name << " has " << view.dim
+                                     << " columns; expected at least the most keys of a sequence ("
+                                     << keys << ")");
+    HeadsShape narrowed = view;
+    narrowed.dim = keys;
+    check_mask_view_shape(narrowed, q, keys, op, name);
+  };
+  if (!mask.allowed.empty()) check(mask.allowed.shape(), "allowed mask");
+  if (!mask.bias.empty()) check(mask.bias.shape(), "bias");
+}
+
+/// The rows [first, first + count) of batch b of a dense mask of a call over many sequences,
+/// narrowed to its first `keys` columns: the dense mask of that sequence alone (checked by
+/// check_batch_masks; an empty view stays empty).
+template <class T>
+HeadsView<const T> sequence_mask_rows(const HeadsView<const T>& mask, Index b, Index first,
+                                      Index count, Index keys) {
+  if (mask.empty()) return {};
+  const HeadsView<const T> rows = mask.middle_batches(b, 1).middle_rows(first, count);
+  return HeadsView<const T>(rows.data(), {1, rows.heads(), count, keys}, rows.strides());
+}
 
 /// Throws unless the rule of sequence (or batch: `what`) i holds for its S_q queries and S_k
 /// keys (check_position_mask), naming it in the message.
@@ -137,35 +176,47 @@ void check_no_overlap(const HeadsView<const TQ>& q, const HeadsView<const TK>& k
 }
 
 /// Attention of every sequence of a batch, each on its own (checked already), in one run of
-/// the kernel. Allocates a problem, a key segment and a job per sequence.
-template <class TQ, class TK, class TV, class TO>
-void attend_sequences(const std::vector<SequenceViews<TQ, TK, TV, TO>>& sequences,
-                      const SdpaParams& params, const FlashBlocking& blocking) {
-  using Problem = AttentionProblem<TQ, TK, TV, TQ>;
+/// the kernel; the user's rules see sequence i as batch i (rules_at_batch). Allocates a
+/// problem, a key segment, a job and the rules' references per sequence.
+template <class TQ, class TK, class TV, class TO, class TB, class R = NoRules>
+void attend_sequences(const std::vector<SequenceViews<TQ, TK, TV, TO, TB>>& sequences,
+                      const SdpaParams& params, const FlashBlocking& blocking,
+                      const R& rules = {}) {
+  using Rules = RulesAtBatch<R>;
+  using Problem = AttentionProblem<TQ, TK, TV, TB, Rules>;
   std::vector<KeySegment<TK, TV>> keys;
+  std::vector<Rules> sequence_rules;
   std::vector<Problem> problems;
   std::vector<AttentionJob<Problem, TO>> jobs;
   keys.reserve(sequences.size());
+  sequence_rules.reserve(sequences.size());
   problems.reserve(sequences.size());
   jobs.reserve(sequences.size());
   for (const auto& s : sequences) {
     keys.push_back(s.keys);
+    sequence_rules.push_back(rules_at_batch(rules, static_cast<Index>(problems.size())));
     const Index s_k = s.keys.size();
-    problems.push_back(
-        attention_problem<TQ, TK, TV>(s.q, &keys.back(), 1, s_k, s.positions,
-                                      s.positions.first_query_position(s.q.seq(), s_k), params));
+    problems.push_back(attention_problem<TQ, TK, TV, TB, Rules>(
+        s.q, &keys.back(), 1, s_k, s.positions, s.positions.first_query_position(s.q.seq(), s_k),
+        params));
+    problems.back().rules = &sequence_rules.back();
+    problems.back().allowed = s.allowed;
+    problems.back().bias = s.bias;
     jobs.push_back({&problems.back(), {s.out, s.lse, {}, {}}});
   }
   flash_attention(jobs.data(), static_cast<Index>(jobs.size()), blocking);
 }
 
-/// The whole of sdpa_varlen, with block sizes that tests may choose.
-template <class TQ, class TK, class TV, class TO>
+/// The whole of sdpa_varlen, with block sizes that tests may choose, and the dense masks and
+/// user rules of its other overloads.
+template <class TQ, class TK, class TV, class TO, class TB = TQ, class R = NoRules>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, the arguments of sdpa_varlen
 void flash_sdpa_varlen(const HeadsView<const TQ>& q, const HeadsView<const TK>& k,
                        const HeadsView<const TV>& v, const RaggedBatch& batch,
                        const std::vector<PositionMask>& rules, const SdpaParams& params,
                        const HeadsView<TO>& out, const HeadsView<TO>& lse,
-                       const FlashBlocking& blocking = {}) {
+                       const FlashBlocking& blocking = {}, const AttentionMask<TB>& mask = {},
+                       const R& user_rules = {}) {
   const char* op = "sdpa_varlen";
   APEX_CHECK(q.batch() == 1, "[" << op << "] q batch (" << q.batch()
                                  << ") must be 1: the sequences are packed along the rows");
@@ -178,8 +229,13 @@ void flash_sdpa_varlen(const HeadsView<const TQ>& q, const HeadsView<const TK>& 
   APEX_CHECK(rules.size() == 1 || static_cast<Index>(rules.size()) == n,
              "[" << op << "] rules holds " << rules.size()
                  << " position masks; expected 1 (shared) or one per sequence (" << n << ")");
+  Index longest = 0;  // the most keys of a sequence
+  for (std::size_t i = 0; i + 1 < batch.cu_seqlens_k.size(); ++i) {
+    longest = std::max(longest, batch.cu_seqlens_k[i + 1] - batch.cu_seqlens_k[i]);
+  }
+  check_batch_masks(mask, q.shape(), longest, true, op);
   check_no_overlap(q, k, v, out, lse, op);
-  std::vector<SequenceViews<TQ, TK, TV, TO>> sequences(static_cast<std::size_t>(n));
+  std::vector<SequenceViews<TQ, TK, TV, TO, TB>> sequences(static_cast<std::size_t>(n));
   for (Index i = 0; i < n; ++i) {
     const auto at = static_cast<std::size_t>(i);
     const Index q0 = batch.cu_seqlens_q[at], nq = batch.cu_seqlens_q[at + 1] - q0;
@@ -190,26 +246,32 @@ void flash_sdpa_varlen(const HeadsView<const TQ>& q, const HeadsView<const TK>& 
                      {k.middle_rows(k0, nk), v.middle_rows(k0, nk), rule.key_offset},
                      rule,
                      out.middle_rows(q0, nq),
-                     lse.empty() ? HeadsView<TO>() : lse.middle_rows(q0, nq)};
+                     lse.empty() ? HeadsView<TO>() : lse.middle_rows(q0, nq),
+                     sequence_mask_rows(mask.allowed, 0, q0, nq, nk),
+                     sequence_mask_rows(mask.bias, 0, q0, nq, nk)};
   }
-  attend_sequences(sequences, params, blocking);
+  attend_sequences(sequences, params, blocking, user_rules);
 }
 
-/// The whole of sdpa_nonpad_kv, with block sizes that tests may choose.
-template <class TQ, class TK, class TV, class TO>
+/// The whole of sdpa_nonpad_kv, with block sizes that tests may choose, and the dense masks and
+/// user rules of its other overloads (mask.positions is the rule).
+template <class TQ, class TK, class TV, class TO, class TB = TQ, class R = NoRules>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, the arguments of sdpa_nonpad_kv
 void flash_sdpa_nonpad_kv(const HeadsView<const TQ>& q, const HeadsView<const TK>& k,
                           const HeadsView<const TV>& v, const std::vector<Index>& nonpad_kv_seqlen,
-                          const PositionMask& rule, const SdpaParams& params,
+                          const AttentionMask<TB>& mask, const SdpaParams& params,
                           const HeadsView<TO>& out, const HeadsView<TO>& lse,
-                          const FlashBlocking& blocking = {}) {
+                          const FlashBlocking& blocking = {}, const R& user_rules = {}) {
   const char* op = "sdpa_nonpad_kv";
+  const PositionMask& rule = mask.positions;
   check_batch_shapes(q, k, v, params, out, lse, op);
   const Index batches = q.batch();
   APEX_CHECK(static_cast<Index>(nonpad_kv_seqlen.size()) == batches,
              "[" << op << "] nonpad_kv_seqlen holds " << nonpad_kv_seqlen.size()
                  << " lengths; expected one per batch (" << batches << ")");
+  check_batch_masks(mask, q.shape(), k.seq(), false, op);
   check_no_overlap(q, k, v, out, lse, op);
-  std::vector<SequenceViews<TQ, TK, TV, TO>> sequences(static_cast<std::size_t>(batches));
+  std::vector<SequenceViews<TQ, TK, TV, TO, TB>> sequences(static_cast<std::size_t>(batches));
   for (Index b = 0; b < batches; ++b) {
     const auto at = static_cast<std::size_t>(b);
     const Index length = nonpad_kv_seqlen[at];
@@ -222,9 +284,11 @@ void flash_sdpa_nonpad_kv(const HeadsView<const TQ>& q, const HeadsView<const TK
                       v.middle_batches(b, 1).middle_rows(0, length), rule.key_offset},
                      rule,
                      out.middle_batches(b, 1),
-                     lse.empty() ? HeadsView<TO>() : lse.middle_batches(b, 1)};
+                     lse.empty() ? HeadsView<TO>() : lse.middle_batches(b, 1),
+                     sequence_mask_rows(mask.allowed, b, 0, q.seq(), length),
+                     sequence_mask_rows(mask.bias, b, 0, q.seq(), length)};
   }
-  attend_sequences(sequences, params, blocking);
+  attend_sequences(sequences, params, blocking, user_rules);
 }
 
 }  // namespace detail
@@ -256,6 +320,34 @@ void sdpa_varlen(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V
                             TO>(q, k, v, batch, rules, params, out, lse);
 }
 
+/// sdpa_varlen with dense masks: mask.allowed and mask.bias are [1, 1 or H_q, total_q, ≥ the
+/// most keys of a sequence], row r the query row r of q and column j key j of that row's own
+/// sequence (so sequence i reads rows [cu_seqlens_q[i], cu_seqlens_q[i + 1]) and columns
+/// [0, its keys)), applied as sdpa applies them (TB: the bias's type); mask.positions must be the
+/// default, each sequence's rule being its entry of `rules`. Sequence i's result is bit for bit
+/// sdpa on it alone with its rows and columns of the masks. Checks, storage types, memory,
+/// threads and bit-identity as for sdpa_varlen.
+template <class Q, class K, class V, class TB, class TO>
+void sdpa_varlen(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                 const RaggedBatch& batch, const std::vector<PositionMask>& rules,
+                 const AttentionMask<TB>& mask, const SdpaParams& params, const HeadsView<TO>& out,
+                 const HeadsView<TO>& lse = {}) {
+  detail::flash_sdpa_varlen<std::remove_const_t<Q>, std::remove_const_t<K>, std::remove_const_t<V>,
+                            TO, TB>(q, k, v, batch, rules, params, out, lse, {}, mask);
+}
+
+/// sdpa_varlen with dense masks and the user's rules (attention_rules.hpp), which see sequence i
+/// as batch i (the positions they are given are the sequence's own, as for its rule).
+template <class Q, class K, class V, class TB, class TO, class A, class C, class S>
+void sdpa_varlen(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                 const RaggedBatch& batch, const std::vector<PositionMask>& rules,
+                 const AttentionMask<TB>& mask, const SdpaParams& params,
+                 const AttentionRules<A, C, S>& user_rules, const HeadsView<TO>& out,
+                 const HeadsView<TO>& lse = {}) {
+  detail::flash_sdpa_varlen<std::remove_const_t<Q>, std::remove_const_t<K>, std::remove_const_t<V>,
+                            TO, TB>(q, k, v, batch, rules, params, out, lse, {}, mask, user_rules);
+}
+
 /// Attention over a batch of fixed-capacity caches in which batch b holds only its first
 /// nonpad_kv_seqlen[b] keys (ONNX Attention-24's nonpad_kv_seqlen): batch b's S_q queries attend
 /// to keys [0, nonpad_kv_seqlen[b]) under `rule`, as sdpa would on those keys alone, so with the
@@ -270,9 +362,37 @@ void sdpa_nonpad_kv(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVie
                     const std::vector<Index>& nonpad_kv_seqlen, const PositionMask& rule,
                     const SdpaParams& params, const HeadsView<TO>& out,
                     const HeadsView<TO>& lse = {}) {
+  using TQ = std::remove_const_t<Q>;
+  detail::flash_sdpa_nonpad_kv<TQ, std::remove_const_t<K>, std::remove_const_t<V>, TO>(
+      q, k, v, nonpad_kv_seqlen, AttentionMask<TQ>{rule, {}, {}}, params, out, lse);
+}
+
+/// sdpa_nonpad_kv with dense masks (ONNX Attention-24's attn_mask beside nonpad_kv_seqlen, in
+/// one call): mask.positions is the rule of every batch, and mask.allowed and mask.bias are
+/// [1 or B, 1 or H_q, S_q, C] over the cache's C key slots (batch b reads the columns
+/// [0, nonpad_kv_seqlen[b])), broadcast and applied as sdpa applies them (TB: the bias's type).
+/// Checks, storage types, memory, threads and bit-identity as for sdpa_varlen; batch b's result
+/// is bit for bit sdpa on its own keys with its own rows and columns of the masks.
+template <class Q, class K, class V, class TB, class TO>
+void sdpa_nonpad_kv(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const std::vector<Index>& nonpad_kv_seqlen, const AttentionMask<TB>& mask,
+                    const SdpaParams& params, const HeadsView<TO>& out,
+                    const HeadsView<TO>& lse = {}) {
   detail::flash_sdpa_nonpad_kv<std::remove_const_t<Q>, std::remove_const_t<K>,
-                               std::remove_const_t<V>, TO>(q, k, v, nonpad_kv_seqlen, rule, params,
-                                                           out, lse);
+                               std::remove_const_t<V>, TO, TB>(q, k, v, nonpad_kv_seqlen, mask,
+                                                               params, out, lse);
+}
+
+/// sdpa_nonpad_kv with dense masks and the user's rules (attention_rules.hpp), which see batch b
+/// as b.
+template <class Q, class K, class V, class TB, class TO, class A, class C, class S>
+void sdpa_nonpad_kv(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const std::vector<Index>& nonpad_kv_seqlen, const AttentionMask<TB>& mask,
+                    const SdpaParams& params, const AttentionRules<A, C, S>& rules,
+                    const HeadsView<TO>& out, const HeadsView<TO>& lse = {}) {
+  detail::flash_sdpa_nonpad_kv<std::remove_const_t<Q>, std::remove_const_t<K>,
+                               std::remove_const_t<V>, TO, TB>(q, k, v, nonpad_kv_seqlen, mask,
+                                                               params, out, lse, {}, rules);
 }
 
 }  // namespace apex

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Tiled scaled dot-product attention with an online softmax: the fast path behind apex::sdpa,
-// its ragged, paged and cached forms, and ring attention. apex::reference::sdpa (sdpa.hpp) is
-// the plain version it is tested against.
+// its ragged, paged and cached forms, and ring attention. apex::reference::sdpa
+// (reference_attention.hpp) is the plain version it is tested against.
 //
 // WHAT IT COMPUTES (§6.2, grouped heads §8.2, masks §10–§11): for every query row i (position
 // qp) of query head h, with s_ij the logit of key j (the score terms of score_terms.hpp applied

@@ -3,8 +3,8 @@
 // sequence's Q, K and V (SequenceSharding: contiguous, or zigzag for causal load balance); the
 // K/V shards travel around the ring of ranks, and each rank attends its queries to every shard
 // that reaches it while the next one is in flight, merging each partial result into its running
-// one through the softmax statistics (detail::merge_rows, the n-way merge of sdpa.hpp). The
-// result equals apex::sdpa over the whole sequence, row for row (within float's rounding of the
+// one through the softmax statistics (detail::merge_rows, the n-way merge of merge_attention.hpp).
+// The result equals apex::sdpa over the whole sequence, row for row (within float's rounding of the
 // merge; see ring_attention).
 //
 // THE RING. At step s (s = 0, 1, ...) rank r holds the K/V shard of rank o = (r − s) mod P,
