@@ -584,3 +584,41 @@ TEST(PagedKvCache, ErrorsNameTheCall_UnknownIdsInSdpaPaged) {
 }
 
 }  // namespace
+
+namespace {
+
+/// The value stored for row 0 of a one-sequence paged cache, column c of key head h.
+template <class Cache>
+double stored_key(const Cache& cache, SequenceId id, Index h, Index c) {
+  const auto segment = cache.segment(id);
+  return static_cast<double>(segment.k.head(segment.pages[0], h)(0, c));
+}
+
+// Doubles appended to a 16-bit paged cache are rounded once to the storage type, as every cache
+// of apex rounds them (KvFormat::store_rows): not double → float → half, which rounds twice.
+// 1 + 2^-11 + 2^-40 lies just above the tie between two halves: once rounded it is 1 + 2^-10,
+// twice rounded (the 2^-40 lost in float, then the tie to even) it would be 1.
+TEST(PagedKvCache, DoublesAreRoundedOnceToTheStorageType) {
+  const double x = 1.0 + std::ldexp(1.0, -11) + std::ldexp(1.0, -40);
+  const double y = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -40);  // the same for bfloat16
+  ASSERT_EQ(static_cast<double>(apex::round_to<Eigen::half>(x)), 1.0 + std::ldexp(1.0, -10));
+  ASSERT_EQ(static_cast<double>(apex::round_to<Eigen::bfloat16>(y)), 1.0 + std::ldexp(1.0, -7));
+
+  apex::PagedKvCache<double, Eigen::half> kv({2, 4, 8, 2});
+  const SequenceId a = kv.add();
+  Heads<double> k(1, 2, 1, 4), v(1, 2, 1, 4);
+  k.fill(x);
+  v.fill(x);
+  kv.append(a, k.view(), v.view());
+  for (Index h = 0; h < 2; ++h) {
+    for (Index c = 0; c < 4; ++c) EXPECT_EQ(stored_key(kv, a, h, c), 1.0 + std::ldexp(1.0, -10));
+  }
+
+  apex::PagedLatentCache<double, Eigen::bfloat16> latent({4, 1, 2, 8, 2});
+  const SequenceId b = latent.add();
+  RowMatrix<double> rows = RowMatrix<double>::Constant(1, 6, y);
+  latent.append(b, rows);
+  for (Index c = 0; c < 6; ++c) EXPECT_EQ(stored_key(latent, b, 0, c), 1.0 + std::ldexp(1.0, -7));
+}
+
+}  // namespace

@@ -36,6 +36,7 @@
 #include <apex/config.hpp>
 #include <apex/detail/checks.hpp>
 #include <apex/detail/flash_attention.hpp>
+#include <apex/kv_format.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
@@ -156,9 +157,8 @@ class PagePool {
   std::int64_t bytes() const {
     std::int64_t total = 0;
     for (const auto& plane : planes_) {
-      total +=
-          static_cast<std::int64_t>(plane.batch() * plane.heads() * plane.seq() * plane.dim()) *
-          static_cast<std::int64_t>(sizeof(Storage));
+      total += KvFormat<Storage>::bytes(
+          static_cast<std::int64_t>(plane.batch() * plane.heads() * plane.seq() * plane.dim()));
     }
     return total;
   }
@@ -521,8 +521,8 @@ class PagedKvCache : public PagedSequences<Storage> {
     for (Index t = 0; t < k.seq(); ++t) {
       const auto [page, row] = pool_.slot(s, first + t);
       for (Index h = 0; h < k.heads(); ++h) {
-        pool_.plane(0).head(page, h).row(row) = k.head(0, h).row(t).template cast<Storage>();
-        pool_.plane(1).head(page, h).row(row) = v.head(0, h).row(t).template cast<Storage>();
+        KvFormat<Storage>::store_rows(pool_.plane(0).head(page, h).row(row), k.head(0, h).row(t));
+        KvFormat<Storage>::store_rows(pool_.plane(1).head(page, h).row(row), v.head(0, h).row(t));
       }
     }
   }
@@ -603,7 +603,7 @@ class PagedLatentCache : public PagedSequences<Storage> {
     const auto& s = pool_.sequence(id, kOp);
     for (Index t = 0; t < rows.rows(); ++t) {
       const auto [page, row] = pool_.slot(s, first + t);
-      pool_.plane(0).head(page, 0).row(row) = rows.row(t).template cast<Storage>();
+      KvFormat<Storage>::store_rows(pool_.plane(0).head(page, 0).row(row), rows.row(t));
     }
   }
 
