@@ -44,9 +44,10 @@ TEST(ScoreTerms, SoftcapIsCapTimesTanhOfScoreOverCap) {
   ScoreArray<float> s(row.data(), n);
   softcap.apply(s);
   for (Index j = 0; j < n; ++j) {
-    const double expected = 5.0 * std::tanh(static_cast<double>(raw[j]) / 5.0);
-    EXPECT_NEAR(row[j], expected, 4.0 * std::numeric_limits<float>::epsilon() * 5.0) << j;
-    EXPECT_LE(std::abs(row[j]), 5.0F);
+    const double expected = 5.0 * std::tanh(static_cast<double>(raw[std::size_t(j)]) / 5.0);
+    EXPECT_NEAR(row[std::size_t(j)], expected, 4.0 * std::numeric_limits<float>::epsilon() * 5.0)
+        << j;
+    EXPECT_LE(std::abs(row[std::size_t(j)]), 5.0F);
   }
   EXPECT_FALSE(apex::detail::Softcap<float>{}.on());
 }
@@ -66,7 +67,7 @@ TEST(ScoreTerms, AlibiTermIsRoundedOnceForEveryRowOfTheTile) {
     for (Index j = 0; j < n; ++j) {
       const float slope = static_cast<float>(slopes[1]);
       const float expected = slope * static_cast<float>((kp + j) - (qp0 + offset));
-      EXPECT_EQ(row[j], expected) << "offset " << offset << " key " << j;
+      EXPECT_EQ(row[std::size_t(j)], expected) << "offset " << offset << " key " << j;
     }
   }
 }
@@ -88,9 +89,11 @@ TEST(ScoreTerms, PositionTileForbidsExactlyWhatTheRuleForbids) {
     apex::detail::PositionTile<float>::apply(s, tile.data() + i * ld);
     for (Index j = 0; j < n; ++j) {
       if (rule.allows(qp0 + i, kp + j)) {
-        EXPECT_TRUE(row[j] == raw[j] || (std::isnan(row[j]) && std::isnan(raw[j]))) << i << j;
+        EXPECT_TRUE(row[std::size_t(j)] == raw[std::size_t(j)] ||
+                    (std::isnan(row[std::size_t(j)]) && std::isnan(raw[std::size_t(j)])))
+            << i << j;
       } else {
-        EXPECT_EQ(row[j], -std::numeric_limits<float>::infinity()) << i << " " << j;
+        EXPECT_EQ(row[std::size_t(j)], -std::numeric_limits<float>::infinity()) << i << " " << j;
       }
     }
   }
@@ -157,16 +160,16 @@ TEST(ScoreTerms, TransformThenForbidFollowTheDocumentedOrder) {
     const double b = bias_data[at];
     const bool forbidden = !rule.allows(qp, kp + j) || allowed_data[at] == 0 || b == -kInf;
     if (forbidden) {
-      EXPECT_EQ(row[j], -std::numeric_limits<float>::infinity()) << j;
+      EXPECT_EQ(row[std::size_t(j)], -std::numeric_limits<float>::infinity()) << j;
       continue;
     }
-    if (std::isnan(raw[j])) {
-      EXPECT_TRUE(std::isnan(row[j])) << j;
+    if (std::isnan(raw[std::size_t(j)])) {
+      EXPECT_TRUE(std::isnan(row[std::size_t(j)])) << j;
       continue;
     }
-    const double expected =
-        8.0 * std::tanh(static_cast<double>(raw[j]) / 8.0) + 0.25 * double((kp + j) - qp) + b;
-    EXPECT_NEAR(row[j], expected, 1e-5 * (1.0 + std::abs(expected))) << j;
+    const double expected = 8.0 * std::tanh(static_cast<double>(raw[std::size_t(j)]) / 8.0) +
+                            0.25 * double((kp + j) - qp) + b;
+    EXPECT_NEAR(row[std::size_t(j)], expected, 1e-5 * (1.0 + std::abs(expected))) << j;
   }
 }
 
