@@ -410,7 +410,7 @@ TEST(Varlen, RejectsBadInputAndChangesNothing) {
                                 {"cu_seqlens_k has 2 entries", "N + 1 = 3"});
   apex::testing::expect_invalid(call({{}, {}}, one), "cu_seqlens_q must have N + 1 >= 1 entries");
   apex::testing::expect_invalid(call(b.layout, {one[0], one[0], one[0]}),
-                                {"rules holds 3", "one per sequence (2)"});
+                                {"masks holds 3", "one per sequence (2)"});
   PositionMask bad;
   bad.window = 3;  // without causal
   apex::testing::expect_invalid(call(b.layout, {one[0], bad}), {"requires causal", "(sequence 1)"});

@@ -41,17 +41,10 @@ void check_live_ids(const Cache& cache, const std::vector<SequenceId>& ids, cons
   }
 }
 
-/// Throws unless `rules` holds one position mask for all n sequences or one for each.
-inline void check_rule_count(const std::vector<PositionMask>& rules, Index n, const char* op) {
-  APEX_CHECK(rules.size() == 1 || static_cast<Index>(rules.size()) == n,
-             "[" << op << "] rules holds " << rules.size()
-                 << " position masks; expected 1 (shared) or one per sequence (" << n << ")");
-}
-
 /// Throws unless `rule` leaves the positions to the cache (no query_offset, key_offset 0).
 inline void check_cache_rule(const PositionMask& rule, Index i, const char* op) {
   APEX_CHECK(!rule.query_offset && rule.key_offset == 0,
-             "[" << op << "] rules[" << i
+             "[" << op << "] masks[" << i
                  << "] sets query_offset or key_offset; over a paged cache "
                  << "the positions are the sequence's own (its queries are its last S_q tokens)");
 }
@@ -66,11 +59,11 @@ template <class Cache, class Table>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, one caller per layer
 Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
                                    const std::vector<SequenceId>& ids,
-                                   const std::vector<PositionMask>& rules, const Cache& cache,
+                                   const std::vector<PositionMask>& masks, const Cache& cache,
                                    const Table* rope, const char* op) {
   const auto n = static_cast<Index>(ids.size());
   check_offsets(cu, n, rows, op, "cu_seqlens");
-  check_rule_count(rules, n, op);
+  check_mask_count(masks, n, op);
   Vector<Index> positions(rows);
   std::vector<std::pair<SequenceId, Index>> appends;
   check_live_ids(cache, ids, op);
@@ -83,8 +76,8 @@ Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
                "[" << op << "] positions [" << length << ", " << length << " + " << tokens
                    << ") of sequence " << ids[at] << " must be below the RoPE table's "
                    << "max_positions (" << (rope ? rope->max_positions() : 0) << ")");
-    PositionMask rule = rules[rules.size() == 1 ? 0 : at];
-    check_cache_rule(rule, rules.size() == 1 ? 0 : i, op);
+    PositionMask rule = masks[masks.size() == 1 ? 0 : at];
+    check_cache_rule(rule, masks.size() == 1 ? 0 : i, op);
     rule.key_offset = cache.first_position(ids[at]);
     check_sequence_rule(rule, tokens, length + tokens - rule.key_offset, "sequence", ids[at].value,
                         op);
@@ -106,7 +99,7 @@ template <class TQ, class Cache, class TO, class TB = TQ, class R = NoRules>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, the arguments of sdpa_paged
 void flash_sdpa_paged(const HeadsView<const TQ>& q, const std::vector<Index>& cu_seqlens_q,
                       const Cache& cache, const std::vector<SequenceId>& ids,
-                      const std::vector<PositionMask>& rules, const SdpaParams& params,
+                      const std::vector<PositionMask>& masks, const SdpaParams& params,
                       const HeadsView<TO>& out, const HeadsView<TO>& lse,
                       const AttentionMask<TB>& mask = {}, const R& user_rules = {}) {
   using Storage = typename Cache::StorageType;
@@ -120,7 +113,7 @@ void flash_sdpa_paged(const HeadsView<const TQ>& q, const std::vector<Index>& cu
                                          {});
   check_sdpa(q, k_shape, v_shape, AttentionMask<TO>{}, params, out, lse, op);
   check_offsets(cu_seqlens_q, n, q.seq(), op, "cu_seqlens_q");
-  check_rule_count(rules, n, op);
+  check_mask_count(masks, n, op);
   check_live_ids(cache, ids, op);
   Index longest = 0;  // the most keys of a sequence
   for (const SequenceId id : ids) longest = std::max(longest, cache.segment(id).size());
@@ -138,8 +131,8 @@ void flash_sdpa_paged(const HeadsView<const TQ>& q, const std::vector<Index>& cu
     APEX_CHECK(nq <= length, "[" << op << "] sequence " << ids[at] << " has " << nq
                                  << " queries but holds " << length
                                  << " tokens; its queries must be its last tokens");
-    PositionMask rule = rules[rules.size() == 1 ? 0 : at];
-    check_cache_rule(rule, rules.size() == 1 ? 0 : i, op);
+    PositionMask rule = masks[masks.size() == 1 ? 0 : at];
+    check_cache_rule(rule, masks.size() == 1 ? 0 : i, op);
     const auto keys = cache.segment(ids[at]);
     rule.key_offset = keys.first_position;
     check_sequence_rule(rule, nq, keys.size(), "sequence", ids[at].value, op);
@@ -174,7 +167,7 @@ inline void check_block_table(const std::vector<Index>& table, Index i, Index le
 /// ones are check_block_table's).
 template <class TQ, class TK, class TV, class TO>
 void check_block_tables(const HeadsView<const TQ>& q, const std::vector<Index>& cu_seqlens_q,
-                        const BlockTables<TK, TV>& pages, const std::vector<PositionMask>& rules,
+                        const BlockTables<TK, TV>& pages, const std::vector<PositionMask>& masks,
                         const SdpaParams& params, const HeadsView<TO>& out,
                         const HeadsView<TO>& lse, const char* op) {
   const HeadsView<const TK>& k = pages.k_pages;
@@ -193,7 +186,7 @@ void check_block_tables(const HeadsView<const TQ>& q, const std::vector<Index>& 
              "[" << op << "] block_tables (" << pages.block_tables.size() << ") and lengths (" << n
                  << ") must have one entry per sequence");
   check_offsets(cu_seqlens_q, n, q.seq(), op, "cu_seqlens_q");
-  check_rule_count(rules, n, op);
+  check_mask_count(masks, n, op);
   check_no_overlap(q, k, v, out, lse, op);
   for (std::size_t i = 0; i < pages.block_tables.size(); ++i) {  // read while out is written
     const ByteRange table = byte_range(pages.block_tables[i]);
@@ -208,11 +201,11 @@ template <class TQ, class TK, class TV, class TO, class TB = TQ, class R = NoRul
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, the arguments of the call
 void flash_sdpa_block_tables(const HeadsView<const TQ>& q, const std::vector<Index>& cu_seqlens_q,
                              const BlockTables<TK, TV>& pages,
-                             const std::vector<PositionMask>& rules, const SdpaParams& params,
+                             const std::vector<PositionMask>& masks, const SdpaParams& params,
                              const HeadsView<TO>& out, const HeadsView<TO>& lse,
                              const AttentionMask<TB>& mask = {}, const R& user_rules = {}) {
   const char* op = "sdpa_block_tables";
-  check_block_tables(q, cu_seqlens_q, pages, rules, params, out, lse, op);
+  check_block_tables(q, cu_seqlens_q, pages, masks, params, out, lse, op);
   const Index longest =
       pages.lengths.empty() ? 0 : *std::max_element(pages.lengths.begin(), pages.lengths.end());
   check_batch_masks(mask, q.shape(), std::max<Index>(0, longest), true, op);
@@ -225,8 +218,8 @@ void flash_sdpa_block_tables(const HeadsView<const TQ>& q, const std::vector<Ind
     const Index length = pages.lengths[at];
     const std::vector<Index>& table = pages.block_tables[at];
     check_block_table(table, i, length, nq, page, pages.k_pages.batch(), op);
-    const PositionMask& rule = rules[rules.size() == 1 ? 0 : at];
-    check_cache_rule(rule, rules.size() == 1 ? 0 : i, op);
+    const PositionMask& rule = masks[masks.size() == 1 ? 0 : at];
+    check_cache_rule(rule, masks.size() == 1 ? 0 : i, op);
     check_sequence_rule(rule, nq, length, "sequence", i, op);
     sequences[at] = {q.middle_rows(q0, nq),
                      paged_segment(pages.k_pages, pages.v_pages, 0, table.data(), length),
@@ -245,7 +238,7 @@ void flash_sdpa_block_tables(const HeadsView<const TQ>& q, const std::vector<Ind
 /// MLA), each over its own held tokens, read through its block table (§6.2, §8.2 per sequence):
 /// the queries of sequence ids[i] are rows [cu_seqlens_q[i], cu_seqlens_q[i + 1]) of q and are
 /// its last S_q tokens, already appended (so a decoding step is: append each sequence's new
-/// token, then one sdpa_paged over all of them). rules[i] (or rules[0] for all) is applied on
+/// token, then one sdpa_paged over all of them). masks[i] (or masks[0] for all) is applied on
 /// the sequence's absolute positions; its query_offset and key_offset must be unset: the cache
 /// gives them. Equals sdpa over the same tokens stored contiguously, bit for bit (except with
 /// APEX_EIGEN_PUBLIC_ONLY: to rounding), for any number of threads.
@@ -259,50 +252,50 @@ void flash_sdpa_block_tables(const HeadsView<const TQ>& q, const std::vector<Ind
 /// once.
 template <class Q, class Cache, class TO>
 void sdpa_paged(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q, const Cache& cache,
-                const std::vector<SequenceId>& ids, const std::vector<PositionMask>& rules,
+                const std::vector<SequenceId>& ids, const std::vector<PositionMask>& masks,
                 const SdpaParams& params, const HeadsView<TO>& out, const HeadsView<TO>& lse = {}) {
-  detail::flash_sdpa_paged<std::remove_const_t<Q>>(q, cu_seqlens_q, cache, ids, rules, params, out,
+  detail::flash_sdpa_paged<std::remove_const_t<Q>>(q, cu_seqlens_q, cache, ids, masks, params, out,
                                                    lse);
 }
 
 /// sdpa_paged with dense masks: mask.allowed and mask.bias are [1, 1 or H_q, total_q, ≥ the most
 /// keys a named sequence holds], row r the query row r of q and column j the j-th held key of
 /// that row's own sequence (position first_position + j), applied as sdpa applies them;
-/// mask.positions must stay the default (the rules are `rules`). Otherwise as sdpa_paged.
+/// mask.positions must stay the default (the position masks are `masks`). Otherwise as sdpa_paged.
 template <class Q, class Cache, class TB, class TO>
 void sdpa_paged(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q, const Cache& cache,
-                const std::vector<SequenceId>& ids, const std::vector<PositionMask>& rules,
+                const std::vector<SequenceId>& ids, const std::vector<PositionMask>& masks,
                 const AttentionMask<TB>& mask, const SdpaParams& params, const HeadsView<TO>& out,
                 const HeadsView<TO>& lse = {}) {
   detail::flash_sdpa_paged<std::remove_const_t<Q>, Cache, TO, TB>(q, cu_seqlens_q, cache, ids,
-                                                                  rules, params, out, lse, mask);
+                                                                  masks, params, out, lse, mask);
 }
 
 /// sdpa_paged with dense masks and the user's rules (attention_rules.hpp), which see the
 /// sequence ids[i] as batch i, at its absolute positions.
 template <class Q, class Cache, class TB, class TO, class A, class C, class S>
 void sdpa_paged(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q, const Cache& cache,
-                const std::vector<SequenceId>& ids, const std::vector<PositionMask>& rules,
+                const std::vector<SequenceId>& ids, const std::vector<PositionMask>& masks,
                 const AttentionMask<TB>& mask, const SdpaParams& params,
                 const AttentionRules<A, C, S>& user_rules, const HeadsView<TO>& out,
                 const HeadsView<TO>& lse = {}) {
   detail::flash_sdpa_paged<std::remove_const_t<Q>, Cache, TO, TB>(
-      q, cu_seqlens_q, cache, ids, rules, params, out, lse, mask, user_rules);
+      q, cu_seqlens_q, cache, ids, masks, params, out, lse, mask, user_rules);
 }
 
 /// sdpa_paged over a pool and block tables of the caller's (BlockTables): the queries of
 /// sequence i are rows [cu_seqlens_q[i], cu_seqlens_q[i + 1]) of q and are its last S_q tokens,
-/// at positions lengths[i] − S_q + s; rules[i] (or rules[0]) as for sdpa_paged. Checks first
+/// at positions lengths[i] − S_q + s; masks[i] (or masks[0]) as for sdpa_paged. Checks first
 /// (the pools' shapes, one table and length per sequence, every page of a table inside the pool,
-/// S_q <= lengths[i], the rules, the outputs) and changes nothing when one fails. Equals sdpa
+/// S_q <= lengths[i], the masks, the outputs) and changes nothing when one fails. Equals sdpa
 /// over the same tokens stored contiguously, as sdpa_paged does.
 ///   q: [1, H_q, total_q, d_qk] -> out: [1, H_q, total_q, d_v], lse (optional).
 template <class Q, class TK, class TV, class TO>
 void sdpa_block_tables(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q,
-                       const BlockTables<TK, TV>& pages, const std::vector<PositionMask>& rules,
+                       const BlockTables<TK, TV>& pages, const std::vector<PositionMask>& masks,
                        const SdpaParams& params, const HeadsView<TO>& out,
                        const HeadsView<TO>& lse = {}) {
-  detail::flash_sdpa_block_tables<std::remove_const_t<Q>>(q, cu_seqlens_q, pages, rules, params,
+  detail::flash_sdpa_block_tables<std::remove_const_t<Q>>(q, cu_seqlens_q, pages, masks, params,
                                                           out, lse);
 }
 
@@ -310,22 +303,22 @@ void sdpa_block_tables(const HeadsView<Q>& q, const std::vector<Index>& cu_seqle
 /// checks as for sdpa_paged's).
 template <class Q, class TK, class TV, class TB, class TO>
 void sdpa_block_tables(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q,
-                       const BlockTables<TK, TV>& pages, const std::vector<PositionMask>& rules,
+                       const BlockTables<TK, TV>& pages, const std::vector<PositionMask>& masks,
                        const AttentionMask<TB>& mask, const SdpaParams& params,
                        const HeadsView<TO>& out, const HeadsView<TO>& lse = {}) {
   detail::flash_sdpa_block_tables<std::remove_const_t<Q>, TK, TV, TO, TB>(
-      q, cu_seqlens_q, pages, rules, params, out, lse, mask);
+      q, cu_seqlens_q, pages, masks, params, out, lse, mask);
 }
 
 /// sdpa_block_tables with dense masks and the user's rules, which see sequence i as batch i.
 template <class Q, class TK, class TV, class TB, class TO, class A, class C, class S>
 void sdpa_block_tables(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q,
-                       const BlockTables<TK, TV>& pages, const std::vector<PositionMask>& rules,
+                       const BlockTables<TK, TV>& pages, const std::vector<PositionMask>& masks,
                        const AttentionMask<TB>& mask, const SdpaParams& params,
                        const AttentionRules<A, C, S>& user_rules, const HeadsView<TO>& out,
                        const HeadsView<TO>& lse = {}) {
   detail::flash_sdpa_block_tables<std::remove_const_t<Q>, TK, TV, TO, TB>(
-      q, cu_seqlens_q, pages, rules, params, out, lse, mask, user_rules);
+      q, cu_seqlens_q, pages, masks, params, out, lse, mask, user_rules);
 }
 
 }  // namespace apex

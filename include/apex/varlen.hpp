@@ -104,6 +104,13 @@ struct SequenceViews {
   HeadsView<const TB> bias{};
 };
 
+/// Throws unless `masks` holds one position mask for all n sequences or one for each.
+inline void check_mask_count(const std::vector<PositionMask>& masks, Index n, const char* op) {
+  APEX_CHECK(masks.size() == 1 || static_cast<Index>(masks.size()) == n,
+             "[" << op << "] masks holds " << masks.size()
+                 << " position masks; expected 1 (shared) or one per sequence (" << n << ")");
+}
+
 /// Throws unless the dense masks of a call over many sequences fit it (empty views are no
 /// mask): each of mask.allowed and mask.bias is [1 or B, 1 or H_q, rows of q, >= keys], `keys`
 /// being the most keys of any sequence, so that row r is query row r of q and column j key j of
@@ -114,7 +121,7 @@ void check_batch_masks(const AttentionMask<TB>& mask, const HeadsShape& q, Index
                        bool own_rules, const char* op) {
   APEX_CHECK(!own_rules || mask.positions.allows_everything(),
              "[" << op << "] mask.positions must allow every pair (the default PositionMask): "
-                 << "each sequence's rule is its entry of the rules");
+                 << "each sequence's rule is its entry of the masks");
   const auto check = [&](const HeadsShape& view, const char* name) {
     APEX_CHECK(view.dim >= keys, "[" << op << "] " << name << " has " << view.dim
                                      << " columns; expected at least the most keys of a sequence ("
@@ -213,7 +220,7 @@ template <class TQ, class TK, class TV, class TO, class TB = TQ, class R = NoRul
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, the arguments of sdpa_varlen
 void flash_sdpa_varlen(const HeadsView<const TQ>& q, const HeadsView<const TK>& k,
                        const HeadsView<const TV>& v, const RaggedBatch& batch,
-                       const std::vector<PositionMask>& rules, const SdpaParams& params,
+                       const std::vector<PositionMask>& masks, const SdpaParams& params,
                        const HeadsView<TO>& out, const HeadsView<TO>& lse,
                        const FlashBlocking& blocking = {}, const AttentionMask<TB>& mask = {},
                        const R& user_rules = {}) {
@@ -226,9 +233,7 @@ void flash_sdpa_varlen(const HeadsView<const TQ>& q, const HeadsView<const TK>& 
   const Index n = batch.sequences();
   check_offsets(batch.cu_seqlens_q, n, q.seq(), op, "cu_seqlens_q");
   check_offsets(batch.cu_seqlens_k, n, k.seq(), op, "cu_seqlens_k");
-  APEX_CHECK(rules.size() == 1 || static_cast<Index>(rules.size()) == n,
-             "[" << op << "] rules holds " << rules.size()
-                 << " position masks; expected 1 (shared) or one per sequence (" << n << ")");
+  check_mask_count(masks, n, op);
   Index longest = 0;  // the most keys of a sequence
   for (std::size_t i = 0; i + 1 < batch.cu_seqlens_k.size(); ++i) {
     longest = std::max(longest, batch.cu_seqlens_k[i + 1] - batch.cu_seqlens_k[i]);
@@ -240,7 +245,7 @@ void flash_sdpa_varlen(const HeadsView<const TQ>& q, const HeadsView<const TK>& 
     const auto at = static_cast<std::size_t>(i);
     const Index q0 = batch.cu_seqlens_q[at], nq = batch.cu_seqlens_q[at + 1] - q0;
     const Index k0 = batch.cu_seqlens_k[at], nk = batch.cu_seqlens_k[at + 1] - k0;
-    const PositionMask& rule = rules[rules.size() == 1 ? 0 : at];
+    const PositionMask& rule = masks[masks.size() == 1 ? 0 : at];
     check_sequence_rule(rule, nq, nk, "sequence", i, op);
     sequences[at] = {q.middle_rows(q0, nq),
                      {k.middle_rows(k0, nk), v.middle_rows(k0, nk), rule.key_offset},
@@ -294,8 +299,8 @@ void flash_sdpa_nonpad_kv(const HeadsView<const TQ>& q, const HeadsView<const TK
 }  // namespace detail
 
 /// Attention of a ragged batch (§6.2, §8.2 per sequence): sequence i of `batch` attends from its
-/// queries to its own keys only, under rules[i] (or rules[0] for every sequence when rules has
-/// one entry) applied to that sequence alone, exactly as sdpa(q_i, k_i, v_i, {rules[i]}, params,
+/// queries to its own keys only, under masks[i] (or masks[0] for every sequence when masks has
+/// one entry) applied to that sequence alone, exactly as sdpa(q_i, k_i, v_i, {masks[i]}, params,
 /// out_i, lse_i) would: positions count from each sequence's own start (key_offset, and by
 /// default its queries are the last of its key positions: bottom-right alignment, the decoding
 /// convention; set query_offset = 0 for top-left), and a causal rule, window, chunk, prefix or
@@ -313,39 +318,39 @@ void flash_sdpa_nonpad_kv(const HeadsView<const TQ>& q, const HeadsView<const TK
 /// for bit.
 template <class Q, class K, class V, class TO>
 void sdpa_varlen(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                 const RaggedBatch& batch, const std::vector<PositionMask>& rules,
+                 const RaggedBatch& batch, const std::vector<PositionMask>& masks,
                  const SdpaParams& params, const HeadsView<TO>& out,
                  const HeadsView<TO>& lse = {}) {
   detail::flash_sdpa_varlen<std::remove_const_t<Q>, std::remove_const_t<K>, std::remove_const_t<V>,
-                            TO>(q, k, v, batch, rules, params, out, lse);
+                            TO>(q, k, v, batch, masks, params, out, lse);
 }
 
 /// sdpa_varlen with dense masks: mask.allowed and mask.bias are [1, 1 or H_q, total_q, ≥ the
 /// most keys of a sequence], row r the query row r of q and column j key j of that row's own
 /// sequence (so sequence i reads rows [cu_seqlens_q[i], cu_seqlens_q[i + 1]) and columns
 /// [0, its keys)), applied as sdpa applies them (TB: the bias's type); mask.positions must be the
-/// default, each sequence's rule being its entry of `rules`. Sequence i's result is bit for bit
+/// default, each sequence's rule being its entry of `masks`. Sequence i's result is bit for bit
 /// sdpa on it alone with its rows and columns of the masks. Checks, storage types, memory,
 /// threads and bit-identity as for sdpa_varlen.
 template <class Q, class K, class V, class TB, class TO>
 void sdpa_varlen(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                 const RaggedBatch& batch, const std::vector<PositionMask>& rules,
+                 const RaggedBatch& batch, const std::vector<PositionMask>& masks,
                  const AttentionMask<TB>& mask, const SdpaParams& params, const HeadsView<TO>& out,
                  const HeadsView<TO>& lse = {}) {
   detail::flash_sdpa_varlen<std::remove_const_t<Q>, std::remove_const_t<K>, std::remove_const_t<V>,
-                            TO, TB>(q, k, v, batch, rules, params, out, lse, {}, mask);
+                            TO, TB>(q, k, v, batch, masks, params, out, lse, {}, mask);
 }
 
 /// sdpa_varlen with dense masks and the user's rules (attention_rules.hpp), which see sequence i
 /// as batch i (the positions they are given are the sequence's own, as for its rule).
 template <class Q, class K, class V, class TB, class TO, class A, class C, class S>
 void sdpa_varlen(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                 const RaggedBatch& batch, const std::vector<PositionMask>& rules,
+                 const RaggedBatch& batch, const std::vector<PositionMask>& masks,
                  const AttentionMask<TB>& mask, const SdpaParams& params,
                  const AttentionRules<A, C, S>& user_rules, const HeadsView<TO>& out,
                  const HeadsView<TO>& lse = {}) {
   detail::flash_sdpa_varlen<std::remove_const_t<Q>, std::remove_const_t<K>, std::remove_const_t<V>,
-                            TO, TB>(q, k, v, batch, rules, params, out, lse, {}, mask, user_rules);
+                            TO, TB>(q, k, v, batch, masks, params, out, lse, {}, mask, user_rules);
 }
 
 /// Attention over a batch of fixed-capacity caches in which batch b holds only its first
