@@ -9,9 +9,11 @@
 #include <apex/config.hpp>
 #include <apex/cpu.hpp>
 #include <apex/embedding.hpp>
+#include <apex/fp8.hpp>
 #include <apex/gqa.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/kv_format.hpp>
+#include <apex/kv_quant.hpp>
 #include <apex/layer_norm.hpp>
 #include <apex/mask.hpp>
 #include <apex/merge_attention.hpp>

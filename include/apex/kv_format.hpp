@@ -11,15 +11,22 @@
 //   elements(d)        the elements of a row of d values; bytes(n) the bytes of n elements;
 //   widen(src, dst, n) n elements to n·kValuesPerElement values of a compute type C (float or
 //                      double), exactly as stored;
-//   store_rows(dst, x) rows of values x (float or double, any Eigen expression) into rows of
-//                      elements dst, rounded once (the only rounding a cache applies).
-// The formats apex has are its storage types (storage.hpp): float, double, Eigen::half and
+//   store_row(x, n, dst)  the row x[0, n) of float or double values into elements dst (n a
+//                      multiple of kValuesPerElement), rounded or quantized once;
+//   store_rows(dst, x) (the scalar formats) rows of values x (any Eigen expression) into rows
+//                      of elements dst, rounded once (the only rounding a cache applies).
+// The scalar formats are apex's storage types (storage.hpp): float, double, Eigen::half and
 // Eigen::bfloat16, one value per element, rounded once to nearest with ties to even (round_to).
+// The block formats, 8 and 4 bits a value with a scale per block, are in kv_quant.hpp.
+//
+// A view of K or V of format F is a HeadsView<const F::Element>: its dim() counts elements, and
+// its rows hold row_values(view) = dim()·kValuesPerElement values.
 #pragma once
 
 #include <apex/config.hpp>
 #include <apex/detail/widen.hpp>
 #include <apex/storage.hpp>
+#include <apex/tensor.hpp>
 
 #include <Eigen/Core>
 
@@ -49,6 +56,11 @@ struct KvFormat<T, std::enable_if_t<is_storage_v<T>>> {
   static void widen(const T* src, C* dst, Index count) {
     detail::widen(src, dst, count);
   }
+  /// dst[0, n) = x[0, n) rounded once to T (round_to).
+  template <class S>
+  static void store_row(const S* x, Index n, T* dst) {
+    for (Index j = 0; j < n; ++j) dst[j] = round_to<T>(x[j]);
+  }
   /// dst = x rounded once to T, element by element (rounded): dst a block of T, x an expression
   /// of float or double values of the same shape.
   template <class Dst, class Src>
@@ -62,5 +74,32 @@ template <class F, class Enable = void>
 inline constexpr bool is_kv_format_v = false;
 template <class F>
 inline constexpr bool is_kv_format_v<F, std::void_t<typename KvFormat<F>::Element>> = true;
+
+/// The values in a row of a view of K or V whose elements are of format T
+/// (dim()·kValuesPerElement).
+template <class T>
+Index row_values(const HeadsView<T>& view) {
+  return view.dim() * KvFormat<std::remove_const_t<T>>::kValuesPerElement;
+}
+
+namespace detail {
+
+/// Formats other than apex's K/V formats are rejected at compile time.
+template <class T>
+constexpr void require_kv_format() {
+  static_assert(is_kv_format_v<T>,
+                "apex reads K and V as float, double, Eigen::half, Eigen::bfloat16 or a block "
+                "format of kv_quant.hpp");
+}
+
+/// Throws unless a row of `values` values is a whole number of elements of format F.
+template <class F>
+void check_row_values(Index values, const char* op, const char* name) {
+  APEX_CHECK(values % KvFormat<F>::kValuesPerElement == 0,
+             "[" << op << "] " << name << " (" << values << ") must be a multiple of the "
+                 << KvFormat<F>::kValuesPerElement << " values of a block of its format");
+}
+
+}  // namespace detail
 
 }  // namespace apex

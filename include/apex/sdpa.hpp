@@ -75,7 +75,7 @@ AttentionProblem<TQ, TK, TV, TB, Rules> attention_problem(
   p.s_q = q.seq();
   p.s_k = s_k;
   p.d_qk = q.dim();
-  p.d_v = segments[0].v.dim();
+  p.d_v = row_values(segments[0].v);
   return p;
 }
 
@@ -112,8 +112,8 @@ void flash_sdpa(const HeadsView<const TQ>& q, const HeadsView<const TK>& k,
                 const SoftmaxStatsView<TO>& stats, const FlashBlocking& blocking = {},
                 const Rules& rules = {}) {
   require_storage_type<TQ>();
-  require_storage_type<TK>();
-  require_storage_type<TV>();
+  require_kv_format<TK>();
+  require_kv_format<TV>();
   require_storage_type<TB>();
   require_storage_type<TO>();
   const char* op = "sdpa";

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <apex/config.hpp>
+#include <apex/kv_format.hpp>
 #include <apex/mask.hpp>
 #include <apex/tensor.hpp>
 
@@ -169,8 +170,8 @@ void check_sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>
   check_extents(lse, op, "log-sum-exp shape");
   check_extents(mask.allowed, op, "allowed mask shape");
   check_extents(mask.bias, op, "bias shape");
-  APEX_CHECK(k.dim() == q.dim(), "[" << op << "] key width d_qk (" << k.dim()
-                                     << ") must equal the query width " << q.dim());
+  APEX_CHECK(row_values(k) == q.dim(), "[" << op << "] key width d_qk (" << row_values(k)
+                                           << ") must equal the query width " << q.dim());
   APEX_CHECK(v.seq() == k.seq(), "[" << op << "] value length S_k (" << v.seq()
                                      << ") must equal the key length " << k.seq());
   APEX_CHECK(k.batch() == q.batch() && v.batch() == q.batch(),
@@ -194,10 +195,11 @@ void check_sdpa(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>
     check_mask_view_shape(mask.allowed.shape(), q.shape(), k.seq(), op, "allowed mask");
   }
   if (!mask.bias.empty()) check_mask_view_shape(mask.bias.shape(), q.shape(), k.seq(), op, "bias");
-  APEX_CHECK(out.shape() == (HeadsShape{q.batch(), q.heads(), q.seq(), v.dim()}),
+  const Index d_v = row_values(v);
+  APEX_CHECK(out.shape() == (HeadsShape{q.batch(), q.heads(), q.seq(), d_v}),
              "[" << op << "] output shape [" << out.batch() << ", " << out.heads() << ", "
                  << out.seq() << ", " << out.dim() << "] must be [B, H_q, S_q, d_v] = ["
-                 << q.batch() << ", " << q.heads() << ", " << q.seq() << ", " << v.dim() << "]");
+                 << q.batch() << ", " << q.heads() << ", " << q.seq() << ", " << d_v << "]");
   check_row_output(lse, q.shape(), op, "log-sum-exp");
   check_row_output(stats.max, q.shape(), op, "max");
   check_row_output(stats.sum, q.shape(), op, "sum");

@@ -87,18 +87,23 @@ class SegmentHead {
     if (pages_ == nullptr) return view_.seq() - row;
     return view_.seq() - row % view_.seq();
   }
-  /// The rows of the run that starts at `row`.
+  /// The rows of the run that starts at `row` (row < the head's rows).
   ConstRows<T> rows(Index row) const {
-    if (pages_ == nullptr) {
-      const auto head = view_.head(b_, h_);
-      return {head.data() + row * head.outerStride(), head.outerStride()};
-    }
+    const Index stride = view_.row_stride();
+    if (pages_ == nullptr) return {head_data(b_) + row * stride, stride};
     const Index page = view_.seq();
-    const auto head = view_.head(pages_[row / page], h_);
-    return {head.data() + row % page * head.outerStride(), head.outerStride()};
+    return {head_data(pages_[row / page]) + row % page * stride, stride};
   }
 
  private:
+  /// The first row of head h_ of batch b (a batch or head axis of extent 1 broadcasts), by the
+  /// view's strides: elements of any format, no Eigen map of them.
+  const T* head_data(Index b) const {
+    const Index bb = view_.batch() == 1 ? 0 : b;
+    const Index hh = view_.heads() == 1 ? 0 : h_;
+    return view_.data() + bb * view_.batch_stride() + hh * view_.head_stride();
+  }
+
   HeadsView<const T> view_;
   const Index* pages_;
   Index b_, h_;
@@ -170,19 +175,27 @@ bool streams_in_place(const FloatKernels* simd) {
   return std::is_same_v<C, float> && !std::is_void_v<SimdElement<T>> && simd != nullptr;
 }
 
+/// Whether some CPU may stream rows of T in place for C (streams_in_place can be true): never
+/// for a format with many values per element, whose rows are always widened first.
+template <class C, class T>
+inline constexpr bool kMayStreamInPlace = kStreamsFrom<C, T> || (std::is_same_v<C, float> &&
+                                                                 !std::is_void_v<SimdElement<T>>);
+
 /// The row reader: calls f(data, stride) for rows [row, row + n) of one head, inside one run
 /// (n <= head.run(row)): in place (data a T*) when `in_place` (streams_in_place), else widened
 /// into `buffer` (n × cols) by load_rows (data a C*).
 template <class C, class T, class F>
 void read_rows(const SegmentHead<T>& head, Index row, Index n, C* buffer, bool in_place, F&& f) {
   APEX_ASSERT(n <= head.run(row));
-  if (in_place) {
-    const ConstRows<T> rows = head.rows(row);
-    f(rows.data, rows.stride);
-  } else {
-    load_rows(head, row, n, buffer);
-    f(static_cast<const C*>(buffer), head.cols());
+  if constexpr (kMayStreamInPlace<C, T>) {
+    if (in_place) {
+      const ConstRows<T> rows = head.rows(row);
+      return f(rows.data, rows.stride);
+    }
   }
+  APEX_ASSERT(!in_place);
+  load_rows(head, row, n, buffer);
+  f(static_cast<const C*>(buffer), head.cols() * KvFormat<T>::kValuesPerElement);
 }
 
 /// The streaming products for rows of U (C, or T read in place), on apex's float kernels where

@@ -1,0 +1,269 @@
+// SPDX-License-Identifier: MIT
+// Quantized K/V formats: rows of keys, values or latents stored in 8 or 4 bits per value, in
+// blocks of consecutive values along the row, each block with its own scale. Each is a format
+// of kv_format.hpp (KvFormat<Block>): a cache or a K/V view of blocks holds elements of the
+// block type, kValuesPerElement values each, and the kernel widens them to float or double as
+// it reads them.
+//
+//   format            block      bytes  bits/value  stored                        value
+//   BlockQ8_0          32 values   34     8.5       half d, int8 q[32]            q[j]·d
+//   BlockQ4_0          32 values   18     4.5       half d, 4-bit codes c[32]     (c[j] − 8)·d
+//   BlockFp8<E4m3, B>   B values  4 + B   8 + 32/B  float s, e4m3 codes[B]        e4m3(c)·s
+//   BlockFp8<E5m2, B>   B values  4 + B   8 + 32/B  float s, e5m2 codes[B]        e5m2(c)·s
+//
+// q8_0 AND q4_0 are ggml's block formats, byte for byte (llama.cpp's q8_0 and q4_0 caches):
+//   BlockQ8_0  | d (IEEE half, 2 bytes) | q[0] ... q[31] (int8) |
+//   BlockQ4_0  | d (IEEE half, 2 bytes) | byte j = c[j] | c[j + 16] << 4, j = 0..15 |
+// and a finite row quantizes to the bytes of ggml's reference quantizers
+// (quantize_row_q8_0_ref, quantize_row_q4_0_ref), computed in float exactly as they do:
+//   q8_0: amax = max |x_j|; d = amax / 127; id = d ≠ 0 ? 1/d : 0; q_j = round(x_j·id), ties
+//         away from zero; d stored as half (rounded to nearest even, after id was taken);
+//   q4_0: m = the x_j of largest magnitude (the first such); d = m / −8; id as above;
+//         c_j = min(15, trunc(x_j·id + 8.5)); d stored as half.
+// ggml's CPU backend writes q8_0 caches with a faster quantizer that rounds ties to even
+// instead; both decode alike. As in ggml, a block whose d overflows half (amax beyond
+// 127·65504 for q8_0, 8·65504 for q4_0) stores d = inf, and its values read back as ±inf or
+// NaN (0·inf); a d below half's range rounds to a half subnormal or to 0. Where d is so small
+// that 1/d overflows (a block's values all below about 3e-37 in magnitude), ggml's arithmetic
+// meets infinities and converts them to integers: apex stores code 0 there, as x86 builds of
+// ggml do, and the values read back as 0 either way (d is a half 0).
+//
+// fp8 WITH BLOCK SCALES, as DeepSeek's and FlashMLA's fp8 caches: a float scale s = amax / the
+// format's largest finite value (448 for e4m3, 57344 for e5m2) per block of B values (B = 128
+// by default), and each value's code fp8_encode(x_j / s) (fp8.hpp: rounded once to nearest
+// even, saturating). A block of zeros has s = 0 and stores the values' signed zeros.
+//
+// NON-FINITE INPUT (apex's rule, the same for every block format; ggml's answers to it are
+// accidents of its arithmetic): a block holding a NaN or ±inf stores a NaN scale, so that all
+// its values read back as NaN; the other blocks of the row, and other rows, are unaffected.
+// Attention then treats those values as apex::sdpa does any NaN (sdpa.hpp).
+//
+// DOUBLE INPUT. The quantizers read float, as ggml's do: double values are rounded to float
+// first. Widening gives floats (the value column above, formed in float); a double kernel reads
+// those floats exactly.
+//
+// Nothing here allocates.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/fp8.hpp>
+#include <apex/kv_format.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <iterator>
+#include <limits>
+#include <type_traits>
+
+namespace apex {
+
+/// ggml's q8_0 block: 32 values as int8 codes with one IEEE half scale (34 bytes).
+struct BlockQ8_0 {
+  static constexpr Index kValues = 32;  ///< values per block
+  std::uint16_t d;                      ///< the scale, as the bits of an IEEE half
+  std::int8_t q[kValues];               ///< value j is q[j]·d
+};
+
+/// ggml's q4_0 block: 32 values as 4-bit codes with one IEEE half scale (18 bytes).
+struct BlockQ4_0 {
+  static constexpr Index kValues = 32;  ///< values per block
+  std::uint16_t d;                      ///< the scale, as the bits of an IEEE half
+  std::uint8_t q[kValues / 2];          ///< codes of values j (low nibble) and j + 16 (high)
+};
+
+/// B values as OFP8 codes of kind K with one float scale (4 + B bytes); B a multiple of 4.
+template <Fp8Kind K, int B = 128>
+struct BlockFp8 {
+  static_assert(B >= 4 && B % 4 == 0, "BlockFp8: a block is a positive multiple of 4 values");
+  static constexpr Index kValues = B;  ///< values per block
+  float scale;                         ///< value j is fp8_decode<K>(code[j])·scale
+  std::uint8_t code[B];                ///< the values' codes
+};
+
+/// fp8 e4m3 (OFP8, largest finite 448) with a float scale per B values.
+template <int B = 128>
+using BlockFp8E4m3 = BlockFp8<Fp8Kind::kE4m3, B>;
+/// fp8 e5m2 (OFP8, largest finite 57344) with a float scale per B values.
+template <int B = 128>
+using BlockFp8E5m2 = BlockFp8<Fp8Kind::kE5m2, B>;
+
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18,
+              "q8_0 and q4_0 blocks are ggml's: 34 and 18 bytes");
+static_assert(sizeof(BlockFp8E4m3<>) == 132, "an fp8 block is its scale and its codes");
+
+namespace detail {
+
+/// The half nearest to f (ties to even), as its bits; f's overflow gives ±inf, NaN a NaN.
+inline std::uint16_t half_bits(float f) {
+  return Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(f));
+}
+
+/// The float value of half bits.
+inline float half_value(std::uint16_t bits) {
+  return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(bits));
+}
+
+/// Whether all n values are finite.
+inline bool all_finite_values(const float* x, Index n) {
+  bool finite = true;
+  for (Index j = 0; j < n; ++j) finite = finite && std::isfinite(x[j]);
+  return finite;
+}
+
+/// x·id + 8.5 in float, the two operations rounded one after the other as ggml's q4_0 reference
+/// computes them, never fused into one multiply-add (the sum is formed exactly in double, then
+/// rounded once to float: the float addition's result).
+inline float q4_offset_code(float x, float id) {
+  const float scaled = x * id;
+  return static_cast<float>(static_cast<double>(scaled) + 8.5);
+}
+
+}  // namespace detail
+
+/// The q8_0 block of 32 float values x (header comment: ggml's reference quantizer for finite x,
+/// a NaN scale for a block holding a non-finite value).
+inline BlockQ8_0 quantize_q8_0(const float* x) {
+  BlockQ8_0 y{};
+  if (!detail::all_finite_values(x, BlockQ8_0::kValues)) {
+    y.d = detail::half_bits(std::numeric_limits<float>::quiet_NaN());
+    return y;
+  }
+  float amax = 0.0f;
+  for (Index j = 0; j < BlockQ8_0::kValues; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  y.d = detail::half_bits(d);
+  for (Index j = 0; j < BlockQ8_0::kValues; ++j) {
+    const float scaled = x[j] * id;
+    y.q[j] = std::isfinite(scaled) ? static_cast<std::int8_t>(std::round(scaled)) : 0;
+  }
+  return y;
+}
+
+/// The q4_0 block of 32 float values x (header comment).
+inline BlockQ4_0 quantize_q4_0(const float* x) {
+  BlockQ4_0 y{};
+  if (!detail::all_finite_values(x, BlockQ4_0::kValues)) {
+    y.d = detail::half_bits(std::numeric_limits<float>::quiet_NaN());
+    std::fill(std::begin(y.q), std::end(y.q), std::uint8_t{0x88});
+    return y;
+  }
+  float amax = 0.0f;
+  float extreme = 0.0f;  // the first value of largest magnitude
+  for (Index j = 0; j < BlockQ4_0::kValues; ++j) {
+    if (amax < std::fabs(x[j])) {
+      amax = std::fabs(x[j]);
+      extreme = x[j];
+    }
+  }
+  const float d = extreme / -8.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  y.d = detail::half_bits(d);
+  const auto code = [&](float v) {
+    const float offset = detail::q4_offset_code(v, id);
+    return std::isfinite(offset) ? std::min(15, static_cast<int>(offset)) : 0;
+  };
+  for (Index j = 0; j < BlockQ4_0::kValues / 2; ++j) {
+    y.q[j] = static_cast<std::uint8_t>(code(x[j]) | code(x[j + 16]) << 4U);
+  }
+  return y;
+}
+
+/// The fp8 block of B float values x (header comment).
+template <Fp8Kind K, int B>
+BlockFp8<K, B> quantize_fp8(const float* x) {
+  BlockFp8<K, B> y{};
+  if (!detail::all_finite_values(x, B)) {
+    y.scale = std::numeric_limits<float>::quiet_NaN();
+    return y;
+  }
+  float amax = 0.0f;
+  for (Index j = 0; j < B; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float largest = fp8_decode<K>(detail::fp8_layout(K).max_finite);
+  y.scale = amax / largest;
+  for (Index j = 0; j < B; ++j) {
+    y.code[j] = fp8_encode<K>(y.scale != 0.0f ? x[j] / y.scale : x[j]);
+  }
+  return y;
+}
+
+/// y[0, 32) = the values of a q8_0 block, q[j]·d formed in float, as C.
+template <class C>
+void dequantize(const BlockQ8_0& x, C* y) {
+  const float d = detail::half_value(x.d);
+  for (Index j = 0; j < BlockQ8_0::kValues; ++j) y[j] = static_cast<C>(x.q[j] * d);
+}
+
+/// y[0, 32) = the values of a q4_0 block, (c_j − 8)·d formed in float, as C.
+template <class C>
+void dequantize(const BlockQ4_0& x, C* y) {
+  const float d = detail::half_value(x.d);
+  for (Index j = 0; j < BlockQ4_0::kValues / 2; ++j) {
+    y[j] = static_cast<C>(static_cast<float>((x.q[j] & 0x0F) - 8) * d);
+    y[j + 16] = static_cast<C>(static_cast<float>((x.q[j] >> 4) - 8) * d);
+  }
+}
+
+/// y[0, B) = the values of an fp8 block, fp8_decode(code_j)·scale formed in float, as C.
+template <class C, Fp8Kind K, int B>
+void dequantize(const BlockFp8<K, B>& x, C* y) {
+  for (Index j = 0; j < B; ++j) y[j] = static_cast<C>(fp8_decode<K>(x.code[j]) * x.scale);
+}
+
+namespace detail {
+
+/// The quantizer of each block format (quantize_q8_0, quantize_q4_0, quantize_fp8).
+inline BlockQ8_0 quantize_block(const float* x, const BlockQ8_0*) { return quantize_q8_0(x); }
+inline BlockQ4_0 quantize_block(const float* x, const BlockQ4_0*) { return quantize_q4_0(x); }
+template <Fp8Kind K, int B>
+BlockFp8<K, B> quantize_block(const float* x, const BlockFp8<K, B>*) {
+  return quantize_fp8<K, B>(x);
+}
+
+/// The format of a row of blocks of `Block` (kv_format.hpp): Block::kValues values a block.
+template <class Block>
+struct BlockFormat {
+  using Element = Block;                                      ///< a block
+  static constexpr Index kValuesPerElement = Block::kValues;  ///< values in a block
+
+  /// Blocks of a row of `values` values (a multiple of kValuesPerElement: check_row_values).
+  static constexpr Index elements(Index values) { return values / kValuesPerElement; }
+  /// Bytes of `count` blocks.
+  static constexpr std::int64_t bytes(std::int64_t count) {
+    return count * static_cast<std::int64_t>(sizeof(Block));
+  }
+  /// dst[0, count·kValuesPerElement) = the values of src[0, count) as C (dequantize).
+  template <class C>
+  static void widen(const Block* src, C* dst, Index count) {
+    for (Index i = 0; i < count; ++i) dequantize(src[i], dst + i * kValuesPerElement);
+  }
+  /// dst[0, values / kValuesPerElement) = the blocks of the row x[0, values) of float or double
+  /// values (double rounded to float first).
+  template <class S>
+  static void store_row(const S* x, Index values, Block* dst) {
+    float row[kValuesPerElement];
+    for (Index i = 0; i < values / kValuesPerElement; ++i) {
+      for (Index j = 0; j < kValuesPerElement; ++j) {
+        row[j] = static_cast<float>(x[i * kValuesPerElement + j]);
+      }
+      dst[i] = quantize_block(row, static_cast<const Block*>(nullptr));
+    }
+  }
+};
+
+}  // namespace detail
+
+/// q8_0 rows (BlockQ8_0).
+template <>
+struct KvFormat<BlockQ8_0> : detail::BlockFormat<BlockQ8_0> {};
+/// q4_0 rows (BlockQ4_0).
+template <>
+struct KvFormat<BlockQ4_0> : detail::BlockFormat<BlockQ4_0> {};
+/// fp8 rows with a float scale per block (BlockFp8).
+template <Fp8Kind K, int B>
+struct KvFormat<BlockFp8<K, B>> : detail::BlockFormat<BlockFp8<K, B>> {};
+
+}  // namespace apex

@@ -1,0 +1,421 @@
+// SPDX-License-Identifier: MIT
+// The quantized K/V formats (kv_quant.hpp, fp8.hpp):
+//   - fp8: every one of the 256 codes of e4m3 and e5m2 decodes to the value of its bit fields,
+//     every finite code encodes back to itself, every tie between adjacent codes rounds to the
+//     even one, values past the largest finite one (and ±inf) saturate, NaN stays NaN;
+//   - q8_0 and q4_0: the bytes of ggml's reference quantizers (written out plainly in
+//     reference/quantize.hpp) on random rows and on edge rows, and the values they decode to;
+//   - apex's rule for non-finite input: the block's scale is NaN, its values read back NaN,
+//     other blocks unchanged;
+//   - attention over quantized K and V is attention over the values they decode to: bit for bit
+//     the float kernel on those values, and within the float tolerance of the double loops.
+#include <apex/kv_quant.hpp>
+#include <apex/sdpa.hpp>
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "reference/quantize.hpp"
+#include "tolerances.hpp"
+
+namespace {
+
+using apex::Fp8Kind;
+using apex::Index;
+
+template <Fp8Kind K>
+constexpr int kExponentBits = K == Fp8Kind::kE4m3 ? 4 : 5;
+
+template <class T>
+class Fp8 : public ::testing::Test {};
+template <Fp8Kind K>
+struct Kind {
+  static constexpr Fp8Kind kKind = K;
+};
+using Fp8Kinds = ::testing::Types<Kind<Fp8Kind::kE4m3>, Kind<Fp8Kind::kE5m2>>;
+TYPED_TEST_SUITE(Fp8, Fp8Kinds);
+
+TYPED_TEST(Fp8, EveryCodeDecodesToItsFieldsAndFiniteCodesEncodeBack) {
+  constexpr Fp8Kind K = TypeParam::kKind;
+  for (int c = 0; c < 256; ++c) {
+    const auto code = static_cast<std::uint8_t>(c);
+    const double expected = apex::reference::fp8_code_value(code, kExponentBits<K>);
+    const float value = apex::fp8_decode<K>(code);
+    if (std::isnan(expected)) {
+      EXPECT_TRUE(std::isnan(value)) << c;
+      EXPECT_EQ(apex::fp8_encode<K>(value) & 0x7f, 0x7f) << c;
+      continue;
+    }
+    EXPECT_EQ(static_cast<double>(value), expected) << c;
+    if (std::isfinite(expected)) {
+      EXPECT_EQ(apex::fp8_encode<K>(value), code) << c;
+      EXPECT_EQ(std::signbit(value), (c & 0x80) != 0) << c;
+    }
+  }
+}
+
+TYPED_TEST(Fp8, TiesRoundToEvenAndNeighboursRoundToTheNearest) {
+  constexpr Fp8Kind K = TypeParam::kKind;
+  const std::uint8_t largest = K == Fp8Kind::kE4m3 ? 0x7e : 0x7b;
+  for (int c = 0; c < largest; ++c) {
+    for (const float sign : {1.0f, -1.0f}) {
+      const float a = sign * apex::fp8_decode<K>(static_cast<std::uint8_t>(c));
+      const float b = sign * apex::fp8_decode<K>(static_cast<std::uint8_t>(c + 1));
+      const float tie = (a + b) / 2;  // exact: fp8 values have few bits
+      const std::uint8_t s = sign < 0 ? 0x80 : 0x00;
+      const auto even = static_cast<std::uint8_t>(s | (c % 2 == 0 ? c : c + 1));
+      EXPECT_EQ(apex::fp8_encode<K>(tie), even) << c;
+      EXPECT_EQ(apex::fp8_encode<K>(std::nextafter(tie, a)), static_cast<std::uint8_t>(s | c)) << c;
+      EXPECT_EQ(apex::fp8_encode<K>(std::nextafter(tie, b)), static_cast<std::uint8_t>(s | (c + 1)))
+          << c;
+    }
+  }
+}
+
+TYPED_TEST(Fp8, EncodingMatchesTheNearestCodeAndSaturates) {
+  constexpr Fp8Kind K = TypeParam::kKind;
+  constexpr int E = kExponentBits<K>;
+  const float big = apex::fp8_decode<K>(K == Fp8Kind::kE4m3 ? 0x7e : 0x7b);
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> exponent(-24.0f, 20.0f);
+  for (int i = 0; i < 20000; ++i) {
+    const float x = (i % 2 ? -1.0f : 1.0f) * std::exp2(exponent(gen));
+    EXPECT_EQ(apex::fp8_encode<K>(x), apex::reference::fp8_nearest(x, E)) << x;
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(apex::fp8_decode<K>(apex::fp8_encode<K>(inf)), big);
+  EXPECT_EQ(apex::fp8_decode<K>(apex::fp8_encode<K>(-inf)), -big);
+  EXPECT_EQ(apex::fp8_decode<K>(apex::fp8_encode<K>(3.0f * big)), big);
+  EXPECT_EQ(apex::fp8_decode<K>(apex::fp8_encode<K>(std::numeric_limits<float>::max())), big);
+  EXPECT_TRUE(std::isnan(apex::fp8_decode<K>(apex::fp8_encode<K>(std::nanf("")))));
+  EXPECT_EQ(apex::fp8_encode<K>(-0.0f), 0x80);
+  EXPECT_EQ(apex::fp8_encode<K>(std::numeric_limits<float>::denorm_min()), 0x00);
+}
+
+// ---------------------------------------------------------------------------------------------
+// q8_0 and q4_0 against ggml's reference quantizers
+// ---------------------------------------------------------------------------------------------
+
+template <class Block, std::size_t N>
+std::array<std::uint8_t, N> bytes_of(const Block& b) {
+  static_assert(sizeof(Block) == N);
+  std::array<std::uint8_t, N> out{};
+  std::memcpy(out.data(), &b, N);
+  return out;
+}
+
+/// Edge rows of 32 finite values: zeros, one huge value, values at and beside rounding ties,
+/// scales past half's range either way, float subnormals.
+std::vector<std::array<float, 32>> edge_rows() {
+  std::vector<std::array<float, 32>> rows;
+  std::array<float, 32> r{};
+  rows.push_back(r);  // all zeros
+  r.fill(-0.0f);
+  rows.push_back(r);
+  for (int j = 0; j < 32; ++j) r[static_cast<std::size_t>(j)] = static_cast<float>(j) - 15.5f;
+  r[31] = 127.0f;  // d = 1: every other value is a tie of round()
+  rows.push_back(r);
+  for (int j = 0; j < 32; ++j) r[static_cast<std::size_t>(j)] = static_cast<float>(j % 16) - 7.5f;
+  r[0] = -8.0f;  // q4_0's d = 1: every value x + 8.5 is a whole number or half of one
+  rows.push_back(r);
+  for (int j = 0; j < 32; ++j) {
+    r[static_cast<std::size_t>(j)] = std::nextafter(static_cast<float>(j % 16) - 7.5f, 0.0f);
+  }
+  r[5] = 8.0f;
+  rows.push_back(r);
+  r.fill(1e-3f);
+  r[9] = 3e7f;  // one huge value: q8_0's d overflows half
+  rows.push_back(r);
+  r.fill(0.25f);
+  r[3] = -6e5f;  // q4_0's d overflows half, q8_0's does not
+  rows.push_back(r);
+  for (int j = 0; j < 32; ++j) r[static_cast<std::size_t>(j)] = 1e-7f * static_cast<float>(j - 9);
+  rows.push_back(r);  // d below half's normal range
+  for (int j = 0; j < 32; ++j) r[static_cast<std::size_t>(j)] = 3e-38f * static_cast<float>(j - 9);
+  rows.push_back(r);  // 1/d overflows float
+  for (int j = 0; j < 32; ++j) {
+    r[static_cast<std::size_t>(j)] =
+        std::numeric_limits<float>::denorm_min() * static_cast<float>(1000 * j - 7000);
+  }
+  rows.push_back(r);  // float subnormals
+  r.fill(5.0f);
+  rows.push_back(r);  // equal values
+  return rows;
+}
+
+std::vector<std::array<float, 32>> random_rows(int count) {
+  std::mt19937 gen(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> scale(-8.0f, 8.0f);
+  std::vector<std::array<float, 32>> rows(static_cast<std::size_t>(count));
+  for (auto& r : rows) {
+    const float s = std::exp2(scale(gen));
+    for (float& v : r) v = s * normal(gen);
+  }
+  return rows;
+}
+
+TEST(KvQuant, Q8_0IsGgmlsReferenceByteForByte) {
+  auto rows = random_rows(2000);
+  for (const auto& r : edge_rows()) rows.push_back(r);
+  for (const auto& r : rows) {
+    const apex::BlockQ8_0 block = apex::quantize_q8_0(r.data());
+    ASSERT_EQ((bytes_of<apex::BlockQ8_0, 34>(block)), apex::reference::q8_0_bytes(r.data()));
+    float values[32];
+    apex::dequantize(block, values);
+    const float d = static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(block.d));
+    for (int j = 0; j < 32; ++j) {
+      const float expected = static_cast<float>(block.q[j]) * d;
+      ASSERT_TRUE(values[j] == expected || (std::isnan(values[j]) && std::isnan(expected)));
+    }
+  }
+}
+
+TEST(KvQuant, Q4_0IsGgmlsReferenceByteForByte) {
+  auto rows = random_rows(2000);
+  for (const auto& r : edge_rows()) rows.push_back(r);
+  for (const auto& r : rows) {
+    const apex::BlockQ4_0 block = apex::quantize_q4_0(r.data());
+    ASSERT_EQ((bytes_of<apex::BlockQ4_0, 18>(block)), apex::reference::q4_0_bytes(r.data()));
+    float values[32];
+    apex::dequantize(block, values);
+    const float d = static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(block.d));
+    for (int j = 0; j < 16; ++j) {
+      const float low = static_cast<float>((block.q[j] & 0x0F) - 8) * d;
+      const float high = static_cast<float>((block.q[j] >> 4) - 8) * d;
+      ASSERT_TRUE(values[j] == low || (std::isnan(values[j]) && std::isnan(low)));
+      ASSERT_TRUE(values[j + 16] == high || (std::isnan(values[j + 16]) && std::isnan(high)));
+    }
+  }
+}
+
+TEST(KvQuant, QuantizedValuesAreWithinHalfAStep) {
+  // q8_0: |x − q·d| ≤ d/2 (plus d's own rounding to half); q4_0: ≤ |d|/2 likewise, with the
+  // one-sided clamp at 15. Both relative to the block's largest magnitude.
+  for (const auto& r : random_rows(500)) {
+    float amax = 0.0f;
+    for (float v : r) amax = std::max(amax, std::fabs(v));
+    float q8[32], q4[32];
+    apex::dequantize(apex::quantize_q8_0(r.data()), q8);
+    apex::dequantize(apex::quantize_q4_0(r.data()), q4);
+    for (int j = 0; j < 32; ++j) {
+      EXPECT_LE(std::fabs(q8[j] - r[static_cast<std::size_t>(j)]), amax * (0.5f / 127 + 1e-3f));
+      EXPECT_LE(std::fabs(q4[j] - r[static_cast<std::size_t>(j)]), amax * (1.0f / 8 + 1e-3f));
+    }
+  }
+}
+
+TEST(KvQuant, Fp8BlocksScaleByTheLargestMagnitude) {
+  std::vector<float> x(128);
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (float& v : x) v = normal(gen);
+  x[17] = -40.0f;
+  const auto e4 = apex::quantize_fp8<Fp8Kind::kE4m3, 128>(x.data());
+  const auto e5 = apex::quantize_fp8<Fp8Kind::kE5m2, 128>(x.data());
+  EXPECT_EQ(e4.scale, 40.0f / 448.0f);
+  EXPECT_EQ(e5.scale, 40.0f / 57344.0f);
+  float v4[128], v5[128];
+  apex::dequantize(e4, v4);
+  apex::dequantize(e5, v5);
+  EXPECT_EQ(v4[17], -448.0f * e4.scale);
+  for (std::size_t j = 0; j < 128; ++j) {
+    EXPECT_EQ(e4.code[j], apex::fp8_encode<Fp8Kind::kE4m3>(x[j] / e4.scale));
+    EXPECT_EQ(v4[j], apex::fp8_decode<Fp8Kind::kE4m3>(e4.code[j]) * e4.scale);
+    // 3 mantissa bits: relative error ≤ 2^-4 of the value, or of the smallest normal.
+    EXPECT_LE(std::fabs(v4[j] - x[j]),
+              std::max(std::fabs(x[j]), 40.0f / 448 * 0x1p-6f) / 16 * 1.0001f);
+    EXPECT_LE(std::fabs(v5[j] - x[j]),
+              std::max(std::fabs(x[j]), 40.0f / 57344 * 0x1p-14f) / 8 * 1.0001f);
+  }
+  std::vector<float> zeros(128, 0.0f);
+  zeros[3] = -0.0f;
+  const auto z = apex::quantize_fp8<Fp8Kind::kE4m3, 128>(zeros.data());
+  EXPECT_EQ(z.scale, 0.0f);
+  EXPECT_EQ(z.code[3], 0x80);
+  EXPECT_EQ(z.code[4], 0x00);
+}
+
+TEST(KvQuant, ANonFiniteValuePoisonsItsBlockOnly) {
+  for (const float bad : {std::nanf(""), std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()}) {
+    std::vector<float> row(64, 0.5f);
+    row[40] = bad;  // in the second block of 32
+    apex::BlockQ8_0 q8[2];
+    apex::BlockQ4_0 q4[2];
+    apex::KvFormat<apex::BlockQ8_0>::store_row(row.data(), 64, q8);
+    apex::KvFormat<apex::BlockQ4_0>::store_row(row.data(), 64, q4);
+    float v8[64], v4[64];
+    apex::KvFormat<apex::BlockQ8_0>::widen(q8, v8, 2);
+    apex::KvFormat<apex::BlockQ4_0>::widen(q4, v4, 2);
+    for (int j = 0; j < 64; ++j) {
+      EXPECT_EQ(std::isnan(v8[j]), j >= 32) << j;
+      EXPECT_EQ(std::isnan(v4[j]), j >= 32) << j;
+    }
+    float clean[32];  // the first block, as quantized on its own
+    apex::dequantize(apex::quantize_q8_0(row.data()), clean);
+    EXPECT_EQ(v8[0], clean[0]);
+    std::vector<float> wide(256, 1.0f);
+    wide[200] = bad;
+    apex::BlockFp8E5m2<128> f8[2];
+    apex::KvFormat<apex::BlockFp8E5m2<128>>::store_row(wide.data(), 256, f8);
+    float v[256];
+    apex::KvFormat<apex::BlockFp8E5m2<128>>::widen(f8, v, 2);
+    EXPECT_EQ(v[127], 1.0f);
+    EXPECT_TRUE(std::isnan(v[128]) && std::isnan(v[255]));
+  }
+}
+
+TEST(KvQuant, DoubleValuesAreRoundedToFloatFirst) {
+  std::vector<double> x(32);
+  std::vector<float> xf(32);
+  for (int j = 0; j < 32; ++j) {
+    x[static_cast<std::size_t>(j)] = 0.1 * j - 1.0 + 1e-12;
+    xf[static_cast<std::size_t>(j)] = static_cast<float>(x[static_cast<std::size_t>(j)]);
+  }
+  apex::BlockQ8_0 from_double{}, from_float{};
+  apex::KvFormat<apex::BlockQ8_0>::store_row(x.data(), 32, &from_double);
+  apex::KvFormat<apex::BlockQ8_0>::store_row(xf.data(), 32, &from_float);
+  EXPECT_EQ((bytes_of<apex::BlockQ8_0, 34>(from_double)),
+            (bytes_of<apex::BlockQ8_0, 34>(from_float)));
+}
+
+TEST(KvQuant, RowWidthsMustBeWholeBlocks) {
+  EXPECT_THROW(apex::detail::check_row_values<apex::BlockQ8_0>(48, "test", "d_h"),
+               std::invalid_argument);
+  EXPECT_NO_THROW(apex::detail::check_row_values<apex::BlockQ8_0>(64, "test", "d_h"));
+  try {
+    apex::detail::check_row_values<apex::BlockFp8E4m3<128>>(192, "kv_cache", "head_dim");
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim (192) must be a multiple of the 128"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention over quantized K and V
+// ---------------------------------------------------------------------------------------------
+
+/// A contiguous [B, H, S, d] tensor of random values, its rows stored in format F, and the
+/// values those rows decode to, as float and double tensors of the same shape.
+template <class F>
+struct QuantizedHeads {
+  apex::HeadsShape shape;  // in values
+  std::vector<F> blocks;
+  std::vector<float> decoded;
+  std::vector<double> decoded_double;
+
+  QuantizedHeads(const apex::HeadsShape& s, std::mt19937& gen) : shape(s) {
+    using Format = apex::KvFormat<F>;
+    const Index rows = s.batch * s.heads * s.seq;
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> values(static_cast<std::size_t>(rows * s.dim));
+    for (float& v : values) v = normal(gen);
+    const Index per_row = Format::elements(s.dim);
+    blocks.resize(static_cast<std::size_t>(rows * per_row));
+    decoded.resize(values.size());
+    for (Index r = 0; r < rows; ++r) {
+      Format::store_row(values.data() + r * s.dim, s.dim, blocks.data() + r * per_row);
+      Format::widen(blocks.data() + r * per_row, decoded.data() + r * s.dim, per_row);
+    }
+    decoded_double.assign(decoded.begin(), decoded.end());
+  }
+  apex::HeadsView<const F> view() const {
+    return apex::HeadsView<const F>::contiguous(
+        blocks.data(),
+        {shape.batch, shape.heads, shape.seq, apex::KvFormat<F>::elements(shape.dim)});
+  }
+  apex::HeadsView<const float> float_view() const {
+    return apex::HeadsView<const float>::contiguous(decoded.data(), shape);
+  }
+  apex::HeadsView<const double> double_view() const {
+    return apex::HeadsView<const double>::contiguous(decoded_double.data(), shape);
+  }
+};
+
+template <class F>
+class QuantizedAttention : public ::testing::Test {};
+using BlockFormats = ::testing::Types<apex::BlockQ8_0, apex::BlockQ4_0, apex::BlockFp8E4m3<64>,
+                                      apex::BlockFp8E5m2<128>>;
+TYPED_TEST_SUITE(QuantizedAttention, BlockFormats);
+
+struct Case {
+  Index batch, q_heads, kv_heads, s_q, s_k, d_qk, d_v;
+  bool causal;
+  double softcap;
+};
+
+TYPED_TEST(QuantizedAttention, IsAttentionOverTheDecodedValues) {
+  using F = TypeParam;
+  constexpr Index kBlock = apex::KvFormat<F>::kValuesPerElement;
+  const Index wide = kBlock < 128 ? 2 * kBlock : kBlock;  // d_qk; d_v is kBlock
+  const Case cases[] = {
+      {1, 4, 4, 1, 300, wide, kBlock, false, 0.0},      // one query: streaming, split keys
+      {2, 8, 2, 1, 1000, wide, kBlock, true, 0.0},      // GQA groups of 4, decoding
+      {1, 16, 1, 7, 77, wide, kBlock, true, 30.0},      // 16 heads on one K/V head, soft-cap
+      {1, 4, 4, 64, 64, wide, wide, true, 0.0},         // the GEMM path, causal
+      {1, 2, 1, 200, 333, kBlock, kBlock, false, 0.0},  // more keys than a block, not a multiple
+  };
+  std::mt19937 gen(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const Case& c : cases) {
+    const QuantizedHeads<F> k(apex::HeadsShape{c.batch, c.kv_heads, c.s_k, c.d_qk}, gen);
+    const QuantizedHeads<F> v(apex::HeadsShape{c.batch, c.kv_heads, c.s_k, c.d_v}, gen);
+    const apex::HeadsShape q_shape{c.batch, c.q_heads, c.s_q, c.d_qk};
+    const apex::HeadsShape o_shape{c.batch, c.q_heads, c.s_q, c.d_v};
+    std::vector<float> q(static_cast<std::size_t>(c.batch * c.q_heads * c.s_q * c.d_qk));
+    for (float& x : q) x = normal(gen);
+    const std::vector<double> q_double(q.begin(), q.end());
+    const auto qv = apex::HeadsView<const float>::contiguous(q.data(), q_shape);
+    apex::AttentionMask<float> mask;
+    if (c.causal) mask.positions = apex::causal_mask();
+    apex::SdpaParams params;
+    params.softcap = c.softcap;
+    const std::size_t outputs = static_cast<std::size_t>(c.batch * c.q_heads * c.s_q * c.d_v);
+    std::vector<float> out(outputs), expected(outputs);
+    apex::sdpa(qv, k.view(), v.view(), mask, params,
+               apex::HeadsView<float>::contiguous(out.data(), o_shape));
+    apex::sdpa(qv, k.float_view(), v.float_view(), mask, params,
+               apex::HeadsView<float>::contiguous(expected.data(), o_shape));
+    ASSERT_EQ(out, expected) << "S_q " << c.s_q << ", S_k " << c.s_k;  // bit for bit
+
+    std::vector<double> ref(outputs);
+    apex::AttentionMask<double> mask_double;
+    mask_double.positions = mask.positions;
+    apex::reference::sdpa<double>(
+        apex::HeadsView<const double>::contiguous(q_double.data(), q_shape), k.double_view(),
+        v.double_view(), mask_double, params,
+        apex::HeadsView<double>::contiguous(ref.data(), o_shape));
+    double err = 0.0, scale = 0.0;
+    for (std::size_t i = 0; i < outputs; ++i) {
+      err = std::max(err, std::fabs(static_cast<double>(out[i]) - ref[i]));
+      scale = std::max(scale, std::fabs(ref[i]));
+    }
+    EXPECT_LE(err, apex::testing::Tolerances<float>::kAttention * scale)
+        << "S_q " << c.s_q << ", S_k " << c.s_k;
+  }
+}
+
+TYPED_TEST(QuantizedAttention, KeysMustHaveTheQueryWidth) {
+  using F = TypeParam;
+  constexpr Index kBlock = apex::KvFormat<F>::kValuesPerElement;
+  std::mt19937 gen(9);
+  const QuantizedHeads<F> k(apex::HeadsShape{1, 1, 5, kBlock}, gen);
+  std::vector<float> q(static_cast<std::size_t>(2 * kBlock), 1.0f), out(kBlock, -7.0f);
+  const auto qv = apex::HeadsView<const float>::contiguous(q.data(), {1, 1, 1, 2 * kBlock});
+  EXPECT_THROW(apex::sdpa(qv, k.view(), k.view(), apex::AttentionMask<float>{}, apex::SdpaParams{},
+                          apex::HeadsView<float>::contiguous(out.data(), {1, 1, 1, kBlock})),
+               std::invalid_argument);
+  EXPECT_EQ(out[0], -7.0f);  // nothing written
+}
+
+}  // namespace
