@@ -9,6 +9,7 @@
 //     other blocks unchanged;
 //   - attention over quantized K and V is attention over the values they decode to: bit for bit
 //     the float kernel on those values, and within the float tolerance of the double loops.
+#include <apex/kv_cache.hpp>
 #include <apex/kv_quant.hpp>
 #include <apex/sdpa.hpp>
 
@@ -416,6 +417,151 @@ TYPED_TEST(QuantizedAttention, KeysMustHaveTheQueryWidth) {
                           apex::HeadsView<float>::contiguous(out.data(), {1, 1, 1, kBlock})),
                std::invalid_argument);
   EXPECT_EQ(out[0], -7.0f);  // nothing written
+}
+
+}  // namespace
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Caches of quantized rows
+// ---------------------------------------------------------------------------------------------
+
+/// Random [B, H, n, d] chunk of floats (contiguous).
+std::vector<float> random_chunk(const apex::HeadsShape& s, std::mt19937& gen) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(static_cast<std::size_t>(s.batch * s.heads * s.seq * s.dim));
+  for (float& v : x) v = normal(gen);
+  return x;
+}
+
+/// The values of every row of a [B, H, n, ·] view of blocks, decoded: [B, H, n, d] floats.
+template <class F>
+std::vector<float> decoded(const apex::HeadsView<const F>& view) {
+  const Index d = apex::row_values(view);
+  std::vector<float> out;
+  std::vector<float> row(static_cast<std::size_t>(d));
+  for (Index b = 0; b < view.batch(); ++b) {
+    for (Index h = 0; h < view.heads(); ++h) {
+      for (Index s = 0; s < view.seq(); ++s) {
+        apex::KvFormat<F>::widen(apex::detail::row_data(view, b, h, s), row.data(), view.dim());
+        out.insert(out.end(), row.begin(), row.end());
+      }
+    }
+  }
+  return out;
+}
+
+/// The chunk's rows quantized one by one and decoded (what a cache must hold for them).
+template <class F>
+std::vector<float> round_trip(const std::vector<float>& x, Index d) {
+  std::vector<float> out(x.size());
+  std::vector<F> blocks(static_cast<std::size_t>(apex::KvFormat<F>::elements(d)));
+  for (std::size_t r = 0; r < x.size() / static_cast<std::size_t>(d); ++r) {
+    apex::KvFormat<F>::store_row(x.data() + r * static_cast<std::size_t>(d), d, blocks.data());
+    apex::KvFormat<F>::widen(blocks.data(), out.data() + r * static_cast<std::size_t>(d),
+                             apex::KvFormat<F>::elements(d));
+  }
+  return out;
+}
+
+TYPED_TEST(QuantizedAttention, KvCacheStoresQuantizedRowsAndAttendsOverThem) {
+  using F = TypeParam;
+  constexpr Index kBlock = apex::KvFormat<F>::kValuesPerElement;
+  const Index d = 2 * kBlock;
+  apex::KvCache<float, F> cache({2, 2, d, 40});
+  EXPECT_EQ(cache.head_dim(), d);
+  EXPECT_EQ(cache.bytes(), 2 * 2 * 2 * 40 * 2 * static_cast<std::int64_t>(sizeof(F)));
+  std::mt19937 gen(21);
+  std::vector<float> all_k, all_v;  // the decoded history, [B, H, t, d] per append
+  Index position = 0;
+  for (const Index n : {Index{13}, Index{1}, Index{20}}) {
+    const apex::HeadsShape s{2, 2, n, d};
+    const std::vector<float> k = random_chunk(s, gen), v = random_chunk(s, gen);
+    cache.append(apex::HeadsView<const float>::contiguous(k.data(), s),
+                 apex::HeadsView<const float>::contiguous(v.data(), s), position);
+    position += n;
+    // The cache holds each row as its format stores it alone.
+    const std::vector<float> kd = decoded(cache.keys()), expected = round_trip<F>(k, d);
+    for (Index b = 0; b < 2; ++b) {
+      for (Index h = 0; h < 2; ++h) {
+        for (Index t = 0; t < n; ++t) {
+          for (Index j = 0; j < d; ++j) {
+            const Index at = ((b * 2 + h) * position + position - n + t) * d + j;
+            ASSERT_EQ(kd[static_cast<std::size_t>(at)],
+                      expected[static_cast<std::size_t>(((b * 2 + h) * n + t) * d + j)]);
+          }
+        }
+      }
+    }
+  }
+  // Attention over the cache is attention over its decoded rows.
+  const std::vector<float> kd = decoded(cache.keys()), vd = decoded(cache.values());
+  const apex::HeadsShape kv{2, 2, cache.size(), d}, q_shape{2, 4, 1, d}, o_shape{2, 4, 1, d};
+  const std::vector<float> q = random_chunk(q_shape, gen);
+  std::vector<float> out(static_cast<std::size_t>(2 * 4 * d)), expected(out.size());
+  const auto qv = apex::HeadsView<const float>::contiguous(q.data(), q_shape);
+  apex::sdpa(qv, cache.keys(), cache.values(), apex::AttentionMask<float>{}, apex::SdpaParams{},
+             apex::HeadsView<float>::contiguous(out.data(), o_shape));
+  apex::sdpa(qv, apex::HeadsView<const float>::contiguous(kd.data(), kv),
+             apex::HeadsView<const float>::contiguous(vd.data(), kv), apex::AttentionMask<float>{},
+             apex::SdpaParams{}, apex::HeadsView<float>::contiguous(expected.data(), o_shape));
+  EXPECT_EQ(out, expected);
+  // Growing keeps the blocks as they are.
+  cache.reserve(100);
+  EXPECT_EQ(decoded(cache.keys()), kd);
+  EXPECT_EQ(decoded(cache.values()), vd);
+}
+
+TYPED_TEST(QuantizedAttention, CachesRejectBadShapesAndFullAppendsUnchanged) {
+  using F = TypeParam;
+  constexpr Index kBlock = apex::KvFormat<F>::kValuesPerElement;
+  try {
+    apex::KvCache<float, F> bad({1, 1, kBlock + 16, 8});
+    FAIL() << "a head_dim that is not whole blocks must throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[kv_cache] head_dim"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((apex::SlidingWindowCache<float, F>({1, 1, kBlock / 2, 4})), std::invalid_argument);
+  apex::KvCache<double, F> cache({1, 1, kBlock, 4});
+  std::mt19937 gen(2);
+  const apex::HeadsShape s{1, 1, 3, kBlock};
+  const std::vector<float> xf = random_chunk(s, gen);
+  const std::vector<double> x(xf.begin(), xf.end());
+  const auto view = apex::HeadsView<const double>::contiguous(x.data(), s);
+  cache.append(view, view, 0);
+  const std::vector<float> before = decoded(cache.keys());
+  EXPECT_THROW(cache.append(view, view, 3), std::invalid_argument);  // 6 > 4
+  EXPECT_EQ(cache.size(), 3);
+  EXPECT_EQ(decoded(cache.keys()), before);
+}
+
+TYPED_TEST(QuantizedAttention, SlidingWindowCacheKeepsTheLastRows) {
+  using F = TypeParam;
+  constexpr Index kBlock = apex::KvFormat<F>::kValuesPerElement;
+  apex::SlidingWindowCache<float, F> ring({1, 2, kBlock, 5});
+  std::mt19937 gen(4);
+  const apex::HeadsShape s{1, 2, 7, kBlock};
+  const std::vector<float> k = random_chunk(s, gen);
+  const auto view = apex::HeadsView<const float>::contiguous(k.data(), s);
+  ring.append(view, view, 0);
+  const std::vector<float> expected = round_trip<F>(k, kBlock);
+  const auto segments = ring.segments();
+  Index position = ring.first_position();
+  for (const auto& segment : segments) {
+    const std::vector<float> got = decoded(segment.keys);
+    const Index n = segment.keys.seq();
+    for (Index h = 0; h < 2; ++h) {
+      for (Index t = 0; t < n; ++t) {
+        for (Index j = 0; j < kBlock; ++j) {
+          ASSERT_EQ(got[static_cast<std::size_t>((h * n + t) * kBlock + j)],
+                    expected[static_cast<std::size_t>((h * 7 + position + t) * kBlock + j)]);
+        }
+      }
+    }
+    position += n;
+  }
+  EXPECT_EQ(position, 7);
 }
 
 }  // namespace

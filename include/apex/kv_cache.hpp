@@ -51,28 +51,42 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace apex {
 
 namespace detail {
 
-/// Copies rows [src_row, src_row + count) of a [B, H, n, D] view into rows [first, first +
-/// count) of a [B, H, slots, D] buffer: stored through the buffer's format (KvFormat::store_rows,
-/// each value rounded once), or copied as they are when the source is already stored so.
+/// Copies rows [src_row, src_row + count) of a [B, H, n, ·] view into rows [first, first +
+/// count) of a [B, H, slots, D] buffer of elements of format Storage (D = the elements of a row
+/// of the view's values): stored through the buffer's format (KvFormat: each value rounded or
+/// quantized once), or copied as they are when the source is already stored so.
 template <class Src, class Storage>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (slots, source row, count)
 void write_rows(const HeadsView<const Src>& src, Storage* dst, Index slots, Index src_row,
                 Index count, Index first) {
   const HeadsShape& s = src.shape();
-  const HeadsView<Storage> target(dst, {s.batch, s.heads, slots, s.dim},
-                                  {s.heads * slots * s.dim, slots * s.dim, s.dim});
+  const Index dim = KvFormat<Storage>::elements(row_values(src));
+  const HeadsView<Storage> target(dst, {s.batch, s.heads, slots, dim},
+                                  {s.heads * slots * dim, slots * dim, dim});
   for (Index b = 0; b < s.batch; ++b) {
     for (Index h = 0; h < s.heads; ++h) {
-      auto rows = target.head(b, h).middleRows(first, count);
-      if constexpr (std::is_same_v<Src, Storage>) {
-        rows = src.head(b, h).middleRows(src_row, count);
-      } else {
-        KvFormat<Storage>::store_rows(rows, src.head(b, h).middleRows(src_row, count));
+      if constexpr (is_storage_v<Storage>) {
+        auto rows = target.head(b, h).middleRows(first, count);
+        if constexpr (std::is_same_v<Src, Storage>) {
+          rows = src.head(b, h).middleRows(src_row, count);
+        } else {
+          KvFormat<Storage>::store_rows(rows, src.head(b, h).middleRows(src_row, count));
+        }
+      } else {  // a block format: row by row, no Eigen expression of blocks
+        for (Index r = 0; r < count; ++r) {
+          Storage* row = row_data(target, b, h, first + r);
+          if constexpr (std::is_same_v<Src, Storage>) {
+            std::copy_n(row_data(src, b, h, src_row + r), dim, row);
+          } else {
+            KvFormat<Storage>::store_row(row_data(src, b, h, src_row + r), s.dim, row);
+          }
+        }
       }
     }
   }
@@ -89,26 +103,42 @@ HeadsView<const Scalar> buffer_rows(const Scalar* data, const HeadsShape& buffer
                                  {buffer.heads * buffer.seq * dim, buffer.seq * dim, dim});
 }
 
-/// K and V of a cache: two [B, H, slots, D] buffers of Storage, zeroed at construction, with
-/// their shape; chunks of Scalar are rounded to Storage as they are written. Default-constructed
+/// The buffer of a cache's elements of format F: an Eigen vector for the scalar formats (aligned
+/// for Eigen's packets), a std::vector of blocks for the block formats; `size` elements, zeroed.
+template <class F>
+auto zeroed_buffer(Index size) {
+  if constexpr (is_storage_v<F>) {
+    return Vector<F>::Zero(size).eval();
+  } else {
+    return std::vector<F>(static_cast<std::size_t>(size), F{});
+  }
+}
+template <class F>
+using CacheBuffer = decltype(zeroed_buffer<F>(0));
+
+/// K and V of a cache: two [B, H, slots, D] buffers of elements of format Storage, zeroed at
+/// construction, with their shape (D in values; a row holds D / kValuesPerElement elements);
+/// chunks of Scalar are rounded or quantized to Storage as they are written. Default-constructed
 /// or moved from, it is empty (every extent 0, no memory).
 template <class Scalar, class Storage>
 class KvBuffers {
  public:
   KvBuffers() = default;
   /// Allocates both buffers; throws unless every extent is >= 1 (`slots_name` names the slots in
-  /// messages: capacity or window) and their bytes fit in 64 bits.
+  /// messages: capacity or window), D is a whole number of Storage's blocks and the bytes fit in
+  /// 64 bits.
   KvBuffers(const HeadsShape& shape, const char* op, const char* slots_name) {
     require_supported_scalar<Scalar>();
-    require_storage_type<Storage>();
+    require_kv_format<Storage>();
     check_cache_dims(shape, op, slots_name);
-    const Index size = cache_buffer_size<Storage>(shape, op);
-    k_ = Vector<Storage>::Zero(size);
-    v_ = Vector<Storage>::Zero(size);
+    check_row_values<Storage>(shape.dim, op, "head_dim");
+    const Index size = cache_buffer_size<Storage>(element_shape(shape), op);
+    k_ = zeroed_buffer<Storage>(size);
+    v_ = zeroed_buffer<Storage>(size);
     shape_ = shape;
   }
 
-  /// [B, H, slots, D].
+  /// [B, H, slots, D], D in values.
   const HeadsShape& shape() const { return shape_; }
   /// Bytes of both buffers.
   std::int64_t bytes() const {
@@ -116,10 +146,10 @@ class KvBuffers {
   }
   /// Rows [first, first + rows) of every head of K (of V).
   HeadsView<const Storage> keys(Index first, Index rows) const {
-    return buffer_rows(k_.data(), shape(), first, rows);
+    return buffer_rows(k_.data(), element_shape(shape()), first, rows);
   }
   HeadsView<const Storage> values(Index first, Index rows) const {
-    return buffer_rows(v_.data(), shape(), first, rows);
+    return buffer_rows(v_.data(), element_shape(shape()), first, rows);
   }
   /// Rows [src_row, src_row + count) of a chunk's k and v into rows [first, first + count).
   // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (k, v) and (row, count, first)
@@ -133,9 +163,9 @@ class KvBuffers {
   void grow(Index slots, Index kept, const char* op) {
     HeadsShape grown = shape();
     grown.seq = slots;
-    const Index size = cache_buffer_size<Storage>(grown, op);
-    Vector<Storage> k = Vector<Storage>::Zero(size);
-    Vector<Storage> v = Vector<Storage>::Zero(size);
+    const Index size = cache_buffer_size<Storage>(element_shape(grown), op);
+    CacheBuffer<Storage> k = zeroed_buffer<Storage>(size);
+    CacheBuffer<Storage> v = zeroed_buffer<Storage>(size);
     write_rows(keys(0, kept), k.data(), slots, 0, kept, 0);
     write_rows(values(0, kept), v.data(), slots, 0, kept, 0);
     k_ = std::move(k);
@@ -144,9 +174,15 @@ class KvBuffers {
   }
 
  private:
+  /// The shape in elements of Storage: D / kValuesPerElement a row.
+  static HeadsShape element_shape(HeadsShape s) {
+    s.dim = KvFormat<Storage>::elements(s.dim);
+    return s;
+  }
+
   ResetOnMove<HeadsShape> shape_;
-  Vector<Storage> k_;  // Eigen leaves a moved-from vector empty
-  Vector<Storage> v_;
+  CacheBuffer<Storage> k_;  // Eigen and the standard library leave a moved-from buffer empty
+  CacheBuffer<Storage> v_;
 };
 
 }  // namespace detail

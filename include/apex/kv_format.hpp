@@ -84,6 +84,15 @@ Index row_values(const HeadsView<T>& view) {
 
 namespace detail {
 
+/// The first element of row s of head (b, h) of a view (a batch or head axis of extent 1
+/// broadcasts), by the view's strides: elements of any format, no Eigen map of them.
+template <class T>
+T* row_data(const HeadsView<T>& view, Index b, Index h, Index s) {
+  const Index bb = view.batch() == 1 ? 0 : b;
+  const Index hh = view.heads() == 1 ? 0 : h;
+  return view.data() + bb * view.batch_stride() + hh * view.head_stride() + s * view.row_stride();
+}
+
 /// Formats other than apex's K/V formats are rejected at compile time.
 template <class T>
 constexpr void require_kv_format() {

@@ -90,20 +90,12 @@ class SegmentHead {
   /// The rows of the run that starts at `row` (row < the head's rows).
   ConstRows<T> rows(Index row) const {
     const Index stride = view_.row_stride();
-    if (pages_ == nullptr) return {head_data(b_) + row * stride, stride};
+    if (pages_ == nullptr) return {row_data(view_, b_, h_, row), stride};
     const Index page = view_.seq();
-    return {head_data(pages_[row / page]) + row % page * stride, stride};
+    return {row_data(view_, pages_[row / page], h_, row % page), stride};
   }
 
  private:
-  /// The first row of head h_ of batch b (a batch or head axis of extent 1 broadcasts), by the
-  /// view's strides: elements of any format, no Eigen map of them.
-  const T* head_data(Index b) const {
-    const Index bb = view_.batch() == 1 ? 0 : b;
-    const Index hh = view_.heads() == 1 ? 0 : h_;
-    return view_.data() + bb * view_.batch_stride() + hh * view_.head_stride();
-  }
-
   HeadsView<const T> view_;
   const Index* pages_;
   Index b_, h_;
