@@ -13,11 +13,13 @@
 //                means a time in proportion to the allowed pairs. BM_Sdpa_Fast/causal/f16 and /bf16
 //                store K and V in 16 bits (Q and the output in float); /bf16_products also
 //                permits bfloat16 products (SdpaParams::allow_bf16_products: AVX512-BF16's dot
-//                products where the CPU has them). Compare with BM_Sdpa_Fast/causal at the same S
-//                and with BM_FmaPeak.
+//                products where the CPU has them); /q8_0 stores them as q8_0 blocks, widened a
+//                block of keys at a time. Compare with BM_Sdpa_Fast/causal at the same S and
+//                with BM_FmaPeak.
 //   BM_Decode_Fast/<precision>  one new token against a cache of S tokens, H_q = 32, H_kv = 8,
-//                d_h = 128, K and V stored as f32, f16 or bf16: GBps counts the K and V bytes
-//                as stored, which every call reads once. Compare with BM_MemRead.
+//                d_h = 128, K and V stored as f32, f16, bf16, q8_0, q4_0 or fp8_e4m3 (blocks of
+//                128 with a float scale): GBps counts the K and V bytes as stored, which every
+//                call reads once. Compare with BM_MemRead, and the formats' times with f16's.
 //   BM_Sdpa_Fast_PeakMemory  causal attention over S = 65536 (one head, d_h = 128): extra_MiB
 //                is the growth of the peak resident set during the call, beyond the inputs and
 //                the output that already exist (the kernel promises O(block²) per thread). The
@@ -30,6 +32,7 @@
 #endif
 
 #include <apex/config.hpp>
+#include <apex/kv_quant.hpp>
 #include <apex/mask.hpp>
 #include <apex/sdpa.hpp>
 #include <apex/storage.hpp>
@@ -116,20 +119,38 @@ double allowed_pairs(Mask mask, Index s) {
 }
 
 /// [1, heads, seq, d] contiguous inputs with uniform values in [-1, 1), stored as T (float,
-/// Eigen::half or Eigen::bfloat16).
+/// Eigen::half or Eigen::bfloat16, or the blocks of a quantized format of kv_quant.hpp).
 template <class T = float>
 struct HeadsInput {
   HeadsInput(Index heads, Index seq, Index dim, std::uint64_t seed)
-      : data(apex::bench::random_matrix<float>(heads * seq, dim, seed).cast<T>()),
-        view(apex::HeadsView<const T>::contiguous(data.data(), {1, heads, seq, dim})) {}
-  RowMatrix<T> data;
+      : values(apex::bench::random_matrix<float>(heads * seq, dim, seed)),
+        data(stored(values)),
+        view(apex::HeadsView<const T>::contiguous(
+            data.data(), {1, heads, seq, apex::KvFormat<T>::elements(dim)})) {}
+  RowMatrix<float> values;
+  std::conditional_t<apex::is_storage_v<T>, RowMatrix<T>, std::vector<T>> data;
   apex::HeadsView<const T> view;
+
+ private:
+  static auto stored(const RowMatrix<float>& x) {
+    if constexpr (apex::is_storage_v<T>) {
+      return RowMatrix<T>(x.cast<T>());
+    } else {
+      using Format = apex::KvFormat<T>;
+      const Index per_row = Format::elements(x.cols());
+      std::vector<T> blocks(static_cast<std::size_t>(x.rows() * per_row));
+      for (Index r = 0; r < x.rows(); ++r) {
+        Format::store_row(x.row(r).data(), x.cols(), blocks.data() + r * per_row);
+      }
+      return blocks;
+    }
+  }
 };
 
 /// The storage types of K and V that the benchmarks compare, named as in their names;
 /// kBF16Products stores them as bfloat16 and permits bfloat16 products
 /// (SdpaParams::allow_bf16_products).
-enum class Precision { kF32, kF16, kBF16, kBF16Products };
+enum class Precision { kF32, kF16, kBF16, kBF16Products, kQ8_0, kQ4_0, kFp8E4m3 };
 
 /// Calls f(T{}) with T the storage type of `precision`.
 template <class F>
@@ -142,6 +163,12 @@ void with_precision(Precision precision, F&& f) {
     case Precision::kBF16:
     case Precision::kBF16Products:
       return f(Eigen::bfloat16{});
+    case Precision::kQ8_0:
+      return f(apex::BlockQ8_0{});
+    case Precision::kQ4_0:
+      return f(apex::BlockQ4_0{});
+    case Precision::kFp8E4m3:
+      return f(apex::BlockFp8E4m3<128>{});
   }
 }
 
@@ -173,11 +200,16 @@ void run_prefill(benchmark::State& state, Mask mask, bool reference, Precision p
     params.allow_bf16_products = precision == Precision::kBF16Products;
     const auto rules = user_causal_rule();
     for (auto _ : state) {
-      if (reference) {
-        apex::reference::sdpa(q.view, k.view, v.view, attention_mask, params, out.view);
-      } else if (mask == Mask::kUserCausal) {
+      bool by_reference = false;  // the reference reads scalar storage only
+      if constexpr (apex::is_storage_v<T>) {
+        by_reference = reference;
+        if (reference) {
+          apex::reference::sdpa(q.view, k.view, v.view, attention_mask, params, out.view);
+        }
+      }
+      if (!by_reference && mask == Mask::kUserCausal) {
         apex::sdpa(q.view, k.view, v.view, attention_mask, params, rules, out.view);
-      } else {
+      } else if (!by_reference) {
         apex::sdpa(q.view, k.view, v.view, attention_mask, params, out.view);
       }
       benchmark::DoNotOptimize(out.data.data());
@@ -208,7 +240,8 @@ void run_decode(benchmark::State& state, Precision precision) {
       benchmark::DoNotOptimize(out.data.data());
       benchmark::ClobberMemory();
     }
-    kv_bytes = 2.0 * static_cast<double>(s * kKvHeads * kHeadDim) * sizeof(T);
+    using Format = apex::KvFormat<T>;
+    kv_bytes = 2.0 * static_cast<double>(Format::bytes(s * kKvHeads * Format::elements(kHeadDim)));
   });
   state.counters["GBps"] = apex::bench::gbps(state, kv_bytes);
 }
@@ -292,9 +325,11 @@ const bool kRegistered = [] {
   prefill("BM_Sdpa_Fast/causal/bf16", Mask::kCausal, false, Precision::kBF16)->Arg(4096);
   prefill("BM_Sdpa_Fast/causal/bf16_products", Mask::kCausal, false, Precision::kBF16Products)
       ->Arg(4096);
+  prefill("BM_Sdpa_Fast/causal/q8_0", Mask::kCausal, false, Precision::kQ8_0)->Arg(4096);
   for (const auto& [name, precision] :
        {std::pair{"f32", Precision::kF32}, std::pair{"f16", Precision::kF16},
-        std::pair{"bf16", Precision::kBF16}}) {
+        std::pair{"bf16", Precision::kBF16}, std::pair{"q8_0", Precision::kQ8_0},
+        std::pair{"q4_0", Precision::kQ4_0}, std::pair{"fp8_e4m3", Precision::kFp8E4m3}}) {
     const Precision p = precision;
     benchmark::RegisterBenchmark((std::string("BM_Decode_Fast/") + name).c_str(),
                                  [p](benchmark::State& state) { run_decode(state, p); })
