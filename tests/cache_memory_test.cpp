@@ -134,3 +134,36 @@ TEST(CacheMemory, SizesBeyond64BitsAreRejectedNotWrapped) {
 }
 
 }  // namespace
+
+TEST(CacheMemory, FormatsCountTheirBlocks) {
+  // 2·B·S·H_kv·(bytes of a row of d_h values): half 2 bytes a value, q8_0 34 per 32, q4_0 18 per
+  // 32, fp8 with a float scale per 128 values 132 per 128.
+  EXPECT_EQ(apex::kv_cache_bytes<Eigen::half>(1, 131072, 8, 128),
+            apex::kv_cache_bytes(1, 131072, 8, 128, 2));
+  EXPECT_EQ(apex::kv_cache_bytes<apex::BlockQ8_0>(2, 100, 8, 128), 2LL * 2 * 100 * 8 * 4 * 34);
+  EXPECT_EQ(apex::kv_cache_bytes<apex::BlockQ4_0>(1, 100, 8, 128), 2LL * 100 * 8 * 4 * 18);
+  EXPECT_EQ(apex::kv_cache_bytes<apex::BlockFp8E4m3<128>>(1, 100, 8, 256), 2LL * 100 * 8 * 2 * 132);
+  expect_invalid([] { (void)apex::kv_cache_bytes<apex::BlockQ8_0>(1, 1, 1, 48); },
+                 {"[kv_cache_bytes] head_dim (48)", "multiple of the 32"});
+}
+
+TEST(CacheMemory, QuantizedCachesOfApex1Large) {
+  constexpr std::int64_t kMiB = std::int64_t{1} << 20;
+  const auto rows = apex::quantized_cache_comparison(apex1_large(1));
+  ASSERT_EQ(rows.size(), 6u);
+  EXPECT_EQ(rows[0].method, "GQA, FP16");
+  EXPECT_EQ(rows[0].bytes_per_layer, 512 * kMiB);  // the GQA row of cache_comparison
+  EXPECT_DOUBLE_EQ(rows[0].relative, 0.0625);
+  EXPECT_EQ(rows[1].bytes_per_layer, 272 * kMiB);  // 8.5 bits a value
+  EXPECT_EQ(rows[2].bytes_per_layer, 144 * kMiB);  // 4.5 bits a value
+  EXPECT_EQ(rows[3].bytes_per_layer, 264 * kMiB);  // 8.25 bits a value
+  EXPECT_EQ(rows[4].bytes_per_layer, 144 * kMiB);  // 576 values of 2 bytes
+  // FlashMLA's fp8 layout: 512 e4m3 codes, 4 float scales, 64 bfloat16 values = 656 bytes.
+  EXPECT_EQ(rows[5].bytes_per_layer, 131072LL * 656);
+  expect_invalid([] { (void)apex::quantized_cache_comparison(apex::CacheComparisonParams{}); },
+                 "[cache_comparison]");
+  apex::CacheComparisonParams odd = apex1_large(1);
+  odd.head_dim = 96;
+  expect_invalid([&] { (void)apex::quantized_cache_comparison(odd); },
+                 {"[quantized_cache_comparison] head_dim (96)"});
+}

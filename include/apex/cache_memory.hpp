@@ -6,6 +6,8 @@
 #pragma once
 
 #include <apex/config.hpp>
+#include <apex/kv_format.hpp>
+#include <apex/kv_quant.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -44,6 +46,19 @@ inline std::int64_t kv_cache_bytes(std::int64_t batch, std::int64_t seq, std::in
                                    std::int64_t head_dim, std::int64_t bytes_per_value) {
   return detail::checked_kv_cache_bytes(batch, seq, num_kv_heads, head_dim, bytes_per_value,
                                         "kv_cache_bytes");
+}
+
+/// Bytes of the KV cache of one layer whose rows are stored in format F (kv_format.hpp, e.g.
+/// Eigen::half or BlockQ8_0): 2·B·S·H_kv·bytes(a row of d_h values). Throws unless d_h is a whole
+/// number of F's blocks, on a negative argument or on a size beyond 64 bits.
+template <class F>
+std::int64_t kv_cache_bytes(std::int64_t batch, std::int64_t seq, std::int64_t num_kv_heads,
+                            std::int64_t head_dim) {
+  const char* op = "kv_cache_bytes";
+  APEX_CHECK(head_dim >= 0, "[" << op << "] head_dim (" << head_dim << ") must not be negative");
+  detail::check_row_values<F>(head_dim, op, "head_dim");
+  const std::int64_t row = KvFormat<F>::bytes(KvFormat<F>::elements(head_dim));
+  return detail::checked_product({2, batch, seq, num_kv_heads, row}, op, "2*B*S*H_kv*row bytes");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -157,6 +172,52 @@ inline std::vector<CacheComparisonRow> cache_comparison(const CacheComparisonPar
       row("MLA", "c_kv + K_rope (" + std::to_string(p.rope_heads) + " heads)", latent_values,
           detail::checked_product({p.batch, p.context, latent_values, p.bytes_per_value}, op,
                                   "B*S*(d_kv + H_kr*d_r)*bytes")),
+  };
+}
+
+/// The comparison of cache_comparison along the other axis, bits per value, for the same
+/// dimensions: one layer's GQA cache (H_kv heads) and MLA cache (c_kv + K_rope) in each K/V
+/// format, relative to the MHA row of cache_comparison at p.bytes_per_value:
+///   GQA, FP16 / q8_0 / q4_0 / fp8 e4m3   2·H_kv heads of d_h in the format (fp8: a float scale
+///                                        per 128 values)
+///   MLA, FP16                            d_kv + H_kr·d_r values of 2 bytes
+///   MLA, fp8 (FlashMLA's layout)         c_kv in e4m3 with a float scale per 128 values, K_rope
+///                                        kept in bfloat16: d_kv + 4·d_kv/128 + 2·H_kr·d_r bytes
+///                                        (656 at d_kv = 512, H_kr·d_r = 64)
+/// Throws as cache_comparison does, and unless d_h and d_kv are multiples of 128 (the blocks of
+/// the formats compared). Allocates the rows.
+inline std::vector<CacheComparisonRow> quantized_cache_comparison(const CacheComparisonParams& p) {
+  const char* op = "quantized_cache_comparison";
+  const std::int64_t mha = cache_comparison(p).front().bytes_per_layer;  // checks p
+  detail::check_row_values<BlockFp8E4m3<128>>(p.head_dim, op, "head_dim");
+  detail::check_row_values<BlockFp8E4m3<128>>(p.latent_dim, op, "latent_dim");
+  const auto row = [&](std::string method, std::string cached, std::int64_t values,
+                       std::int64_t bytes) {
+    return CacheComparisonRow{std::move(method), std::move(cached), values, bytes,
+                              static_cast<double>(bytes) / static_cast<double>(mha)};
+  };
+  const std::int64_t gqa_values =
+      detail::checked_product({2, p.num_kv_heads, p.head_dim}, op, "2*H_kv*d_h");
+  const std::string heads = "K + V, " + std::to_string(p.num_kv_heads) + " heads, ";
+  const auto gqa = [&](const char* name, std::int64_t bytes) {
+    return row(std::string("GQA, ") + name, heads + name, gqa_values, bytes);
+  };
+  const std::int64_t rope = detail::checked_product(p.rope_heads, p.rope_dim, op, "H_kr*d_r");
+  const std::int64_t latent_values = detail::checked_sum(p.latent_dim, rope, op, "d_kv + H_kr*d_r");
+  const std::int64_t fp8_row_bytes = detail::checked_sum(
+      KvFormat<BlockFp8E4m3<128>>::bytes(p.latent_dim / 128), 2 * rope, op, "latent row bytes");
+  const auto tokens = [&](std::int64_t row_bytes) {
+    return detail::checked_product({p.batch, p.context, row_bytes}, op, "B*S*row bytes");
+  };
+  return {
+      gqa("FP16", kv_cache_bytes<Eigen::half>(p.batch, p.context, p.num_kv_heads, p.head_dim)),
+      gqa("q8_0", kv_cache_bytes<BlockQ8_0>(p.batch, p.context, p.num_kv_heads, p.head_dim)),
+      gqa("q4_0", kv_cache_bytes<BlockQ4_0>(p.batch, p.context, p.num_kv_heads, p.head_dim)),
+      gqa("fp8 e4m3",
+          kv_cache_bytes<BlockFp8E4m3<128>>(p.batch, p.context, p.num_kv_heads, p.head_dim)),
+      row("MLA, FP16", "c_kv + K_rope", latent_values,
+          tokens(detail::checked_product(latent_values, 2, op, "latent row bytes"))),
+      row("MLA, fp8 (FlashMLA)", "c_kv e4m3, K_rope bf16", latent_values, tokens(fp8_row_bytes)),
   };
 }
 
