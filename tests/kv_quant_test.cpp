@@ -9,6 +9,7 @@
 //     other blocks unchanged;
 //   - attention over quantized K and V is attention over the values they decode to: bit for bit
 //     the float kernel on those values, and within the float tolerance of the double loops.
+#include <apex/cached_attention.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/kv_quant.hpp>
 #include <apex/sdpa.hpp>
@@ -562,6 +563,44 @@ TYPED_TEST(QuantizedAttention, SlidingWindowCacheKeepsTheLastRows) {
     position += n;
   }
   EXPECT_EQ(position, 7);
+}
+
+}  // namespace
+
+namespace {
+
+TYPED_TEST(QuantizedAttention, WindowCacheAttendsOverWhatItKeeps) {
+  // Decoding chunk by chunk over a quantized ring equals decoding over a float ring that holds
+  // the decoded values, bit for bit: the chunk is quantized as the ring will keep it.
+  using F = TypeParam;
+  constexpr Index kBlock = apex::KvFormat<F>::kValuesPerElement;
+  constexpr Index kWindow = 6;
+  apex::SlidingWindowCache<float, F> ring({1, 2, kBlock, kWindow});
+  apex::SlidingWindowCache<float> plain({1, 2, kBlock, kWindow});
+  apex::PositionMask rule = apex::causal_mask();
+  rule.window = kWindow;
+  std::mt19937 gen(8);
+  Index position = 0;
+  for (const Index n : {Index{4}, Index{1}, Index{5}, Index{2}}) {
+    const apex::HeadsShape kv{1, 2, n, kBlock}, q_shape{1, 4, n, kBlock};
+    const std::vector<float> q = random_chunk(q_shape, gen);
+    const std::vector<float> k = random_chunk(kv, gen), v = random_chunk(kv, gen);
+    const std::vector<float> kd = round_trip<F>(k, kBlock), vd = round_trip<F>(v, kBlock);
+    const auto view = [&](const std::vector<float>& x, const apex::HeadsShape& s) {
+      return apex::HeadsView<const float>::contiguous(x.data(), s);
+    };
+    std::vector<float> out(q.size()), expected(q.size());
+    apex::sdpa_with_window_cache<float, F>(view(q, q_shape), view(k, kv), view(v, kv), rule, {},
+                                           ring,
+                                           apex::HeadsView<float>::contiguous(out.data(), q_shape));
+    apex::sdpa_with_window_cache<float, float>(
+        view(q, q_shape), view(kd, kv), view(vd, kv), rule, {}, plain,
+        apex::HeadsView<float>::contiguous(expected.data(), q_shape));
+    ASSERT_EQ(out, expected) << "at position " << position;
+    ring.append(view(k, kv), view(v, kv), position);
+    plain.append(view(kd, kv), view(vd, kv), position);
+    position += n;
+  }
 }
 
 }  // namespace

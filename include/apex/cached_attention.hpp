@@ -93,16 +93,25 @@ void check_window_attention(const ConstHeadsView<Scalar>& q, const ConstHeadsVie
   APEX_CHECK(!overlap, "[" << op << "] out must not share memory with q, the chunk or the cache");
 }
 
-/// A contiguous copy of a [B, H, S, D] view with every element rounded once to Storage.
+/// A chunk's rows stored as a cache of format Storage stores them: the buffer, and a contiguous
+/// [B, H, n, D / kValuesPerElement] view of it.
+template <class Storage>
+struct StoredChunk {
+  CacheBuffer<Storage> buffer;
+  HeadsView<const Storage> view;
+};
+
+/// A contiguous copy of a [B, H, n, D] view stored through Storage's format (write_rows: every
+/// value rounded or quantized once, as a cache stores it). Allocates the copy.
 template <class Storage, class Scalar>
-HeadsTensor<Storage> stored_copy(const HeadsView<const Scalar>& from) {
-  HeadsTensor<Storage> to(from.shape());
-  for (Index b = 0; b < from.batch(); ++b) {
-    for (Index h = 0; h < from.heads(); ++h) {
-      to.head(b, h) = rounded<Storage>(from.head(b, h).array()).matrix();
-    }
-  }
-  return to;
+StoredChunk<Storage> stored_copy(const HeadsView<const Scalar>& from) {
+  const HeadsShape& s = from.shape();
+  const HeadsShape stored{s.batch, s.heads, s.seq, KvFormat<Storage>::elements(s.dim)};
+  StoredChunk<Storage> chunk;
+  chunk.buffer = zeroed_buffer<Storage>(s.batch * s.heads * s.seq * stored.dim);
+  write_rows(from, chunk.buffer.data(), s.seq, 0, s.seq, 0);
+  chunk.view = HeadsView<const Storage>::contiguous(chunk.buffer.data(), stored);
+  return chunk;
 }
 
 }  // namespace detail
@@ -119,10 +128,10 @@ HeadsTensor<Storage> stored_copy(const HeadsView<const Scalar>& from) {
 ///   -> out: [B, H_q, n, d_h] (any layout with distinct elements; must not overlap the inputs or
 ///      the cache).
 /// Every check runs before out is written. Allocates nothing beyond sdpa's scratch when the
-/// cache stores Scalar. A cache of another Storage (16 bits) holds its tokens rounded: the chunk's
-/// keys and values are rounded to Storage too (a copy of 2·B·H_kv·n·d_h elements of Storage,
-/// allocated), so that every token is attended to with the values the cache keeps of it, in its
-/// own chunk as afterwards.
+/// cache stores Scalar. A cache of another format (16 bits, or the blocks of kv_quant.hpp) holds
+/// its tokens rounded or quantized: the chunk's keys and values are stored so too (a copy of
+/// 2·B·H_kv·n rows in the format, allocated), so that every token is attended to with the values
+/// the cache keeps of it, in its own chunk as afterwards.
 template <class Scalar, class Storage>
 void sdpa_with_window_cache(const ConstHeadsView<Scalar>& q, const ConstHeadsView<Scalar>& k_new,
                             const ConstHeadsView<Scalar>& v_new, const PositionMask& rule,
@@ -132,7 +141,7 @@ void sdpa_with_window_cache(const ConstHeadsView<Scalar>& q, const ConstHeadsVie
   detail::require_supported_scalar<Scalar>();
   const char* op = "sdpa_with_window_cache";
   detail::check_window_attention(q, k_new, v_new, rule, params, cache, out, op);
-  HeadsTensor<Storage> k_stored, v_stored;
+  detail::StoredChunk<Storage> k_stored, v_stored;
   HeadsView<const Storage> k_chunk, v_chunk;
   if constexpr (std::is_same_v<Storage, Scalar>) {
     k_chunk = k_new;
@@ -140,8 +149,8 @@ void sdpa_with_window_cache(const ConstHeadsView<Scalar>& q, const ConstHeadsVie
   } else {
     k_stored = detail::stored_copy<Storage>(k_new);
     v_stored = detail::stored_copy<Storage>(v_new);
-    k_chunk = std::as_const(k_stored).view();
-    v_chunk = std::as_const(v_stored).view();
+    k_chunk = k_stored.view;
+    v_chunk = v_stored.view;
   }
   const Index next = cache.next_position();
   std::array<detail::KeySegment<Storage, Storage>, 3> segments;
