@@ -604,3 +604,83 @@ TYPED_TEST(QuantizedAttention, WindowCacheAttendsOverWhatItKeeps) {
 }
 
 }  // namespace
+
+namespace {
+
+template <class F>
+class QuantizedLatent : public ::testing::Test {};
+using LatentFormats = ::testing::Types<apex::BlockQ8_0, apex::BlockQ4_0, apex::BlockFp8E4m3<64>>;
+TYPED_TEST_SUITE(QuantizedLatent, LatentFormats);
+
+TYPED_TEST(QuantizedLatent, LatentCacheStoresEachPartAndAbsorbedAttentionReadsIt) {
+  // c_kv (d_kv = 128) and K_rope (H_kr = 2 heads of d_r = 64) quantized part by part, so that
+  // no block straddles them; attention with K = whole rows and V = c_kv, as absorbed MLA
+  // attends, is the float kernel's over the decoded rows.
+  using F = TypeParam;
+  constexpr Index kLatent = 128, kRope = 64, kRopeHeads = 2, kWidth = kLatent + kRopeHeads * kRope;
+  apex::LatentCache<float, F> cache({2, kLatent, kRopeHeads, kRope, 16});
+  EXPECT_EQ(cache.bytes(),
+            2 * 16 * apex::KvFormat<F>::bytes(kWidth / apex::KvFormat<F>::kValuesPerElement));
+  std::mt19937 gen(12);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  apex::RowMatrix<float> c(2 * 3, kLatent), r(2 * 3, kRopeHeads * kRope), whole(2 * 2, kWidth);
+  for (apex::RowMatrix<float>* m : {&c, &r, &whole}) {
+    *m = m->unaryExpr([&](float) { return normal(gen); });
+  }
+  cache.append(c, r, 0);
+  cache.append(whole, 3);
+  ASSERT_EQ(cache.size(), 5);
+  // What the cache holds: each part of each row quantized alone.
+  const std::vector<float> rows = decoded(cache.rows());
+  for (Index b = 0; b < 2; ++b) {
+    for (Index t = 0; t < 5; ++t) {
+      std::vector<float> latent(kLatent), rope(kRopeHeads * kRope);
+      if (t < 3) {
+        latent.assign(c.row(b * 3 + t).data(), c.row(b * 3 + t).data() + kLatent);
+        rope.assign(r.row(b * 3 + t).data(), r.row(b * 3 + t).data() + kRopeHeads * kRope);
+      } else {
+        const float* w = whole.row(b * 2 + t - 3).data();
+        latent.assign(w, w + kLatent);
+        rope.assign(w + kLatent, w + kWidth);
+      }
+      const std::vector<float> ld = round_trip<F>(latent, kLatent), rd = round_trip<F>(rope, kRope);
+      for (Index j = 0; j < kWidth; ++j) {
+        const float expected = j < kLatent ? ld[static_cast<std::size_t>(j)]
+                                           : rd[static_cast<std::size_t>(j - kLatent)];
+        ASSERT_EQ(rows[static_cast<std::size_t>((b * 5 + t) * kWidth + j)], expected);
+      }
+    }
+  }
+  EXPECT_EQ(decoded(cache.latent()).size(), static_cast<std::size_t>(2 * 5 * kLatent));
+  EXPECT_EQ(decoded(cache.rope_keys()).size(),
+            static_cast<std::size_t>(2 * kRopeHeads * 5 * kRope));
+  // Absorbed attention: 4 query heads over K = rows, V = c_kv.
+  const std::vector<float> latent_values = decoded(cache.latent());
+  const apex::HeadsShape q_shape{2, 4, 2, kWidth}, o_shape{2, 4, 2, kLatent};
+  const std::vector<float> q = random_chunk(q_shape, gen);
+  std::vector<float> out(static_cast<std::size_t>(2 * 4 * 2 * kLatent)), expected(out.size());
+  const auto qv = apex::HeadsView<const float>::contiguous(q.data(), q_shape);
+  apex::sdpa(qv, cache.rows(), cache.latent(), apex::AttentionMask<float>{}, apex::SdpaParams{},
+             apex::HeadsView<float>::contiguous(out.data(), o_shape));
+  apex::sdpa(qv, apex::HeadsView<const float>::contiguous(rows.data(), {2, 1, 5, kWidth}),
+             apex::HeadsView<const float>::contiguous(latent_values.data(), {2, 1, 5, kLatent}),
+             apex::AttentionMask<float>{}, apex::SdpaParams{},
+             apex::HeadsView<float>::contiguous(expected.data(), o_shape));
+  EXPECT_EQ(out, expected);
+  cache.reserve(40);
+  EXPECT_EQ(decoded(cache.rows()), rows);
+}
+
+TEST(QuantizedLatentShapes, PartsMustBeWholeBlocks) {
+  try {
+    apex::LatentCache<float, apex::BlockFp8E4m3<128>> bad({1, 512, 1, 64, 8});
+    FAIL() << "d_r = 64 is not a whole block of 128";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[latent_cache] rope_dim d_r (64)"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW((apex::LatentCache<float, apex::BlockQ8_0>({1, 100, 1, 64, 8})),
+               std::invalid_argument);
+}
+
+}  // namespace

@@ -457,7 +457,7 @@ class LatentCache {
   /// Allocates the rows. Throws unless every extent is >= 1 (and rope_dim is even).
   explicit LatentCache(const LatentCacheShape& shape) {
     detail::require_supported_scalar<Scalar>();
-    detail::require_storage_type<Storage>();
+    detail::require_kv_format<Storage>();
     APEX_CHECK(shape.batch >= 1, "[latent_cache] batch (" << shape.batch << ") must be >= 1");
     APEX_CHECK(shape.latent_dim >= 1,
                "[latent_cache] latent_dim d_kv (" << shape.latent_dim << ") must be >= 1");
@@ -468,11 +468,13 @@ class LatentCache {
         "[latent_cache] rope_dim d_r (" << shape.rope_dim << ") must be even and at least 2");
     APEX_CHECK(shape.capacity >= 1,
                "[latent_cache] capacity (" << shape.capacity << ") must be >= 1");
+    detail::check_row_values<Storage>(shape.latent_dim, "latent_cache", "latent_dim d_kv");
+    detail::check_row_values<Storage>(shape.rope_dim, "latent_cache", "rope_dim d_r");
     detail::checked_sum(
         shape.latent_dim,
         detail::checked_product(shape.rope_heads, shape.rope_dim, "latent_cache", "H_kr*d_r"),
         "latent_cache", "d_kv + H_kr*d_r");
-    rows_ = Vector<Storage>::Zero(storage_size(shape, shape.capacity));
+    rows_ = detail::zeroed_buffer<Storage>(storage_size(shape, shape.capacity));
     shape_ = shape;
   }
 
@@ -492,7 +494,7 @@ class LatentCache {
   Index size() const { return size_; }
   /// Absolute position of the next token to append (= size()).
   Index next_position() const { return size_; }
-  /// Exact bytes of the stored values: B·C·(d_kv + H_kr·d_r)·sizeof(Storage).
+  /// Exact bytes of the stored values: B·C rows of d_kv + H_kr·d_r values in Storage's format.
   std::int64_t bytes() const {
     return KvFormat<Storage>::bytes(static_cast<std::int64_t>(rows_.size()));
   }
@@ -517,10 +519,12 @@ class LatentCache {
     const Index n = c.rows() / batch();
     check_room(n);
     for (Index b = 0; b < batch(); ++b) {
-      auto target = batch_rows(b).middleRows(size_, n);
-      KvFormat<Storage>::store_rows(target.leftCols(latent_dim()), c.middleRows(b * n, n));
-      KvFormat<Storage>::store_rows(target.rightCols(rope_heads() * rope_dim()),
-                                    r.middleRows(b * n, n));
+      for (Index t = 0; t < n; ++t) {
+        Storage* row = row_at(b, size_ + t);
+        KvFormat<Storage>::store_row(c.row(b * n + t).data(), latent_dim(), row);
+        KvFormat<Storage>::store_row(r.row(b * n + t).data(), rope_heads() * rope_dim(),
+                                     row + elements(latent_dim()));
+      }
     }
     size_.get() += n;
   }
@@ -536,7 +540,14 @@ class LatentCache {
     const Index n = r.rows() / batch();
     check_room(n);
     for (Index b = 0; b < batch(); ++b) {
-      KvFormat<Storage>::store_rows(batch_rows(b).middleRows(size_, n), r.middleRows(b * n, n));
+      for (Index t = 0; t < n; ++t) {
+        // The c_kv and K_rope parts separately, so that no block straddles the two.
+        const Scalar* from = r.row(b * n + t).data();
+        Storage* row = row_at(b, size_ + t);
+        KvFormat<Storage>::store_row(from, latent_dim(), row);
+        KvFormat<Storage>::store_row(from + latent_dim(), rope_heads() * rope_dim(),
+                                     row + elements(latent_dim()));
+      }
     }
     size_.get() += n;
   }
@@ -550,21 +561,27 @@ class LatentCache {
                                                "a larger capacity");
   }
 
-  /// [B, 1, size(), d_kv]: the cached c_kv (row stride d_kv + H_kr·d_r).
+  /// [B, 1, size(), d_kv]: the cached c_kv (row stride d_kv + H_kr·d_r). The extents and
+  /// strides of these views count elements of Storage (values, for the scalar formats; blocks
+  /// of a quantized one: row_values gives the values).
   HeadsView<const Storage> latent() const {
-    return HeadsView<const Storage>(rows_.data(), {batch(), 1, size_, latent_dim()},
-                                    {capacity() * row_width(), 0, row_width()});
+    const Index stride = elements(row_width());
+    return HeadsView<const Storage>(rows_.data(), {batch(), 1, size_, elements(latent_dim())},
+                                    {capacity() * stride, 0, stride});
   }
   /// [B, H_kr, size(), d_r]: the cached rotated K_rope.
   HeadsView<const Storage> rope_keys() const {
-    return HeadsView<const Storage>(size_ == 0 ? rows_.data() : rows_.data() + latent_dim(),
-                                    {batch(), rope_heads(), size_, rope_dim()},
-                                    {capacity() * row_width(), rope_dim(), row_width()});
+    const Index stride = elements(row_width());
+    const Index head = elements(rope_dim());
+    return HeadsView<const Storage>(
+        size_ == 0 ? rows_.data() : rows_.data() + elements(latent_dim()),
+        {batch(), rope_heads(), size_, head}, {capacity() * stride, head, stride});
   }
   /// [B, 1, size(), d_kv + H_kr·d_r]: whole rows [c_kv ‖ K_rope], the keys of absorbed MLA.
   HeadsView<const Storage> rows() const {
-    return HeadsView<const Storage>(rows_.data(), {batch(), 1, size_, row_width()},
-                                    {capacity() * row_width(), 0, row_width()});
+    const Index stride = elements(row_width());
+    return HeadsView<const Storage>(rows_.data(), {batch(), 1, size_, stride},
+                                    {capacity() * stride, 0, stride});
   }
 
   /// Drops the tokens at positions >= new_size (0 <= new_size <= size()). O(1).
@@ -581,11 +598,11 @@ class LatentCache {
   void reserve(Index capacity) {
     detail::check_constructed(batch() >= 1, "latent_cache", "cache");
     if (capacity <= this->capacity()) return;
-    Vector<Storage> rows = Vector<Storage>::Zero(storage_size(shape(), capacity));
+    detail::CacheBuffer<Storage> rows =
+        detail::zeroed_buffer<Storage>(storage_size(shape(), capacity));
+    const Index stride = elements(row_width());
     for (Index b = 0; b < batch(); ++b) {
-      Eigen::Map<RowMatrix<Storage>>(rows.data() + b * capacity * row_width(), capacity,
-                                     row_width())
-          .topRows(size_) = batch_rows(b).topRows(size_);
+      std::copy_n(row_at(b, 0), size_ * stride, rows.data() + b * capacity * stride);
     }
     rows_ = std::move(rows);
     shape_.get().capacity = capacity;
@@ -597,23 +614,25 @@ class LatentCache {
  private:
   const LatentCacheShape& shape() const { return shape_; }
 
-  /// Scalars of [B, capacity, d_kv + H_kr·d_r], checked together with their bytes.
+  /// Elements of Storage in `values` values (a whole number of blocks: checked at construction).
+  static Index elements(Index values) { return KvFormat<Storage>::elements(values); }
+
+  /// Elements of [B, capacity, d_kv + H_kr·d_r], checked together with their bytes.
   static Index storage_size(const LatentCacheShape& s, Index capacity) {
-    const Index width = s.latent_dim + s.rope_heads * s.rope_dim;
-    const std::int64_t values =
+    const Index width = elements(s.latent_dim + s.rope_heads * s.rope_dim);
+    const std::int64_t count =
         detail::checked_product({s.batch, capacity, width}, "latent_cache", "B*C*row_width");
-    detail::checked_product(values, static_cast<std::int64_t>(sizeof(Storage)), "latent_cache",
+    detail::checked_product(count, static_cast<std::int64_t>(sizeof(Storage)), "latent_cache",
                             "cache bytes");
-    return static_cast<Index>(values);
+    return static_cast<Index>(count);
   }
 
-  Eigen::Map<RowMatrix<Storage>> batch_rows(Index b) {
-    return Eigen::Map<RowMatrix<Storage>>(rows_.data() + b * capacity() * row_width(), capacity(),
-                                          row_width());
+  /// The first element of token t's row of batch b.
+  Storage* row_at(Index b, Index t) {
+    return rows_.data() + (b * capacity() + t) * elements(row_width());
   }
-  Eigen::Map<const RowMatrix<Storage>> batch_rows(Index b) const {
-    return Eigen::Map<const RowMatrix<Storage>>(rows_.data() + b * capacity() * row_width(),
-                                                capacity(), row_width());
+  const Storage* row_at(Index b, Index t) const {
+    return rows_.data() + (b * capacity() + t) * elements(row_width());
   }
 
   void check_rows(Index rows, Index cols, Index width, const char* name, const char* what) const {
@@ -627,7 +646,7 @@ class LatentCache {
 
   detail::ResetOnMove<LatentCacheShape> shape_;
   detail::ResetOnMove<Index> size_;
-  Vector<Storage> rows_;
+  detail::CacheBuffer<Storage> rows_;
 };
 
 }  // namespace apex
