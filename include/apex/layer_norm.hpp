@@ -58,24 +58,28 @@ class OptionalNormVector<V, true> {
   ByteSpan span() const { return {}; }
 };
 
-/// The LayerNorm NormForm for the given γ and β.
-template <class G, class B>
-using LayerNormForm = NormForm<true, G::kSet ? NormScale::kGamma : NormScale::kNone, B::kSet>;
+/// LayerNorm's γ and β (each an OptionalNormVector), their NormForm, and the checks that
+/// check_norm_call makes on them: each set one has length d and overlaps no written view.
+template <class Gamma, class Beta>
+struct LayerNormVectors {
+  using G = OptionalNormVector<Gamma>;
+  using B = OptionalNormVector<Beta>;
+  /// The write's formula: centred, γ and β where set.
+  using Form = NormForm<true, G::kSet ? NormScale::kGamma : NormScale::kNone, B::kSet>;
 
-/// γ and β have length d when set.
-template <class G, class B>
-void check_layer_norm_lengths(const char* op, const G& g, const B& b, Index d) {
-  if constexpr (G::kSet) check_norm_vector_length(op, "gamma", g.size(), d);
-  if constexpr (B::kSet) check_norm_vector_length(op, "beta", b.size(), d);
-}
+  G gamma;
+  B beta;
 
-/// Neither γ nor β overlaps a view the call writes (unset ones are empty).
-template <class G, class B>
-void check_layer_norm_disjoint(const char* op, const G& g, const B& b, const char* written_name,
-                               ByteSpan written) {
-  check_norm_disjoint(op, "gamma", g.span(), written_name, written);
-  check_norm_disjoint(op, "beta", b.span(), written_name, written);
-}
+  LayerNormVectors(const Gamma& g, const Beta& b) : gamma(g), beta(b) {}
+  void check_lengths(const char* op, Index d) const {
+    if constexpr (G::kSet) check_norm_vector_length(op, "gamma", gamma.size(), d);
+    if constexpr (B::kSet) check_norm_vector_length(op, "beta", beta.size(), d);
+  }
+  void check_disjoint(const char* op, const char* written_name, ByteSpan written) const {
+    check_norm_disjoint(op, "gamma", gamma.span(), written_name, written);
+    check_norm_disjoint(op, "beta", beta.span(), written_name, written);
+  }
+};
 
 }  // namespace detail
 
@@ -103,24 +107,14 @@ void layer_norm(const Eigen::MatrixBase<Derived>& x, const Gamma& gamma, const B
                 const LayerNormParams& params, const Eigen::MatrixBase<OutDerived>& out_) {
   using TX = typename Derived::Scalar;
   using TO = typename OutDerived::Scalar;
-  detail::require_storage_type<TX>();
-  detail::require_storage_type<TO>();
+  detail::require_storage_types<TX, TO>();
   RowRef<TO> out(const_cast<OutDerived&>(out_.derived()));
 
   const ConstRowRef<TX> xr(x.derived());
-  const char* op = "layer_norm";
-  detail::check_norm_eps(op, params.eps);
-  using G = detail::OptionalNormVector<Gamma>;
-  using B = detail::OptionalNormVector<Beta>;
-  const G g(gamma);
-  const B b(beta);
-  detail::check_layer_norm_lengths(op, g, b, xr.cols());
-  detail::check_norm_shape(op, "out", xr, out);
-  detail::check_norm_out_vs_x(op, xr, out);
-  detail::check_layer_norm_disjoint(op, g, b, "out", detail::matrix_span(out));
-
-  using Form = detail::LayerNormForm<G, B>;
-  detail::norm_rows<Form>(xr, g.data(), b.data(), params.eps, out);
+  using Vectors = detail::LayerNormVectors<Gamma, Beta>;
+  const Vectors v(gamma, beta);
+  detail::check_norm_call("layer_norm", params.eps, v, xr, out);
+  detail::norm_rows<typename Vectors::Form>(xr, v.gamma.data(), v.beta.data(), params.eps, out);
 }
 
 /// LayerNorm returning a new [tokens, d] matrix of x's type; see the overload above.
@@ -128,11 +122,7 @@ template <class Derived, class Gamma, class Beta>
 RowMatrix<typename Derived::Scalar> layer_norm(const Eigen::MatrixBase<Derived>& x,
                                                const Gamma& gamma, const Beta& beta,
                                                const LayerNormParams& params = {}) {
-  using Scalar = typename Derived::Scalar;
-  detail::require_storage_type<Scalar>();
-  RowMatrix<Scalar> out(x.rows(), x.cols());
-  layer_norm(x, gamma, beta, params, out);
-  return out;
+  return detail::new_norm_output(x, [&](auto& out) { layer_norm(x, gamma, beta, params, out); });
 }
 
 /// The residual add of a block fused with the next LayerNorm:
@@ -152,32 +142,16 @@ void add_layer_norm(const Eigen::MatrixBase<Derived>& x,
   using TX = typename Derived::Scalar;
   using TR = typename ResidualDerived::Scalar;
   using TO = typename OutDerived::Scalar;
-  detail::require_storage_type<TX>();
-  detail::require_storage_type<TR>();
-  detail::require_storage_type<TO>();
+  detail::require_storage_types<TX, TR, TO>();
   RowRef<TR> residual(const_cast<ResidualDerived&>(residual_.derived()));
   RowRef<TO> out(const_cast<OutDerived&>(out_.derived()));
 
   const ConstRowRef<TX> xr(x.derived());
-  const char* op = "add_layer_norm";
-  detail::check_norm_eps(op, params.eps);
-  using G = detail::OptionalNormVector<Gamma>;
-  using B = detail::OptionalNormVector<Beta>;
-  const G g(gamma);
-  const B b(beta);
-  const detail::ByteSpan r_span = detail::matrix_span(residual);
-  const detail::ByteSpan out_span = detail::matrix_span(out);
-  detail::check_layer_norm_lengths(op, g, b, xr.cols());
-  detail::check_norm_shape(op, "residual", xr, residual);
-  detail::check_norm_shape(op, "out", xr, out);
-  detail::check_norm_out_vs_x(op, xr, out);
-  detail::check_norm_disjoint(op, "residual", r_span, "x", detail::matrix_span(xr));
-  detail::check_norm_disjoint(op, "out", out_span, "residual", r_span);
-  detail::check_layer_norm_disjoint(op, g, b, "out", out_span);
-  detail::check_layer_norm_disjoint(op, g, b, "residual", r_span);
-
-  using Form = detail::LayerNormForm<G, B>;
-  detail::add_norm_rows<Form>(xr, residual, g.data(), b.data(), params.eps, out);
+  using Vectors = detail::LayerNormVectors<Gamma, Beta>;
+  const Vectors v(gamma, beta);
+  detail::check_norm_call("add_layer_norm", params.eps, v, xr, out, &residual);
+  detail::add_norm_rows<typename Vectors::Form>(xr, residual, v.gamma.data(), v.beta.data(),
+                                                params.eps, out);
 }
 
 }  // namespace apex

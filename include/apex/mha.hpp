@@ -50,6 +50,21 @@ inline std::int64_t mha_parameter_count(std::int64_t d_model, std::int64_t num_q
 // Layout conversion
 // ---------------------------------------------------------------------------------------------
 
+namespace detail {
+
+/// split_heads' checks of its counts against x [rows, cols]: batch and heads are >= 1 and
+/// divide the rows and the columns.
+inline void check_split_counts(Index batch, Index heads, Index rows, Index cols) {
+  APEX_CHECK(batch >= 1 && rows % batch == 0,
+             "[split_heads] batch (" << batch << ") must be >= 1 and divide the rows of x (" << rows
+                                     << ")");
+  APEX_CHECK(heads >= 1 && cols % heads == 0,
+             "[split_heads] heads (" << heads << ") must be >= 1 and divide the columns of x ("
+                                     << cols << ")");
+}
+
+}  // namespace detail
+
 /// Copies token-major heads x [B*S, H·d_h] (a projection's output, heads side by side) into a
 /// [B, H, S, d_h] view of any layout, normally a contiguous HeadsTensor:
 ///   out(b, h, s, :) = x[b*S + s, h*d_h : (h+1)*d_h].
@@ -60,12 +75,7 @@ void split_heads(const Eigen::MatrixBase<Derived>& x, Index batch, Index heads,
   using Scalar = typename Derived::Scalar;
   detail::require_supported_scalar<Scalar>();
   const ConstRowRef<Scalar> xr(x.derived());
-  APEX_CHECK(batch >= 1 && xr.rows() % batch == 0,
-             "[split_heads] batch (" << batch << ") must be >= 1 and divide the rows of x ("
-                                     << xr.rows() << ")");
-  APEX_CHECK(heads >= 1 && xr.cols() % heads == 0,
-             "[split_heads] heads (" << heads << ") must be >= 1 and divide the columns of x ("
-                                     << xr.cols() << ")");
+  detail::check_split_counts(batch, heads, xr.rows(), xr.cols());
   const Index seq = xr.rows() / batch;
   const Index dim = xr.cols() / heads;
   APEX_CHECK(out.shape() == (HeadsShape{batch, heads, seq, dim}),
@@ -88,12 +98,7 @@ HeadsTensor<typename Derived::Scalar> split_heads(const Eigen::MatrixBase<Derive
                                                   Index heads) {
   using Scalar = typename Derived::Scalar;
   detail::require_supported_scalar<Scalar>();
-  APEX_CHECK(batch >= 1 && x.rows() % batch == 0,
-             "[split_heads] batch (" << batch << ") must be >= 1 and divide the rows of x ("
-                                     << x.rows() << ")");
-  APEX_CHECK(heads >= 1 && x.cols() % heads == 0,
-             "[split_heads] heads (" << heads << ") must be >= 1 and divide the columns of x ("
-                                     << x.cols() << ")");
+  detail::check_split_counts(batch, heads, x.rows(), x.cols());
   HeadsTensor<Scalar> result(HeadsShape{batch, heads, x.rows() / batch, x.cols() / heads});
   split_heads(x, batch, heads, result.view());
   return result;

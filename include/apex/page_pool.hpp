@@ -459,6 +459,18 @@ class PagedSequences {
                  const std::vector<std::pair<Index, Index>>& planes, const char* op)
       : pool_(page_size, num_pages, planes, op), op_(op) {}
 
+  /// Grows sequence id by n tokens (positions [length, length + n), checked by the caller: see
+  /// check_grow) and calls write(t, page, row) for t in [0, n), the slot of the t-th new token.
+  template <class Write>
+  void append_tokens(SequenceId id, Index n, const Write& write) {
+    const Index first = pool_.grow(id, n, op_);
+    const auto& s = pool_.sequence(id, op_);
+    for (Index t = 0; t < n; ++t) {
+      const auto [page, row] = pool_.slot(s, first + t);
+      write(t, page, row);
+    }
+  }
+
   /// The held tokens of sequence id as a paged key segment of the kernel, keys read from pool
   /// view k and values from v; valid until the sequence changes.
   detail::KeySegment<Storage, Storage> held_segment(SequenceId id,
@@ -516,15 +528,12 @@ class PagedKvCache : public PagedSequences<Storage> {
   /// block table's growth.
   void append(SequenceId id, const ConstHeadsView<Scalar>& k, const ConstHeadsView<Scalar>& v) {
     check_append(id, k, v);
-    const Index first = pool_.grow(id, k.seq(), "paged_kv_cache");
-    const auto& s = pool_.sequence(id, "paged_kv_cache");
-    for (Index t = 0; t < k.seq(); ++t) {
-      const auto [page, row] = pool_.slot(s, first + t);
+    this->append_tokens(id, k.seq(), [&](Index t, Index page, Index row) {
       for (Index h = 0; h < k.heads(); ++h) {
         KvFormat<Storage>::store_rows(pool_.plane(0).head(page, h).row(row), k.head(0, h).row(t));
         KvFormat<Storage>::store_rows(pool_.plane(1).head(page, h).row(row), v.head(0, h).row(t));
       }
-    }
+    });
   }
 
   /// Everything append checks, without appending.
@@ -599,12 +608,9 @@ class PagedLatentCache : public PagedSequences<Storage> {
                "[" << kOp << "] rows have " << rows.cols()
                    << " columns; expected d_kv + H_kr·d_r = " << row_dim());
     pool_.check_grow(id, rows.rows(), kOp);
-    const Index first = pool_.grow(id, rows.rows(), kOp);
-    const auto& s = pool_.sequence(id, kOp);
-    for (Index t = 0; t < rows.rows(); ++t) {
-      const auto [page, row] = pool_.slot(s, first + t);
+    this->append_tokens(id, rows.rows(), [&](Index t, Index page, Index row) {
       KvFormat<Storage>::store_rows(pool_.plane(0).head(page, 0).row(row), rows.row(t));
-    }
+    });
   }
 
   /// The rows of sequence id as a paged key segment of the kernel: keys the whole rows, values

@@ -42,6 +42,33 @@ struct RmsNormParams {
   RmsNormGamma scale = RmsNormGamma::kGamma;
 };
 
+namespace detail {
+
+/// RMSNorm's γ, read through a contiguous Ref, as check_norm_call checks it.
+template <class TG>
+struct RmsNormVectors {
+  ConstVectorRef<TG> gamma;
+
+  void check_lengths(const char* op, Index d) const {
+    check_norm_vector_length(op, "gamma", gamma.size(), d);
+  }
+  void check_disjoint(const char* op, const char* written_name, ByteSpan written) const {
+    check_norm_disjoint(op, "gamma", vector_span(gamma), written_name, written);
+  }
+};
+
+/// Calls run(Form{}) with RMSNorm's NormForm for `scale` (γ or 1 + γ, no β).
+template <class Run>
+void with_rms_norm_form(RmsNormGamma scale, const Run& run) {
+  if (scale == RmsNormGamma::kOnePlusGamma) {
+    run(NormForm<false, NormScale::kOnePlusGamma, false>{});
+  } else {
+    run(NormForm<false, NormScale::kGamma, false>{});
+  }
+}
+
+}  // namespace detail
+
 /// RMSNorm over the last dimension (§3.2):
 ///   out[t, :] = x[t, :] / sqrt(mean(x[t, :]²) + ε) · γ        (params.scale = kGamma)
 ///   out[t, :] = x[t, :] / sqrt(mean(x[t, :]²) + ε) · (1 + γ)  (params.scale = kOnePlusGamma).
@@ -67,31 +94,19 @@ void rms_norm(const Eigen::MatrixBase<Derived>& x, const Eigen::MatrixBase<Gamma
   using TX = typename Derived::Scalar;
   using TG = typename GammaDerived::Scalar;
   using TO = typename OutDerived::Scalar;
-  detail::require_storage_type<TX>();
-  detail::require_storage_type<TG>();
-  detail::require_storage_type<TO>();
+  detail::require_storage_types<TX, TG, TO>();
   static_assert(GammaDerived::IsVectorAtCompileTime, "[rms_norm] gamma must be a vector");
   // The output is written through a Ref to its storage (Eigen's idiom for output parameters
   // that may be temporaries, such as blocks and maps).
   RowRef<TO> out(const_cast<OutDerived&>(out_.derived()));
 
   const ConstRowRef<TX> xr(x.derived());
-  const char* op = "rms_norm";
-  detail::check_norm_eps(op, params.eps);
-  detail::check_norm_vector_length(op, "gamma", gamma.size(), xr.cols());
-  detail::check_norm_shape(op, "out", xr, out);
-  const ConstVectorRef<TG> g(gamma.derived());
-  detail::check_norm_out_vs_x(op, xr, out);
-  detail::check_norm_disjoint(op, "gamma", detail::vector_span(g), "out", detail::matrix_span(out));
-
-  const float* no_beta = nullptr;
-  if (params.scale == RmsNormGamma::kOnePlusGamma) {
-    using Form = detail::NormForm<false, detail::NormScale::kOnePlusGamma, false>;
-    detail::norm_rows<Form>(xr, g.data(), no_beta, params.eps, out);
-  } else {
-    using Form = detail::NormForm<false, detail::NormScale::kGamma, false>;
-    detail::norm_rows<Form>(xr, g.data(), no_beta, params.eps, out);
-  }
+  const detail::RmsNormVectors<TG> v{gamma.derived()};
+  detail::check_norm_call("rms_norm", params.eps, v, xr, out);
+  detail::with_rms_norm_form(params.scale, [&](auto form) {
+    const float* no_beta = nullptr;
+    detail::norm_rows<decltype(form)>(xr, v.gamma.data(), no_beta, params.eps, out);
+  });
 }
 
 /// RMSNorm (§3.2) returning a new [tokens, d] matrix of x's type; see the overload above.
@@ -99,11 +114,7 @@ template <class Derived, class GammaDerived>
 RowMatrix<typename Derived::Scalar> rms_norm(const Eigen::MatrixBase<Derived>& x,
                                              const Eigen::MatrixBase<GammaDerived>& gamma,
                                              const RmsNormParams& params = {}) {
-  using Scalar = typename Derived::Scalar;
-  detail::require_storage_type<Scalar>();
-  RowMatrix<Scalar> out(x.rows(), x.cols());
-  rms_norm(x, gamma, params, out);
-  return out;
+  return detail::new_norm_output(x, [&](auto& out) { rms_norm(x, gamma, params, out); });
 }
 
 /// The residual add of a pre-norm block fused with the next RMSNorm (vLLM's fused_add_rms_norm):
@@ -129,37 +140,18 @@ void add_rms_norm(const Eigen::MatrixBase<Derived>& x,
   using TR = typename ResidualDerived::Scalar;
   using TG = typename GammaDerived::Scalar;
   using TO = typename OutDerived::Scalar;
-  detail::require_storage_type<TX>();
-  detail::require_storage_type<TR>();
-  detail::require_storage_type<TG>();
-  detail::require_storage_type<TO>();
+  detail::require_storage_types<TX, TR, TG, TO>();
   static_assert(GammaDerived::IsVectorAtCompileTime, "[add_rms_norm] gamma must be a vector");
   RowRef<TR> residual(const_cast<ResidualDerived&>(residual_.derived()));
   RowRef<TO> out(const_cast<OutDerived&>(out_.derived()));
 
   const ConstRowRef<TX> xr(x.derived());
-  const char* op = "add_rms_norm";
-  detail::check_norm_eps(op, params.eps);
-  detail::check_norm_vector_length(op, "gamma", gamma.size(), xr.cols());
-  detail::check_norm_shape(op, "residual", xr, residual);
-  detail::check_norm_shape(op, "out", xr, out);
-  const ConstVectorRef<TG> g(gamma.derived());
-  const detail::ByteSpan r_span = detail::matrix_span(residual);
-  const detail::ByteSpan out_span = detail::matrix_span(out);
-  detail::check_norm_out_vs_x(op, xr, out);
-  detail::check_norm_disjoint(op, "residual", r_span, "x", detail::matrix_span(xr));
-  detail::check_norm_disjoint(op, "out", out_span, "residual", r_span);
-  detail::check_norm_disjoint(op, "gamma", detail::vector_span(g), "out", out_span);
-  detail::check_norm_disjoint(op, "gamma", detail::vector_span(g), "residual", r_span);
-
-  const float* no_beta = nullptr;
-  if (params.scale == RmsNormGamma::kOnePlusGamma) {
-    using Form = detail::NormForm<false, detail::NormScale::kOnePlusGamma, false>;
-    detail::add_norm_rows<Form>(xr, residual, g.data(), no_beta, params.eps, out);
-  } else {
-    using Form = detail::NormForm<false, detail::NormScale::kGamma, false>;
-    detail::add_norm_rows<Form>(xr, residual, g.data(), no_beta, params.eps, out);
-  }
+  const detail::RmsNormVectors<TG> v{gamma.derived()};
+  detail::check_norm_call("add_rms_norm", params.eps, v, xr, out, &residual);
+  detail::with_rms_norm_form(params.scale, [&](auto form) {
+    const float* no_beta = nullptr;
+    detail::add_norm_rows<decltype(form)>(xr, residual, v.gamma.data(), no_beta, params.eps, out);
+  });
 }
 
 /// add_rms_norm returning out as a new [tokens, d] matrix of x's type (residual is updated).
@@ -168,11 +160,8 @@ RowMatrix<typename Derived::Scalar> add_rms_norm(const Eigen::MatrixBase<Derived
                                                  const Eigen::MatrixBase<ResidualDerived>& residual,
                                                  const Eigen::MatrixBase<GammaDerived>& gamma,
                                                  const RmsNormParams& params = {}) {
-  using Scalar = typename Derived::Scalar;
-  detail::require_storage_type<Scalar>();
-  RowMatrix<Scalar> out(x.rows(), x.cols());
-  add_rms_norm(x, residual, gamma, params, out);
-  return out;
+  return detail::new_norm_output(x,
+                                 [&](auto& out) { add_rms_norm(x, residual, gamma, params, out); });
 }
 
 }  // namespace apex

@@ -183,20 +183,7 @@ class HeadsView {
   /// would dangle).
   template <class Buffer, class = detail::EnableIfViewBuffer<Buffer>>
   static HeadsView contiguous(Buffer&& buffer, const HeadsShape& shape) {
-    if constexpr (!detail::is_eigen_dense_v<Buffer>) {
-      if constexpr (!accepts_range<Buffer>()) {
-        return {};  // a static_assert has failed
-      } else {
-        return contiguous(buffer.data(), static_cast<Index>(buffer.size()), shape);
-      }
-    } else if constexpr (!accepts_matrix<Buffer, false>()) {
-      return {};  // a static_assert has failed
-    } else {
-      check_matrix_is_dense(buffer.rows(), buffer.cols(), buffer.outerStride(),
-                            buffer.innerStride(), std::decay_t<Buffer>::IsVectorAtCompileTime);
-      check_buffer_size(buffer.size(), shape, "contiguous", "matrix");
-      return contiguous(buffer.data(), shape);
-    }
+    return of_buffer<false, Buffer>(std::forward<Buffer>(buffer), shape);
   }
 
   /// token_major(data, shape) over a buffer that knows its size, checked. A row-major Eigen
@@ -207,18 +194,7 @@ class HeadsView {
   /// writable buffer; a temporary matrix or container does not compile (the view would dangle).
   template <class Buffer, class = detail::EnableIfViewBuffer<Buffer>>
   static HeadsView token_major(Buffer&& buffer, const HeadsShape& shape) {
-    if constexpr (!detail::is_eigen_dense_v<Buffer>) {
-      if constexpr (!accepts_range<Buffer>()) {
-        return {};  // a static_assert has failed
-      } else {
-        return token_major(buffer.data(), static_cast<Index>(buffer.size()), shape);
-      }
-    } else if constexpr (!accepts_matrix<Buffer, true>()) {
-      return {};  // a static_assert has failed
-    } else {
-      return token_major_of_matrix(buffer.data(), buffer.rows(), buffer.cols(),
-                                   buffer.outerStride(), buffer.innerStride(), shape);
-    }
+    return of_buffer<true, Buffer>(std::forward<Buffer>(buffer), shape);
   }
 
   /// Pointer to element (0, 0, 0, 0); null for a default-constructed view.
@@ -364,6 +340,32 @@ class HeadsView {
                    << outer_stride << ") must be cols (" << cols
                    << "): a block of some columns of a wider matrix is not [B, H, S, D] storage "
                       "(view it with token_major, or with strides)");
+  }
+
+  /// The checked factories that take a buffer: contiguous(buffer, shape) (kTokenMajor false) or
+  /// token_major(buffer, shape). A range goes to the (data, size) factory, an Eigen object to
+  /// the checks of its layout; a buffer that fails a requirement stops at its static_assert.
+  template <bool kTokenMajor, class Buffer>
+  static HeadsView of_buffer(Buffer&& buffer, const HeadsShape& shape) {
+    if constexpr (!detail::is_eigen_dense_v<Buffer>) {
+      if constexpr (!accepts_range<Buffer>()) {
+        return {};  // a static_assert has failed
+      } else {
+        const auto size = static_cast<Index>(buffer.size());
+        return kTokenMajor ? token_major(buffer.data(), size, shape)
+                           : contiguous(buffer.data(), size, shape);
+      }
+    } else if constexpr (!accepts_matrix<Buffer, kTokenMajor>()) {
+      return {};  // a static_assert has failed
+    } else if constexpr (kTokenMajor) {
+      return token_major_of_matrix(buffer.data(), buffer.rows(), buffer.cols(),
+                                   buffer.outerStride(), buffer.innerStride(), shape);
+    } else {
+      check_matrix_is_dense(buffer.rows(), buffer.cols(), buffer.outerStride(),
+                            buffer.innerStride(), std::decay_t<Buffer>::IsVectorAtCompileTime);
+      check_buffer_size(buffer.size(), shape, "contiguous", "matrix");
+      return contiguous(buffer.data(), shape);
+    }
   }
 
   /// The token-major view of a row-major [rows, cols] matrix with the given strides: throws

@@ -339,19 +339,23 @@ inline Index norm_min_parallel_rows(Index d) {
   return std::max<Index>(2, (Index{1} << 15) / std::max<Index>(d, 1));
 }
 
+/// Calls row(t, y) for every row t of x, y = out.data() + t · out's row stride, threaded over
+/// rows (norm_min_parallel_rows): the loop of norm_rows and add_norm_rows.
+template <class TX, class TO, class Row>
+void for_each_norm_row(const ConstRowRef<TX>& x, RowRef<TO>& out, const Row& row) {
+  parallel_for(
+      x.rows(), [&](Index t) { row(t, out.data() + t * out.outerStride()); },
+      norm_min_parallel_rows(x.cols()));
+}
+
 /// out = norm(x) row by row (Form), threaded over rows. g and b as norm_affine.
 template <class Form, class TX, class TG, class TB, class TO>
 void norm_rows(const ConstRowRef<TX>& x, const TG* g, const TB* b, double eps, RowRef<TO>& out) {
-  const Index tokens = x.rows();
-  const Index d = x.cols();
-  parallel_for(
-      tokens,
-      [&](Index t) {
-        const TX* row = x.data() + t * x.outerStride();
-        const NextRows<TX> next{t + 1 < tokens ? row + x.outerStride() : nullptr};
-        norm_row<Form>(row, g, b, eps, out.data() + t * out.outerStride(), d, next);
-      },
-      norm_min_parallel_rows(d));
+  for_each_norm_row(x, out, [&](Index t, TO* y) {
+    const TX* row = x.data() + t * x.outerStride();
+    const NextRows<TX> next{t + 1 < x.rows() ? row + x.outerStride() : nullptr};
+    norm_row<Form>(row, g, b, eps, y, x.cols(), next);
+  });
 }
 
 /// r[j] ← r[j] + x[j], rounded once to TR. For one storage type this is what `r += x` computes
@@ -374,21 +378,15 @@ void add_row(const TX* __restrict x, TR* __restrict r, Index n) {
 template <class Form, class TX, class TR, class TG, class TB, class TO>
 void add_norm_rows(const ConstRowRef<TX>& x, RowRef<TR>& residual, const TG* g, const TB* b,
                    double eps, RowRef<TO>& out) {
-  const Index tokens = x.rows();
-  const Index d = x.cols();
-  parallel_for(
-      tokens,
-      [&](Index t) {
-        const TX* x_row = x.data() + t * x.outerStride();
-        TR* r_row = residual.data() + t * residual.outerStride();
-        add_row(x_row, r_row, d);
-        const bool last = t + 1 == tokens;
-        const NextRows<TX, TR> next{last ? nullptr : x_row + x.outerStride(),
-                                    last ? nullptr : r_row + residual.outerStride()};
-        norm_row<Form>(static_cast<const TR*>(r_row), g, b, eps, out.data() + t * out.outerStride(),
-                       d, next);
-      },
-      norm_min_parallel_rows(d));
+  for_each_norm_row(x, out, [&](Index t, TO* y) {
+    const TX* x_row = x.data() + t * x.outerStride();
+    TR* r_row = residual.data() + t * residual.outerStride();
+    add_row(x_row, r_row, x.cols());
+    const bool last = t + 1 == x.rows();
+    const NextRows<TX, TR> next{last ? nullptr : x_row + x.outerStride(),
+                                last ? nullptr : r_row + residual.outerStride()};
+    norm_row<Form>(static_cast<const TR*>(r_row), g, b, eps, y, x.cols(), next);
+  });
 }
 
 // ---- Checks shared by the norms (rms_norm, add_rms_norm, layer_norm, add_layer_norm) ----
@@ -458,6 +456,48 @@ void check_norm_out_vs_x(const char* op, const ConstRowRef<TX>& x, const RowRef<
 inline void check_norm_disjoint(const char* op, const char* a_name, ByteSpan a, const char* b_name,
                                 ByteSpan b) {
   APEX_CHECK(!spans_overlap(a, b), "[" << op << "] " << a_name << " must not overlap " << b_name);
+}
+
+/// The checks of the four norms, in one order, so that a call with several faults reports the
+/// same one whichever norm it is: ε; the lengths of the parameter vectors; the shapes of residual
+/// (the add_ norms; null for the others) and of out; out against x; residual against x and out;
+/// the parameter vectors against out, then against residual. `vectors` checks its own
+/// (RmsNormVectors, LayerNormVectors): check_lengths(op, d), check_disjoint(op, name, written).
+/// Allocates nothing.
+template <class Vectors, class TX, class TO, class TR = TO>
+void check_norm_call(const char* op, double eps, const Vectors& vectors, const ConstRowRef<TX>& x,
+                     const RowRef<TO>& out, const RowRef<TR>* residual = nullptr) {
+  check_norm_eps(op, eps);
+  vectors.check_lengths(op, x.cols());
+  if (residual != nullptr) check_norm_shape(op, "residual", x, *residual);
+  check_norm_shape(op, "out", x, out);
+  check_norm_out_vs_x(op, x, out);
+  const ByteSpan out_span = matrix_span(out);
+  if (residual != nullptr) {
+    const ByteSpan r_span = matrix_span(*residual);
+    check_norm_disjoint(op, "residual", r_span, "x", matrix_span(x));
+    check_norm_disjoint(op, "out", out_span, "residual", r_span);
+  }
+  vectors.check_disjoint(op, "out", out_span);
+  if (residual != nullptr) vectors.check_disjoint(op, "residual", matrix_span(*residual));
+}
+
+/// require_storage_type of each of a norm's element types.
+template <class... T>
+constexpr void require_storage_types() {
+  (require_storage_type<T>(), ...);
+}
+
+/// The value-returning overloads of the norms: a new [tokens, d] matrix of x's type, written by
+/// write(out) (the overload that takes out).
+template <class Derived, class Write>
+RowMatrix<typename Derived::Scalar> new_norm_output(const Eigen::MatrixBase<Derived>& x,
+                                                    const Write& write) {
+  using Scalar = typename Derived::Scalar;
+  require_storage_type<Scalar>();
+  RowMatrix<Scalar> out(x.rows(), x.cols());
+  write(out);
+  return out;
 }
 
 }  // namespace detail

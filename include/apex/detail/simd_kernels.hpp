@@ -162,14 +162,23 @@ const SimdElement<T>* simd_elements(const T* p) {
 
 #if APEX_X86_KERNELS
 
+// A level's target region: every function from APEX_KERNEL_TARGET_PUSH("features") to
+// APEX_KERNEL_TARGET_POP() is compiled for those features (clang's attribute push, GCC's target
+// options), whatever the compiler targets. Defined for this header only.
+#define APEX_KERNEL_PRAGMA(text) _Pragma(#text)
+#if defined(__clang__)
+#define APEX_KERNEL_TARGET_PUSH(features) \
+  APEX_KERNEL_PRAGMA(clang attribute push(__attribute__((target(features))), apply_to = function))
+#define APEX_KERNEL_TARGET_POP() APEX_KERNEL_PRAGMA(clang attribute pop)
+#else
+#define APEX_KERNEL_TARGET_PUSH(features) \
+  APEX_KERNEL_PRAGMA(GCC push_options) APEX_KERNEL_PRAGMA(GCC target(features))
+#define APEX_KERNEL_TARGET_POP() APEX_KERNEL_PRAGMA(GCC pop_options)
+#endif
+
 // NOLINTBEGIN: intrinsics, C-style masks and the BLAS-style argument lists of the shared body.
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+APEX_KERNEL_TARGET_PUSH("avx2,fma,f16c")
 namespace simd_avx2 {
 using V = __m256;
 using Mask = __m256i;  // all ones in a lane that takes part
@@ -239,21 +248,10 @@ inline float reduce_max(V v) {
 }
 #include <apex/detail/simd_kernels.inl>
 }  // namespace simd_avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+APEX_KERNEL_TARGET_POP()
 
 #if APEX_MAX_KERNEL_ISA >= 2
-#if defined(__clang__)
-#pragma clang attribute push(                                                    \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"))), \
-    apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
-#endif
+APEX_KERNEL_TARGET_PUSH("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 namespace simd_avx512 {
 using V = __m512;
 using Mask = __mmask16;
@@ -319,11 +317,7 @@ inline float reduce_max(V v) {
 }
 #include <apex/detail/simd_kernels.inl>
 }  // namespace simd_avx512
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+APEX_KERNEL_TARGET_POP()
 #endif  // APEX_MAX_KERNEL_ISA >= 2
 
 #if APEX_MAX_KERNEL_ISA >= 3
@@ -331,14 +325,7 @@ inline float reduce_max(V v) {
 // that adds AVX512-BF16 (kept apart, so that no instruction of it reaches the other levels), with
 // Bf16Pair's loads and multiply-add; only gemm<Bf16Pair, Bf16Pair> and the packing below are
 // compiled from it.
-#if defined(__clang__)
-#pragma clang attribute push(                                                               \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c"))), \
-    apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
-#endif
+APEX_KERNEL_TARGET_PUSH("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
 namespace simd_avx512_bf16 {
 using simd_avx512::add;
 using simd_avx512::any_of;
@@ -653,14 +640,14 @@ inline const Bf16Kernels& bf16_table() {
 }
 }  // namespace simd_amx
 #endif  // APEX_MAX_KERNEL_ISA >= 4
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+APEX_KERNEL_TARGET_POP()
 #endif  // APEX_MAX_KERNEL_ISA >= 3
 
 // NOLINTEND
+
+#undef APEX_KERNEL_TARGET_POP
+#undef APEX_KERNEL_TARGET_PUSH
+#undef APEX_KERNEL_PRAGMA
 
 #endif
 
