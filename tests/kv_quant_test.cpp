@@ -684,3 +684,57 @@ TEST(QuantizedLatentShapes, PartsMustBeWholeBlocks) {
 }
 
 }  // namespace
+
+namespace {
+
+/// A block of random bytes (every code), with a finite random scale in 3 blocks of 4 and a
+/// non-finite one (NaN, ±inf) in the fourth.
+template <class F>
+F random_block(std::mt19937& gen, int i) {
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(-3.0f, 3.0f);
+  unsigned char raw[sizeof(F)];
+  for (auto& b : raw) b = static_cast<unsigned char>(byte(gen));
+  F block;
+  std::memcpy(&block, raw, sizeof(F));
+  const float special[] = {std::nanf(""), std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity()};
+  const float s = i % 4 == 3 ? special[(i / 4) % 3] : std::exp2(scale(gen) * 8.0f);
+  if constexpr (std::is_same_v<F, apex::BlockQ8_0> || std::is_same_v<F, apex::BlockQ4_0>) {
+    block.d = Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(s));
+  } else {
+    block.scale = s;
+  }
+  return block;
+}
+
+TYPED_TEST(QuantizedAttention, EveryKernelLevelWidensToTheScalarValues) {
+  // KvFormat::widen (AVX2 where the kernel level has it) against the scalar dequantize, on
+  // blocks of random bytes (every code): each value bit for bit, NaN for NaN.
+  using F = TypeParam;
+  constexpr Index kValues = apex::KvFormat<F>::kValuesPerElement;
+  std::mt19937 gen(31);
+  std::vector<F> blocks;
+  for (int i = 0; i < 256; ++i) blocks.push_back(random_block<F>(gen, i));
+  for (const apex::KernelIsa isa : {apex::KernelIsa::kPortable, apex::KernelIsa::kAvx2}) {
+    if (!apex::cpu_supports(isa)) continue;
+    const apex::KernelIsa before = apex::kernel_isa();
+    apex::set_kernel_isa(isa);
+    std::vector<float> fast(blocks.size() * static_cast<std::size_t>(kValues));
+    apex::KvFormat<F>::widen(blocks.data(), fast.data(), static_cast<Index>(blocks.size()));
+    apex::set_kernel_isa(before);
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      float slow[kValues];
+      apex::dequantize(blocks[i], slow);
+      for (Index j = 0; j < kValues; ++j) {
+        const float a = fast[i * static_cast<std::size_t>(kValues) + static_cast<std::size_t>(j)];
+        ASSERT_TRUE(std::memcmp(&a, &slow[j], sizeof a) == 0 ||
+                    (std::isnan(a) && std::isnan(slow[j])))
+            << apex::to_string(isa) << " block " << i << " value " << j << ": " << a << " vs "
+            << slow[j];
+      }
+    }
+  }
+}
+
+}  // namespace

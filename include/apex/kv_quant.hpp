@@ -46,6 +46,7 @@
 #pragma once
 
 #include <apex/config.hpp>
+#include <apex/detail/widen_blocks.hpp>
 #include <apex/fp8.hpp>
 #include <apex/kv_format.hpp>
 
@@ -223,6 +224,20 @@ BlockFp8<K, B> quantize_block(const float* x, const BlockFp8<K, B>*) {
   return quantize_fp8<K, B>(x);
 }
 
+#if APEX_X86_KERNELS
+/// The AVX2 widening of each block format (detail/widen_blocks.hpp).
+inline void widen_avx2(const BlockQ8_0* src, float* dst, Index count) {
+  widen_q8_0_avx2(src, dst, count);
+}
+inline void widen_avx2(const BlockQ4_0* src, float* dst, Index count) {
+  widen_q4_0_avx2(src, dst, count);
+}
+template <Fp8Kind K, int B>
+void widen_avx2(const BlockFp8<K, B>* src, float* dst, Index count) {
+  widen_fp8_avx2<K>(src, dst, count);
+}
+#endif
+
 /// The format of a row of blocks of `Block` (kv_format.hpp): Block::kValues values a block.
 template <class Block>
 struct BlockFormat {
@@ -235,9 +250,15 @@ struct BlockFormat {
   static constexpr std::int64_t bytes(std::int64_t count) {
     return count * static_cast<std::int64_t>(sizeof(Block));
   }
-  /// dst[0, count·kValuesPerElement) = the values of src[0, count) as C (dequantize).
+  /// dst[0, count·kValuesPerElement) = the values of src[0, count) as C (dequantize; for float
+  /// with AVX2 where the kernel level has it, the same bits).
   template <class C>
   static void widen(const Block* src, C* dst, Index count) {
+#if APEX_X86_KERNELS
+    if constexpr (std::is_same_v<C, float>) {
+      if (widen_blocks_with_avx2()) return widen_avx2(src, dst, count);
+    }
+#endif
     for (Index i = 0; i < count; ++i) dequantize(src[i], dst + i * kValuesPerElement);
   }
   /// dst[0, values / kValuesPerElement) = the blocks of the row x[0, values) of float or double

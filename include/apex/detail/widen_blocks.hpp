@@ -1,0 +1,125 @@
+// SPDX-License-Identifier: MIT
+// Widening the blocks of the quantized K/V formats (kv_quant.hpp) to float with AVX2, chosen at
+// run time by the kernel level (cpu.hpp's kernel_isa() at kAvx2 or above), whatever the compiler
+// targets: the conversion behind every read of a quantized K or V (the kernel's loaders widen a
+// block of keys, or a panel of rows while decoding, through KvFormat::widen).
+//
+// Each value is the one the scalar dequantize of kv_quant.hpp forms, bit for bit:
+//   q8_0, q4_0   code · d: the integer code converted exactly, times the half scale widened
+//                exactly; the product is exact in float (at most 8 + 11 significant bits);
+//   fp8          the code's value (exact) times the float scale, rounded once.
+// An fp8 code is decoded with integer operations into the bits of its float value (a normal
+// code's exponent re-biased, a subnormal one's mantissa converted and scaled by its unit, the
+// sign put back, NaN and e5m2's ±inf selected by compare): no subnormal float is formed, so a
+// program that flushes them to zero decodes alike.
+// The functions are templates over the block types (their fields d and q, or scale and code),
+// defined in kv_quant.hpp, which calls them. Nothing here allocates.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/cpu.hpp>
+#include <apex/fp8.hpp>
+
+#include <cstdint>
+
+#if APEX_X86_KERNELS
+#include <immintrin.h>
+#endif
+
+namespace apex::detail {
+
+#if APEX_X86_KERNELS
+
+// NOLINTBEGIN: intrinsics and their casts
+
+#define APEX_WIDEN_TARGET __attribute__((target("avx2,fma,f16c")))
+
+/// Whether blocks are widened with AVX2: the kernel level is at least kAvx2.
+inline bool widen_blocks_with_avx2() { return kernel_isa() >= KernelIsa::kAvx2; }
+
+/// dst[0, 8) = the 8 signed 32-bit codes, converted to float, times d.
+APEX_WIDEN_TARGET inline void store_scaled(float* dst, __m256i codes, __m256 d) {
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(codes), d));
+}
+
+/// The 8 bytes at p, sign-extended (int8) to 32-bit lanes.
+APEX_WIDEN_TARGET inline __m256i int8_lanes(const void* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
+}
+
+/// dst[0, 32·count) = the values of `count` q8_0 blocks: q[j]·d.
+template <class Block>
+APEX_WIDEN_TARGET void widen_q8_0_avx2(const Block* src, float* dst, Index count) {
+  for (Index i = 0; i < count; ++i, dst += 32) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(src[i].d));
+    for (int j = 0; j < 32; j += 8) store_scaled(dst + j, int8_lanes(src[i].q + j), d);
+  }
+}
+
+/// dst[0, 32·count) = the values of `count` q4_0 blocks: (c_j − 8)·d, c_j the low nibble of byte
+/// j for j < 16 and the high nibble of byte j − 16 after it.
+template <class Block>
+APEX_WIDEN_TARGET void widen_q4_0_avx2(const Block* src, float* dst, Index count) {
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  const __m128i eight = _mm_set1_epi8(8);
+  for (Index i = 0; i < count; ++i, dst += 32) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(src[i].d));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i].q));
+    const __m128i low = _mm_sub_epi8(_mm_and_si128(bytes, nibble), eight);
+    const __m128i high = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), eight);
+    store_scaled(dst, _mm256_cvtepi8_epi32(low), d);
+    store_scaled(dst + 8, _mm256_cvtepi8_epi32(_mm_srli_si128(low, 8)), d);
+    store_scaled(dst + 16, _mm256_cvtepi8_epi32(high), d);
+    store_scaled(dst + 24, _mm256_cvtepi8_epi32(_mm_srli_si128(high, 8)), d);
+  }
+}
+
+/// The values of 8 fp8 codes of kind K (zero-extended to 32-bit lanes), exactly (header).
+template <Fp8Kind K>
+APEX_WIDEN_TARGET __m256 fp8_values(__m256i code) {
+  constexpr int kMantissa = K == Fp8Kind::kE4m3 ? 3 : 2;
+  constexpr int kBias = K == Fp8Kind::kE4m3 ? 7 : 15;
+  constexpr float kUnit = K == Fp8Kind::kE4m3 ? 0x1p-9f : 0x1p-16f;  // of a subnormal code
+  const __m256i magnitude = _mm256_and_si256(code, _mm256_set1_epi32(0x7f));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(0x80)), 24);
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(magnitude, 23 - kMantissa),
+                                          _mm256_set1_epi32((127 - kBias) << 23));
+  const __m256 subnormal =
+      _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(kUnit));  // exact
+  const __m256i is_subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << kMantissa), magnitude);
+  __m256 value =
+      _mm256_blendv_ps(_mm256_castsi256_ps(normal), subnormal, _mm256_castsi256_ps(is_subnormal));
+  const __m256 nan = _mm256_set1_ps(__builtin_nanf(""));
+  if constexpr (K == Fp8Kind::kE4m3) {
+    const __m256i is_nan = _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7f));
+    value = _mm256_blendv_ps(value, nan, _mm256_castsi256_ps(is_nan));
+  } else {
+    const __m256i is_special = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7b));
+    const __m256i is_inf = _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7c));
+    const __m256 special =
+        _mm256_blendv_ps(nan, _mm256_set1_ps(__builtin_inff()), _mm256_castsi256_ps(is_inf));
+    value = _mm256_blendv_ps(value, special, _mm256_castsi256_ps(is_special));
+  }
+  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
+}
+
+/// dst[0, B·count) = the values of `count` fp8 blocks of kind K: value(code_j)·scale.
+template <Fp8Kind K, class Block>
+APEX_WIDEN_TARGET void widen_fp8_avx2(const Block* src, float* dst, Index count) {
+  constexpr Index kValues = Block::kValues;
+  for (Index i = 0; i < count; ++i, dst += kValues) {
+    const __m256 scale = _mm256_set1_ps(src[i].scale);
+    for (Index j = 0; j < kValues; j += 8) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[i].code + j));
+      _mm256_storeu_ps(dst + j, _mm256_mul_ps(fp8_values<K>(_mm256_cvtepu8_epi32(bytes)), scale));
+    }
+  }
+}
+
+#undef APEX_WIDEN_TARGET
+
+// NOLINTEND
+
+#endif
+
+}  // namespace apex::detail
