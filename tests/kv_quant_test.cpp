@@ -16,6 +16,10 @@
 
 #include <gtest/gtest.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -735,6 +739,43 @@ TYPED_TEST(QuantizedAttention, EveryKernelLevelWidensToTheScalarValues) {
       }
     }
   }
+}
+
+}  // namespace
+
+namespace {
+
+TYPED_TEST(QuantizedAttention, IsBitIdenticalForAnyThreadCount) {
+#ifdef _OPENMP
+  using F = TypeParam;
+  constexpr Index kBlock = apex::KvFormat<F>::kValuesPerElement;
+  std::mt19937 gen(17);
+  // Decoding (split keys over threads) and a causal prefill over the same keys.
+  const QuantizedHeads<F> k(apex::HeadsShape{1, 2, 3000, kBlock}, gen);
+  const QuantizedHeads<F> v(apex::HeadsShape{1, 2, 3000, kBlock}, gen);
+  for (const Index s_q : {Index{1}, Index{300}}) {
+    const apex::HeadsShape q_shape{1, 8, s_q, kBlock};
+    const std::vector<float> q = random_chunk(q_shape, gen);
+    apex::AttentionMask<float> mask;
+    mask.positions = apex::causal_mask();
+    const auto run = [&] {
+      std::vector<float> out(q.size());
+      apex::sdpa(apex::HeadsView<const float>::contiguous(q.data(), q_shape), k.view(), v.view(),
+                 mask, apex::SdpaParams{}, apex::HeadsView<float>::contiguous(out.data(), q_shape));
+      return out;
+    };
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(1);
+    const std::vector<float> one = run();
+    for (const int threads : {2, 3, 4}) {
+      omp_set_num_threads(threads);
+      EXPECT_EQ(run(), one) << "S_q " << s_q << ", " << threads << " threads";
+    }
+    omp_set_num_threads(saved);
+  }
+#else
+  GTEST_SKIP() << "built without OpenMP, one thread only";
+#endif
 }
 
 }  // namespace
