@@ -1,0 +1,184 @@
+// SPDX-License-Identifier: MIT
+// The GEMM path's products of a tile of the tiled kernel (attention_tile.hpp): S = Qs·K_jᵀ and
+// acc = diag(α)·acc + P·V_j, over the tile's buffers (tile_scratch.hpp) and on the kernels its
+// path chose (TilePath).
+//
+// PRODUCTS. In float, where the CPU runs AVX2 or AVX-512 (kernel_isa(), cpu.hpp), the GEMM path
+// (M > stream_rows) runs both products on apex's own register-blocked kernel (gemm,
+// simd_kernels.hpp), with K_j transposed into its panels once per block and P and V_j read as
+// they are; the softmax's block maximum, exponentials and sums run there too. These kernels are
+// compiled for each level whatever the build targets, so a baseline -O2 build runs them as a
+// -march=native one does. Where a call permits bfloat16 products (SdpaParams::
+// allow_bf16_products) and the CPU has AVX512-BF16 (KernelIsa::kAvx512Bf16), the GEMM path's
+// products run on bfloat16 dot products instead (Bf16Kernels): Qs rounded into pairs along d_qk
+// once per task, K_j rounded and transposed into panels of pairs, P rounded into pairs along
+// the keys and V_j interleaved in pairs of rows, each once per block; the streaming path stays
+// exact. On AMX (KernelIsa::kAmx) the same packed pairs feed the tiles (tdpbf16ps) in place,
+// with key blocks of amx_key_block = 256. Otherwise (double, or KernelIsa::kPortable) the GEMM path
+// runs both products on Eigen's GEMM micro-kernel over buffers owned by this kernel (TileGemm,
+// eigen_adapter.hpp): Qs is packed once per task, nothing is allocated, and Eigen never splits a
+// product over threads (its thread-dependent blocking would make results depend on the number of
+// threads). Each K_j, V_j block is first copied to contiguous scratch: a sequential read the
+// prefetcher follows, whereas packing straight from DRAM waits on every cache line.
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/detail/eigen_adapter.hpp>
+#include <apex/detail/kv_read.hpp>
+#include <apex/detail/simd_kernels.hpp>
+#include <apex/detail/tile_scratch.hpp>
+
+#include <Eigen/Core>
+
+#include <type_traits>
+
+// NOLINTBEGIN(bugprone-easily-swappable-parameters): internal, (row, count) pairs of one head
+namespace apex::detail {
+
+/// The GEMM path's products of one tile (PRODUCTS), over its buffers and on its path's kernels:
+/// a view made where it is used, holding nothing of its own. Allocates nothing.
+template <class C>
+class TileProducts {
+ public:
+  /// The products of the tile whose path and buffers these are.
+  TileProducts(const TilePath& path, const TileBuffers<C>& buf) : path_(path), buf_(buf) {}
+
+  /// Readies Qs (q_stacked) for every score product of the task: packed for Eigen's, rounded
+  /// into pairs along d_qk for the bfloat16 ones.
+  void prepare_queries() const {
+    if (path_.simd == nullptr) {
+      TileGemm<C>::pack_queries(buf_.q_packed, buf_.q_stacked, buf_.rows, buf_.d_qk);
+    }
+    if constexpr (std::is_same_v<C, float>) {
+      if (path_.bf16 != nullptr) {
+        const Index d = buf_.d_qk;
+        path_.bf16->round_pairs(buf_.q_pairs, Bf16Kernels::pairs(d), buf_.q_stacked, d, buf_.rows,
+                                d);
+      }
+    }
+  }
+
+  /// S [rows × n] (ld_s) = Qs·K_jᵀ for the n keys from `row` of k_head: on the bfloat16 dot
+  /// products where allowed (paired_scores), else K_j copied to k_copy (widened) and on apex's
+  /// float kernels (K transposed into their panels) or on Eigen's.
+  template <class TK>
+  void scores(const SegmentHead<TK>& k_head, Index row, Index n) const {
+    const Index d = buf_.d_qk;
+    if constexpr (std::is_same_v<C, float>) {
+      if (path_.bf16 != nullptr) return paired_scores(k_head, row, n);
+    }
+    load_rows<C>(k_head, row, n, buf_.k_copy);
+    if constexpr (std::is_same_v<C, float>) {
+      if (const FloatKernels* simd = path_.simd; simd != nullptr) {
+        simd->pack_transposed(buf_.k_packed, buf_.k_copy, d, n, d);
+        simd->f32.gemm(buf_.scores, buf_.ld_s, buf_.q_stacked, d, buf_.k_packed, simd->panel,
+                       d * simd->panel, buf_.rows, n, d, false, nullptr);
+        return;
+      }
+    }
+    TileGemm<C>::scores(buf_.scores, buf_.ld_s, buf_.k_copy, buf_.k_packed, buf_.q_packed,
+                        buf_.q_stacked, buf_.rows, n, d);
+  }
+
+  /// Row r of P (its n weights) rounded into pairs along the keys for the bfloat16 P·V, while
+  /// the softmax has it at hand; nothing on the other kernels.
+  void round_weights(Index r, Index n) const {
+    if constexpr (std::is_same_v<C, float>) {
+      if (path_.bf16 != nullptr) {
+        const Index pairs = Bf16Kernels::pairs(n);
+        path_.bf16->round_pairs(buf_.p_pairs + r * pairs, pairs, buf_.score_row(r), buf_.ld_s, 1,
+                                n);
+      }
+    }
+  }
+
+  /// acc = diag(α)·acc, for the rows whose α is not 1 (whose maximum moved).
+  void scale_acc() const {
+    for (Index r = 0; r < buf_.rows; ++r) {
+      if (buf_.alpha[r] != C(1)) {
+        Eigen::Map<Eigen::Array<C, 1, Eigen::Dynamic>>(buf_.acc_row(r), buf_.d_v) *= buf_.alpha[r];
+      }
+    }
+  }
+
+  /// Reads the n values from `row` of v_head as the update reads them and calls f(v, update):
+  /// v their ConstRows (stored bfloat16 rows where the bfloat16 products pack them as they are,
+  /// else widened to C in v_copy), update() the product acc = diag(scale)·acc + P·V of them
+  /// (scale: α, or nullptr where no row needs it).
+  template <class TV, class F>
+  void read_values(const SegmentHead<TV>& v_head, Index row, Index n, const C* scale, F&& f) const {
+    if constexpr (std::is_same_v<C, float> && std::is_same_v<TV, Eigen::bfloat16>) {
+      if (path_.bf16 != nullptr) {  // packed from the stored rows
+        const ConstRows<TV> v = stored_rows(v_head, row, n, stored_copy<TV>(buf_.v_copy));
+        return f(v, [&] {
+          path_.bf16->pack_values_bf16(buf_.v_pairs, simd_elements(v.data), v.stride, n, buf_.d_v);
+          paired_update(n, scale);
+        });
+      }
+    }
+    load_rows<C>(v_head, row, n, buf_.v_copy);
+    f(ConstRows<C>{buf_.v_copy, buf_.d_v}, [&] { update(n, scale); });
+  }
+
+ private:
+  /// S = Qs·Kᵀ on the bfloat16 dot products, Qs and K rounded, in pairs along d_qk: K_j
+  /// packed into panels of pairs from its stored rows when they are bfloat16 (in place, or
+  /// copied where the block spans pages), else from its widened copy.
+  template <class TK>
+  void paired_scores(const SegmentHead<TK>& k_head, Index row, Index n) const {
+    const Bf16Kernels& bf16 = *path_.bf16;
+    const Index d = buf_.d_qk, pairs = Bf16Kernels::pairs(d);
+    if constexpr (std::is_same_v<TK, Eigen::bfloat16>) {
+      const ConstRows<TK> k = stored_rows(k_head, row, n, stored_copy<TK>(buf_.k_copy));
+      bf16.pack_keys_bf16(buf_.k_pairs, simd_elements(k.data), k.stride, n, d);
+    } else {
+      load_rows<C>(k_head, row, n, buf_.k_copy);
+      bf16.pack_keys(buf_.k_pairs, buf_.k_copy, d, n, d);
+    }
+    bf16.gemm(buf_.scores, buf_.ld_s, buf_.q_pairs, pairs, buf_.k_pairs, bf16.panel,
+              pairs * bf16.panel, buf_.rows, n, pairs, false, nullptr);
+  }
+
+  /// acc = diag(scale)·acc + P·V for the n values in v_copy: on the bfloat16 dot products (P
+  /// and V rounded, in pairs along the keys) or apex's float kernels, which scale each row as
+  /// they load it (the same bits as scaling first: x·1 = x), or on Eigen's after scale_acc.
+  void update(Index n, const C* scale) const {
+    const Index d_v = buf_.d_v;
+    if constexpr (std::is_same_v<C, float>) {
+      if (path_.bf16 != nullptr) {
+        path_.bf16->pack_values(buf_.v_pairs, buf_.v_copy, d_v, n, d_v);
+        return paired_update(n, scale);
+      }
+      if (const FloatKernels* simd = path_.simd; simd != nullptr) {
+        simd->f32.gemm(buf_.acc, buf_.ld_acc, buf_.scores, buf_.ld_s, buf_.v_copy, d_v, simd->panel,
+                       buf_.rows, d_v, n, true, scale);
+        return;
+      }
+    }
+    if (scale != nullptr) scale_acc();
+    TileGemm<C>::update(buf_.acc, buf_.ld_acc, buf_.scores, buf_.ld_s, buf_.p_packed, buf_.v_copy,
+                        buf_.v_packed, buf_.rows, n, d_v);
+  }
+
+  /// acc = diag(scale)·acc + P·V on the bfloat16 dot products, V_j's n values in v_pairs and
+  /// P's rounded by round_weights in p_pairs.
+  void paired_update(Index n, const C* scale) const {
+    const Index pairs = Bf16Kernels::pairs(n);
+    path_.bf16->gemm(buf_.acc, buf_.ld_acc, buf_.p_pairs, pairs, buf_.v_pairs, buf_.d_v,
+                     path_.bf16->panel, buf_.rows, buf_.d_v, pairs, true, scale);
+  }
+
+  /// The scratch of a block copy (room for Bk rows of C) as room for as many rows of T stored
+  /// as they are (T no wider than C).
+  template <class T>
+  static T* stored_copy(C* buffer) {
+    static_assert(sizeof(T) <= sizeof(C));
+    return reinterpret_cast<T*>(buffer);  // NOLINT: scratch bytes, reused for narrower values
+  }
+
+  const TilePath& path_;
+  const TileBuffers<C>& buf_;
+};
+
+}  // namespace apex::detail
+// NOLINTEND(bugprone-easily-swappable-parameters)
