@@ -103,19 +103,6 @@ HeadsView<const Scalar> buffer_rows(const Scalar* data, const HeadsShape& buffer
                                  {buffer.heads * buffer.seq * dim, buffer.seq * dim, dim});
 }
 
-/// The buffer of a cache's elements of format F: an Eigen vector for the scalar formats (aligned
-/// for Eigen's packets), a std::vector of blocks for the block formats; `size` elements, zeroed.
-template <class F>
-auto zeroed_buffer(Index size) {
-  if constexpr (is_storage_v<F>) {
-    return Vector<F>::Zero(size).eval();
-  } else {
-    return std::vector<F>(static_cast<std::size_t>(size), F{});
-  }
-}
-template <class F>
-using CacheBuffer = decltype(zeroed_buffer<F>(0));
-
 /// K and V of a cache: two [B, H, slots, D] buffers of elements of format Storage, zeroed at
 /// construction, with their shape (D in values; a row holds D / kValuesPerElement elements);
 /// chunks of Scalar are rounded or quantized to Storage as they are written. Default-constructed

@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace apex {
 
@@ -56,10 +57,11 @@ struct KvFormat<T, std::enable_if_t<is_storage_v<T>>> {
   static void widen(const T* src, C* dst, Index count) {
     detail::widen(src, dst, count);
   }
-  /// dst[0, n) = x[0, n) rounded once to T (round_to).
+  /// dst[0, n) = x[0, n) rounded once to T: store_rows on the row (the same bits).
   template <class S>
   static void store_row(const S* x, Index n, T* dst) {
-    for (Index j = 0; j < n; ++j) dst[j] = round_to<T>(x[j]);
+    store_rows(Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(dst, n),
+               Eigen::Map<const Eigen::Matrix<S, 1, Eigen::Dynamic>>(x, n));
   }
   /// dst = x rounded once to T, element by element (rounded): dst a block of T, x an expression
   /// of float or double values of the same shape.
@@ -92,6 +94,20 @@ T* row_data(const HeadsView<T>& view, Index b, Index h, Index s) {
   const Index hh = view.heads() == 1 ? 0 : h;
   return view.data() + bb * view.batch_stride() + hh * view.head_stride() + s * view.row_stride();
 }
+
+/// The buffer of `size` elements of format F, zeroed: an Eigen vector for the scalar formats
+/// (aligned for Eigen's packets), a std::vector of blocks for the block formats.
+template <class F>
+auto zeroed_buffer(Index size) {
+  if constexpr (is_storage_v<F>) {
+    return Vector<F>::Zero(size).eval();
+  } else {
+    return std::vector<F>(static_cast<std::size_t>(size), F{});
+  }
+}
+/// The type of zeroed_buffer<F>.
+template <class F>
+using CacheBuffer = decltype(zeroed_buffer<F>(0));
 
 /// Formats other than apex's K/V formats are rejected at compile time.
 template <class T>

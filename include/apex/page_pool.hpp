@@ -27,6 +27,13 @@
 // failed call changes nothing. Sequences are named by SequenceId values that are never reused,
 // so an id of a freed sequence stays invalid.
 //
+// Formats: a pool holds rows of any K/V format (kv_format.hpp): float, double, half or bfloat16,
+// or the blocks of a quantized format (kv_quant.hpp), each appended row stored through it alone
+// (rounded or quantized once). The views of the pools count elements (blocks, for a quantized
+// format: a row of d values is d / kValuesPerElement of them); the caches' widths (head_dim,
+// latent_dim, row_dim, key_dim, value_dim) count values, and must be whole blocks. Pages are
+// copied as they are stored, never decoded and stored again.
+//
 // Memory: the pool is allocated (zeroed) at construction and never grows; bytes() is its exact
 // size; pages_in_use(), free_pages() and fragmentation() say how it is used. Each sequence also
 // holds its block table (one Index per page of its history). A default-constructed or moved-from
@@ -39,6 +46,8 @@
 #include <apex/kv_format.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
+
+#include <Eigen/Core>
 
 #include <algorithm>
 #include <cstdint>
@@ -116,8 +125,8 @@ ByteRange byte_range(const std::vector<T>& values) {
 }
 
 /// The page bookkeeping of a paged cache and its pools ("planes": K and V, or the latent rows),
-/// each a HeadsTensor [pages, H, page_size, width] whose batch axis is the page. A sequence
-/// holds its length and its block table; pages before `first_page` were forgotten (-1).
+/// each [pages, H, page_size, width] elements of format Storage, the batch axis the page. A
+/// sequence holds its length and its block table; pages before `first_page` were forgotten (-1).
 template <class Storage>
 class PagePool {
  public:
@@ -129,20 +138,23 @@ class PagePool {
   };
 
   PagePool() = default;
-  /// Allocates the pools: one per entry of `heads_and_widths` ({H, width}), num_pages pages of
-  /// page_size rows each. Throws unless every extent is >= 1 and the bytes fit in 64 bits.
+  /// Allocates the pools: one per entry of `planes` ({H, width}, the width in values, whole
+  /// elements of Storage: the caller checks it, naming its argument), num_pages pages of
+  /// page_size rows each, zeroed. Throws unless every extent is >= 1 and the bytes fit in 64 bits.
   PagePool(Index page_size, Index num_pages, const std::vector<std::pair<Index, Index>>& planes,
            const char* op) {
-    require_storage_type<Storage>();
+    require_kv_format<Storage>();
     APEX_CHECK(page_size >= 1, "[" << op << "] page_size (" << page_size << ") must be >= 1");
     APEX_CHECK(num_pages >= 1, "[" << op << "] num_pages (" << num_pages << ") must be >= 1");
     for (const auto& [heads, width] : planes) {
       APEX_CHECK(heads >= 1 && width >= 1,
                  "[" << op << "] heads (" << heads << ") and width (" << width << ") must be >= 1");
-      heads_tensor_size<Storage>({num_pages, heads, page_size, width}, op);
+      APEX_ASSERT(width % KvFormat<Storage>::kValuesPerElement == 0);
+      heads_tensor_size<Storage>({num_pages, heads, page_size, elements(width)}, op);
     }
     for (const auto& [heads, width] : planes) {
-      planes_.emplace_back(HeadsShape{heads, num_pages, page_size, width});  // head-major
+      const HeadsShape stored{heads, num_pages, page_size, elements(width)};  // head-major
+      planes_.push_back({zeroed_buffer<Storage>(heads_tensor_size<Storage>(stored, op)), stored});
     }
     page_size_ = page_size;
     refs_.assign(static_cast<std::size_t>(num_pages), 0);
@@ -153,12 +165,11 @@ class PagePool {
   Index num_pages() const { return static_cast<Index>(refs_.size()); }
   Index free_pages() const { return static_cast<Index>(free_.size()); }
   Index pages_in_use() const { return num_pages() - free_pages(); }
-  /// Bytes of every pool: exact, whatever is in use.
+  /// Bytes of every pool: exact, whatever is in use (its elements, counted by their format).
   std::int64_t bytes() const {
     std::int64_t total = 0;
     for (const auto& plane : planes_) {
-      total += KvFormat<Storage>::bytes(
-          static_cast<std::int64_t>(plane.batch() * plane.heads() * plane.seq() * plane.dim()));
+      total += KvFormat<Storage>::bytes(static_cast<std::int64_t>(plane.elements.size()));
     }
     return total;
   }
@@ -166,15 +177,15 @@ class PagePool {
   const std::map<SequenceId, Sequence>& sequences() const { return sequences_; }
   /// How many sequences hold page p.
   Index references(Index page) const { return refs_[static_cast<std::size_t>(page)]; }
-  /// Pool `plane`, [pages, H, page_size, width].
+  /// Pool `plane`, [pages, H, page_size, width in elements of Storage].
   /// The pools are stored head-major, [H, pages, page_size, width], so that each head's pages
   /// lie one after another: a sequence whose pages were taken in order reads every head as one
   /// stream, as from a contiguous cache. plane() views them with the page first.
   HeadsView<const Storage> plane(std::size_t i) const {
-    return pages_first(planes_[i].data(), planes_[i].shape());
+    return pages_first(planes_[i].elements.data(), planes_[i].shape);
   }
   HeadsView<Storage> plane(std::size_t i) {
-    return pages_first(planes_[i].data(), planes_[i].shape());
+    return pages_first(planes_[i].elements.data(), planes_[i].shape);
   }
 
   /// Whether `id` names a live sequence.
@@ -184,7 +195,7 @@ class PagePool {
   /// attention call reads of the cache, whatever sequences it names and in whatever order.
   bool overlaps(const ByteRange& range) const {
     for (const auto& plane : planes_) {
-      if (range.overlaps(byte_range(pages_first(plane.data(), plane.shape())))) return true;
+      if (range.overlaps(byte_range(pages_first(plane.elements.data(), plane.shape)))) return true;
     }
     for (const auto& [id, s] : sequences_) {
       if (range.overlaps(byte_range(s.pages))) return true;
@@ -308,10 +319,7 @@ class PagePool {
     if (s.length % page_size_ != 0 && references(s.pages.back()) > 1) {
       const Index from = s.pages.back();
       const Index to = take();
-      for (std::size_t i = 0; i < planes_.size(); ++i) {
-        const HeadsView<Storage> pool = plane(i);
-        for (Index h = 0; h < pool.heads(); ++h) pool.head(to, h) = pool.head(from, h);
-      }
+      copy_page(from, to);
       release(from);
       s.pages.back() = to;
     }
@@ -344,7 +352,27 @@ class PagePool {
   }
 
  private:
+  /// A pool: its elements, [H, pages, page_size, width] (head-major), and that shape.
+  struct Plane {
+    CacheBuffer<Storage> elements;  ///< zeroed at construction
+    HeadsShape shape;               ///< [H, pages, page_size, width], in elements
+  };
+
   Index pages_for(Index tokens) const { return pages_holding(tokens, page_size_); }
+
+  /// Elements of Storage in a row of `values` values.
+  static Index elements(Index values) { return KvFormat<Storage>::elements(values); }
+
+  /// Page `to` of every pool = page `from`, element by element as stored (blocks as they are):
+  /// each head's page is page_size·width consecutive elements.
+  void copy_page(Index from, Index to) {
+    for (std::size_t i = 0; i < planes_.size(); ++i) {
+      const HeadsView<Storage> pool = plane(i);
+      for (Index h = 0; h < pool.heads(); ++h) {
+        std::copy_n(row_data(pool, from, h, 0), pool.seq() * pool.dim(), row_data(pool, to, h, 0));
+      }
+    }
+  }
 
   /// A head-major pool [H, pages, P, width] viewed as [pages, H, P, width].
   template <class T>
@@ -376,7 +404,7 @@ class PagePool {
     if (--refs_[static_cast<std::size_t>(page)] == 0) free_.push_back(page);
   }
 
-  std::vector<HeadsTensor<Storage>> planes_;
+  std::vector<Plane> planes_;  // a moved-from vector is empty
   ResetOnMove<Index> page_size_;
   std::vector<Index> refs_;  // references of every page
   std::vector<Index> free_;  // pages with no reference, the next one taken last
@@ -490,9 +518,11 @@ class PagedSequences {
 /// The paged K/V cache of one multi-head or grouped-query attention layer (§7.4, §8.3) for many
 /// sequences: pools of K and V pages, [num_pages, H_kv, page_size, d_h] each, shared by every
 /// sequence through its block table (see the top of this header). Scalar is the type of the
-/// appended tokens, Storage the type held (Eigen::half or Eigen::bfloat16 halve the bytes; each
-/// element is rounded once as it is written). Memory: 2·num_pages·H_kv·page_size·d_h elements of
-/// Storage, allocated (zeroed) at construction, plus a block table per sequence.
+/// appended tokens, Storage the format held (kv_format.hpp: Eigen::half or Eigen::bfloat16 halve
+/// the bytes, each element rounded once as it is written; a block format of kv_quant.hpp stores
+/// each row of d_h values quantized alone, d_h a whole number of its blocks). Memory:
+/// 2·num_pages·H_kv·page_size·d_h values in Storage's format, allocated (zeroed) at construction,
+/// plus a block table per sequence.
 template <class Scalar, class Storage = Scalar>
 class PagedKvCache : public PagedSequences<Storage> {
   using Base = PagedSequences<Storage>;
@@ -506,32 +536,34 @@ class PagedKvCache : public PagedSequences<Storage> {
 
   /// An empty cache: no pages (every add throws).
   PagedKvCache() = default;
-  /// Allocates the pools. Throws unless every extent is >= 1 and the bytes fit in 64 bits.
+  /// Allocates the pools. Throws unless every extent is >= 1, head_dim is a whole number of
+  /// Storage's blocks and the bytes fit in 64 bits.
   explicit PagedKvCache(const PagedKvCacheShape& shape)
-      : Base(shape.page_size, shape.num_pages,
-             {{shape.num_kv_heads, shape.head_dim}, {shape.num_kv_heads, shape.head_dim}},
-             "paged_kv_cache") {
+      : Base(shape.page_size, shape.num_pages, planes(shape), kOp) {
     detail::require_supported_scalar<Scalar>();
   }
 
   /// H_kv.
   Index num_kv_heads() const { return pool_.num_pages() == 0 ? 0 : pool_.plane(0).heads(); }
-  /// d_h, the width of keys and values.
-  Index head_dim() const { return pool_.num_pages() == 0 ? 0 : pool_.plane(0).dim(); }
+  /// d_h, the width of keys and values in values (the pools' rows hold d_h / kValuesPerElement
+  /// elements of Storage).
+  Index head_dim() const { return pool_.num_pages() == 0 ? 0 : row_values(pool_.plane(0)); }
   /// Width of a key as attention reads it: d_h.
   Index key_dim() const { return head_dim(); }
   /// Width of a value as attention reads it: d_h.
   Index value_dim() const { return head_dim(); }
   /// Appends n tokens to sequence id, at positions [length, length + n): k, v [1, H_kv, n, d_h]
-  /// views of any layout. Checks everything first (a live id, the shapes, room in the pool) and
-  /// changes nothing when one fails; k and v must not overlap the pools. Allocates only the
-  /// block table's growth.
+  /// views of any layout, each row stored through Storage's format alone. Checks everything
+  /// first (a live id, the shapes, room in the pool) and changes nothing when one fails; k and v
+  /// must not overlap the pools. Allocates only the block table's growth.
   void append(SequenceId id, const ConstHeadsView<Scalar>& k, const ConstHeadsView<Scalar>& v) {
     check_append(id, k, v);
     this->append_tokens(id, k.seq(), [&](Index t, Index page, Index row) {
       for (Index h = 0; h < k.heads(); ++h) {
-        KvFormat<Storage>::store_rows(pool_.plane(0).head(page, h).row(row), k.head(0, h).row(t));
-        KvFormat<Storage>::store_rows(pool_.plane(1).head(page, h).row(row), v.head(0, h).row(t));
+        KvFormat<Storage>::store_row(detail::row_data(k, 0, h, t), head_dim(),
+                                     detail::row_data(pool_.plane(0), page, h, row));
+        KvFormat<Storage>::store_row(detail::row_data(v, 0, h, t), head_dim(),
+                                     detail::row_data(pool_.plane(1), page, h, row));
       }
     });
   }
@@ -539,7 +571,7 @@ class PagedKvCache : public PagedSequences<Storage> {
   /// Everything append checks, without appending.
   void check_append(SequenceId id, const ConstHeadsView<Scalar>& k,
                     const ConstHeadsView<Scalar>& v) const {
-    const char* op = "paged_kv_cache";
+    const char* op = kOp;
     pool_.sequence(id, op);
     const HeadsShape want{1, num_kv_heads(), k.seq(), head_dim()};
     APEX_CHECK(k.shape() == want && v.shape() == want,
@@ -560,15 +592,25 @@ class PagedKvCache : public PagedSequences<Storage> {
   detail::KeySegment<Storage, Storage> segment(SequenceId id) const {
     return this->held_segment(id, pool_.plane(0), pool_.plane(1));
   }
+
+ private:
+  static constexpr const char* kOp = "paged_kv_cache";
+
+  /// The K and V pools, {H_kv, d_h} each, once d_h is checked to be whole blocks.
+  static std::vector<std::pair<Index, Index>> planes(const PagedKvCacheShape& shape) {
+    detail::check_row_values<Storage>(shape.head_dim, kOp, "head_dim");
+    return {{shape.num_kv_heads, shape.head_dim}, {shape.num_kv_heads, shape.head_dim}};
+  }
 };
 
 /// The paged cache of one multi-head latent attention layer (§9.4) for many sequences: per
 /// token one row [c_kv ‖ K_rope] of d_kv + H_kr·d_r values (LatentCache's row), in a pool
 /// [num_pages, 1, page_size, d_kv + H_kr·d_r] shared through block tables. Attention reads it as
 /// absorbed MLA does (mla.hpp): the keys are whole rows, the values their first d_kv columns, one
-/// key/value head. Scalar and Storage as for PagedKvCache. Memory: num_pages·page_size·(d_kv +
-/// H_kr·d_r) elements of Storage, allocated (zeroed) at construction, plus a block table per
-/// sequence.
+/// key/value head. Scalar and Storage as for PagedKvCache; a block format stores the c_kv and
+/// K_rope parts of a row each quantized alone, as LatentCache does (d_kv and d_r whole blocks, so
+/// that no block straddles them). Memory: num_pages·page_size·(d_kv + H_kr·d_r) values in
+/// Storage's format, allocated (zeroed) at construction, plus a block table per sequence.
 template <class Scalar, class Storage = Scalar>
 class PagedLatentCache : public PagedSequences<Storage> {
   using Base = PagedSequences<Storage>;
@@ -582,8 +624,8 @@ class PagedLatentCache : public PagedSequences<Storage> {
 
   /// An empty cache: no pages (every add throws).
   PagedLatentCache() = default;
-  /// Allocates the pool. Throws unless every extent is >= 1, rope_dim is even and the bytes fit
-  /// in 64 bits.
+  /// Allocates the pool. Throws unless every extent is >= 1, rope_dim is even, latent_dim and
+  /// rope_dim are whole numbers of Storage's blocks and the bytes fit in 64 bits.
   explicit PagedLatentCache(const PagedLatentCacheShape& shape)
       : Base(shape.page_size, shape.num_pages, {{1, row_width(shape)}}, "paged_latent_cache"),
         latent_dim_(shape.latent_dim) {
@@ -593,7 +635,7 @@ class PagedLatentCache : public PagedSequences<Storage> {
   /// d_kv: the first d_kv values of every row, and the width of a value.
   Index latent_dim() const { return latent_dim_; }
   /// d_kv + H_kr·d_r: the values cached per token, and the width of a key.
-  Index row_dim() const { return pool_.num_pages() == 0 ? 0 : pool_.plane(0).dim(); }
+  Index row_dim() const { return pool_.num_pages() == 0 ? 0 : row_values(pool_.plane(0)); }
   /// One key/value head (the latent is shared by every query head).
   Index num_kv_heads() const { return pool_.num_pages() == 0 ? 0 : 1; }
   /// Width of a key as attention reads it: d_kv + H_kr·d_r.
@@ -601,15 +643,21 @@ class PagedLatentCache : public PagedSequences<Storage> {
   /// Width of a value as attention reads it: d_kv.
   Index value_dim() const { return latent_dim(); }
   /// Appends n tokens from their rows [n, d_kv + H_kr·d_r] = [c_kv ‖ K_rope] (the layout of
-  /// LatentCache::rows()). Checks everything first and changes nothing when one fails.
+  /// LatentCache::rows()), the c_kv and K_rope parts of each stored through Storage's format
+  /// alone. Checks everything first and changes nothing when one fails.
   void append(SequenceId id, const ConstRowRef<Scalar>& rows) {
     pool_.sequence(id, kOp);
     APEX_CHECK(rows.cols() == row_dim(),
                "[" << kOp << "] rows have " << rows.cols()
                    << " columns; expected d_kv + H_kr·d_r = " << row_dim());
     pool_.check_grow(id, rows.rows(), kOp);
+    const Index rope_values = row_dim() - latent_dim();
     this->append_tokens(id, rows.rows(), [&](Index t, Index page, Index row) {
-      KvFormat<Storage>::store_rows(pool_.plane(0).head(page, 0).row(row), rows.row(t));
+      const Scalar* from = rows.row(t).data();
+      Storage* to = detail::row_data(pool_.plane(0), page, 0, row);
+      KvFormat<Storage>::store_row(from, latent_dim(), to);
+      KvFormat<Storage>::store_row(from + latent_dim(), rope_values,
+                                   to + KvFormat<Storage>::elements(latent_dim()));
     });
   }
 
@@ -618,7 +666,7 @@ class PagedLatentCache : public PagedSequences<Storage> {
   detail::KeySegment<Storage, Storage> segment(SequenceId id) const {
     const HeadsView<const Storage> rows = pool_.plane(0);
     HeadsShape latent = rows.shape();
-    latent.dim = latent_dim_;
+    latent.dim = KvFormat<Storage>::elements(latent_dim_);
     return this->held_segment(id, rows,
                               HeadsView<const Storage>(rows.data(), latent, rows.strides()));
   }
@@ -632,6 +680,8 @@ class PagedLatentCache : public PagedSequences<Storage> {
                "[" << kOp << "] latent_dim (" << shape.latent_dim << ") and rope_heads ("
                    << shape.rope_heads << ") must be >= 1 and rope_dim (" << shape.rope_dim
                    << ") even and >= 2");
+    detail::check_row_values<Storage>(shape.latent_dim, kOp, "latent_dim d_kv");
+    detail::check_row_values<Storage>(shape.rope_dim, kOp, "rope_dim d_r");
     return detail::checked_sum(
         shape.latent_dim,
         detail::checked_product(shape.rope_heads, shape.rope_dim, kOp, "H_kr·d_r"), kOp,
@@ -643,11 +693,13 @@ class PagedLatentCache : public PagedSequences<Storage> {
 
 /// K and V of many sequences in pages of a pool that the caller owns (vLLM's layout): sequence i
 /// holds lengths[i] tokens, token t in row t mod P of page block_tables[i][t / P], P the pools'
-/// page size. Views, not copies: the pools and the tables must outlive the call.
+/// page size. TK and TV are K/V formats (kv_format.hpp): the pools' widths count their elements,
+/// d_qk / kValuesPerElement of them for a block format. Views, not copies: the pools and the
+/// tables must outlive the call.
 template <class TK, class TV>
 struct BlockTables {
-  HeadsView<const TK> k_pages;                   ///< [num_pages, H_kv, P, d_qk]
-  HeadsView<const TV> v_pages;                   ///< [num_pages, H_kv, P, d_v]
+  HeadsView<const TK> k_pages;                   ///< [num_pages, H_kv, P, d_qk in elements]
+  HeadsView<const TV> v_pages;                   ///< [num_pages, H_kv, P, d_v in elements]
   std::vector<std::vector<Index>> block_tables;  ///< per sequence, >= ⌈lengths[i] / P⌉ pages
   std::vector<Index> lengths;                    ///< per sequence, tokens held
 };

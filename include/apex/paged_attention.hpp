@@ -7,6 +7,9 @@
 //   out_i = Σ_j softmax_j(s_ij) v_j, keys j read through the block table, page by page, without
 //   gathering them (a paged detail::KeySegment of the kernel)
 //   q: [1, H_q, total_q, d_qk], the sequences packed along the rows -> out: [1, H_q, total_q, d_v]
+// K and V may be stored in any K/V format (kv_format.hpp, kv_quant.hpp): the kernel widens them a
+// block at a time as it reads the pages, so attention over a quantized paged cache is attention
+// over the values its rows decode to, bit for bit.
 // Allocates a few records per sequence; scratch as for sdpa_varlen (varlen.hpp).
 #pragma once
 
@@ -14,6 +17,7 @@
 #include <apex/config.hpp>
 #include <apex/detail/checks.hpp>
 #include <apex/detail/flash_attention.hpp>
+#include <apex/kv_format.hpp>
 #include <apex/mask.hpp>
 #include <apex/page_pool.hpp>
 #include <apex/sdpa.hpp>
@@ -107,10 +111,11 @@ void flash_sdpa_paged(const HeadsView<const TQ>& q, const std::vector<Index>& cu
   const auto n = static_cast<Index>(ids.size());
   APEX_CHECK(q.batch() == 1, "[" << op << "] q batch (" << q.batch()
                                  << ") must be 1: the sequences are packed along the rows");
-  const HeadsView<const Storage> k_shape(nullptr, {1, cache.num_kv_heads(), 0, cache.key_dim()},
-                                         {});
-  const HeadsView<const Storage> v_shape(nullptr, {1, cache.num_kv_heads(), 0, cache.value_dim()},
-                                         {});
+  // The widths in elements of the cache's format: check_sdpa compares their values (row_values).
+  const HeadsView<const Storage> k_shape = shape_only_view<const Storage>(
+      {1, cache.num_kv_heads(), 0, KvFormat<Storage>::elements(cache.key_dim())});
+  const HeadsView<const Storage> v_shape = shape_only_view<const Storage>(
+      {1, cache.num_kv_heads(), 0, KvFormat<Storage>::elements(cache.value_dim())});
   check_sdpa(q, k_shape, v_shape, AttentionMask<TO>{}, params, out, lse, op);
   check_offsets(cu_seqlens_q, n, q.seq(), op, "cu_seqlens_q");
   check_mask_count(masks, n, op);
@@ -241,7 +246,8 @@ void flash_sdpa_block_tables(const HeadsView<const TQ>& q, const std::vector<Ind
 /// token, then one sdpa_paged over all of them). masks[i] (or masks[0] for all) is applied on
 /// the sequence's absolute positions; its query_offset and key_offset must be unset: the cache
 /// gives them. Equals sdpa over the same tokens stored contiguously, bit for bit (except with
-/// APEX_EIGEN_PUBLIC_ONLY: to rounding), for any number of threads.
+/// APEX_EIGEN_PUBLIC_ONLY: to rounding), for any number of threads, and over a cache of a block
+/// format sdpa over the values its rows decode to.
 ///   q: [1, H_q, total_q, d_qk] (d_qk = cache.key_dim(); H_q a multiple of cache.num_kv_heads())
 ///   -> out: [1, H_q, total_q, d_v] (d_v = cache.value_dim()), lse (optional): [1, H_q, total_q,
 ///   1].
@@ -288,7 +294,8 @@ void sdpa_paged(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q, c
 /// at positions lengths[i] − S_q + s; masks[i] (or masks[0]) as for sdpa_paged. Checks first
 /// (the pools' shapes, one table and length per sequence, every page of a table inside the pool,
 /// S_q <= lengths[i], the masks, the outputs) and changes nothing when one fails. Equals sdpa
-/// over the same tokens stored contiguously, as sdpa_paged does.
+/// over the same tokens stored contiguously, as sdpa_paged does; pools of a block format hold
+/// rows of d_qk / kValuesPerElement blocks (the key width compared with q is their values).
 ///   q: [1, H_q, total_q, d_qk] -> out: [1, H_q, total_q, d_v], lse (optional).
 template <class Q, class TK, class TV, class TO>
 void sdpa_block_tables(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q,
