@@ -11,6 +11,7 @@
 #include <apex/embedding.hpp>
 #include <apex/fp8.hpp>
 #include <apex/gqa.hpp>
+#include <apex/gqa_config.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/kv_format.hpp>
 #include <apex/kv_quant.hpp>
@@ -19,6 +20,8 @@
 #include <apex/merge_attention.hpp>
 #include <apex/mha.hpp>
 #include <apex/mla.hpp>
+#include <apex/mla_absorbed.hpp>
+#include <apex/mla_config.hpp>
 #include <apex/mrope.hpp>
 #include <apex/page_pool.hpp>
 #include <apex/paged_attention.hpp>

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 namespace apex {
@@ -156,6 +157,36 @@ ProjectedQkv<Scalar> empty_projection(Index batch, const LayerHeads& heads) {
   return p;
 }
 
+/// How many queries and keys one attention call of a layer has: B sequences of `queries` rows,
+/// each against `keys` keys (0 for a paged step, whose key counts vary by sequence and are
+/// checked per sequence). `rows` names out's B·queries rows in the messages ("B*S", "B*n", "T").
+struct LayerCall {
+  Index batch = 1;
+  Index queries = 0;
+  Index keys = 0;
+  const char* rows = "B*S";
+};
+
+/// The checks of a layer's attention, made before anything is computed: sdpa's checks of the
+/// mask and the attention parameters on shape-only views of the shapes the projections will have
+/// (queries [B, H_q, n, d_qk], keys and values [B, H_kv, keys, d_qk or d_v]), then out against
+/// [B·n, d]. Allocates nothing.
+template <class Scalar>
+void check_layer_attention(const LayerCall& call, const LayerHeads& heads,
+                           const AttentionMask<Scalar>& mask, const SdpaParams& attention,
+                           const RowRef<Scalar>& out, Index d_model, const char* op) {
+  const Index b = call.batch;
+  check_sdpa(shape_only_view<const Scalar>({b, heads.num_q_heads, call.queries, heads.qk_dim}),
+             shape_only_view<const Scalar>({b, heads.num_kv_heads, call.keys, heads.qk_dim}),
+             shape_only_view<const Scalar>({b, heads.num_kv_heads, call.keys, heads.v_dim}), mask,
+             attention, shape_only_view<Scalar>({b, heads.num_q_heads, call.queries, heads.v_dim}),
+             {}, op);
+  const Index rows = b * call.queries;
+  APEX_CHECK(out.rows() == rows && out.cols() == d_model,
+             "[" << op << "] out shape [" << out.rows() << ", " << out.cols() << "] must be ["
+                 << call.rows << ", d] = [" << rows << ", " << d_model << "]");
+}
+
 /// The forward pass of an attention layer (§7.2), once the layer has checked x [B*S, d] (rows a
 /// multiple of batch >= 1) and its parameters: checks the mask and the attention parameters
 /// against the shapes the projections will have (on shape-only views, so that nothing is computed
@@ -168,17 +199,43 @@ void attention_layer_forward(const ConstRowRef<Scalar>& x, Index batch, const La
                              const Project& project, const RowMatrix<Weight>& w_o,
                              RowRef<Scalar> out, const char* op) {
   const Index seq = x.rows() / batch;
-  const Index h_q = heads.num_q_heads;
-  const Index h_kv = heads.num_kv_heads;
-  check_sdpa(shape_only_view<const Scalar>({batch, h_q, seq, heads.qk_dim}),
-             shape_only_view<const Scalar>({batch, h_kv, seq, heads.qk_dim}),
-             shape_only_view<const Scalar>({batch, h_kv, seq, heads.v_dim}), mask, attention,
-             shape_only_view<Scalar>({batch, h_q, seq, heads.v_dim}), {}, op);
-  APEX_CHECK(out.rows() == x.rows() && out.cols() == x.cols(),
-             "[" << op << "] out shape [" << out.rows() << ", " << out.cols()
-                 << "] must be [B*S, d] = [" << x.rows() << ", " << x.cols() << "]");
+  check_layer_attention<Scalar>({batch, seq, seq, "B*S"}, heads, mask, attention, out, x.cols(),
+                                op);
   const ProjectedQkv<Scalar> p = project();
   multi_head_attention(p.q_heads(), p.k_heads(), p.v_heads(), mask, attention, w_o, out);
+}
+
+/// The mask of a layer's cached call: `mask` (a position mask whose offsets the cache supplies)
+/// with the chunk's queries at query_offset and the held keys from key_offset (0 for a cache
+/// that holds every token; the oldest held position for a sliding window).
+template <class Scalar>
+AttentionMask<Scalar> cached_mask(const PositionMask& mask, Index query_offset, Index key_offset) {
+  AttentionMask<Scalar> m;
+  m.positions = mask;
+  m.positions.query_offset = query_offset;
+  m.positions.key_offset = key_offset;
+  return m;
+}
+
+/// The checks every layer's step over a paged cache makes on x [T, d] before its own: the rows
+/// are many sequences', so their positions come from the cache (checked per sequence by
+/// paged_step_positions) and params.position_offset must be 0.
+template <class Scalar>
+void check_paged_layer_input(const ConstRowRef<Scalar>& x, Index d_model, Index position_offset,
+                             const char* op) {
+  check_layer_input<Scalar>(x, 1, d_model, nullptr, 0, op);
+  APEX_CHECK(position_offset == 0, "[" << op << "] params.position_offset (" << position_offset
+                                       << ") must be 0: the paged cache gives positions");
+}
+
+/// x as the contiguous rows a layer reads: a view, or a copy when x is not RowMajor-contiguous.
+/// Returned as a prvalue, so that a copy lives in the caller's Ref (Eigen's Ref copy would not
+/// carry it over).
+template <class Scalar, class Derived>
+ConstRowRef<Scalar> layer_rows(const Eigen::MatrixBase<Derived>& x) {
+  static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
+                "x must have the attention layer's scalar type");
+  return ConstRowRef<Scalar>(x.derived());
 }
 
 /// RoPE in place on every batch block of x [B*S, H·head_dim]: row b*S + s at offset + s.
