@@ -36,6 +36,8 @@
 #include <apex/sdpa_params.hpp>
 #include <apex/serving_cache.hpp>
 #include <apex/stack.hpp>
+#include <apex/stack_cache.hpp>
+#include <apex/stack_config.hpp>
 #include <apex/stack_serving.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>

@@ -12,8 +12,8 @@
 // then causal (global layers) or causal within W (local layers), §11.1. Part 3's feed-forward
 // and MoE blocks do not exist in the documents, so the stack holds attention blocks only.
 //
-// Inference. forward() recomputes a whole sequence (and is the oracle). A StackCache holds one
-// cache per layer, the kind the documents motivate each layer with:
+// Inference. forward() recomputes a whole sequence (and is the oracle). A StackCache
+// (stack_cache.hpp) holds one cache per layer, the kind the documents motivate each layer with:
 //   local layers   SlidingWindowCache of the last W tokens  2·H_kv·d_h values per token, ≤ W tokens
 //   global layers  LatentCache (c_kv ‖ K_rope)               d_kv + H_kr·d_r values per token
 // prefill() runs a prompt (with its bidirectional prefix) through the stack in one call and
@@ -32,28 +32,29 @@
 // takes any other scaling (linear, dynamic NTK, Llama 3, LongRoPE: rope_scaling.hpp) instead.
 // StackConfig::global_rope gives the global layers a RoPE (and scaling) of their own, as
 // checkpoints with a larger base for their global layers need.
+//
+// Rooms: the config, the options of the cached calls and the cache memory plan are in
+// stack_config.hpp, the StackCache in stack_cache.hpp, the checks and build steps that hold no
+// state in detail/stack_steps.hpp; this header includes them all.
 #pragma once
 
-#include <apex/cache_memory.hpp>
 #include <apex/config.hpp>
 #include <apex/detail/matmul.hpp>
+#include <apex/detail/stack_steps.hpp>
 #include <apex/embedding.hpp>
 #include <apex/gqa.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/mask.hpp>
-#include <apex/mha.hpp>
 #include <apex/mla.hpp>
 #include <apex/rms_norm.hpp>
-#include <apex/rope.hpp>
-#include <apex/rope_config.hpp>
 #include <apex/serving_cache.hpp>
+#include <apex/stack_cache.hpp>
+#include <apex/stack_config.hpp>
 #include <apex/stack_serving.hpp>
-#include <apex/yarn.hpp>
+#include <apex/storage.hpp>
 
-#include <algorithm>
-#include <cmath>
+#include <cstddef>
 #include <cstdint>
-#include <optional>
 #include <random>
 #include <utility>
 #include <variant>
@@ -61,456 +62,15 @@
 
 namespace apex {
 
-/// Shape of an APEX-1 attention stack.
-struct StackConfig {
-  Index vocab_size = 0;     ///< V
-  Index d_model = 0;        ///< d
-  Index num_layers = 0;     ///< L
-  Index window = 0;         ///< W of the local layers (§10)
-  Index global_every = 6;   ///< F_g (§11.2)
-  GqaConfig local;          ///< local layers; local.d_model must equal d_model
-  MlaConfig global;         ///< global layers; global.d_model must equal d_model
-  Index max_positions = 0;  ///< longest sequence the RoPE tables cover
-  /// Base, pairing and rotated features of the RoPE tables: the local layers' table rotates the
-  /// first rope.rotary_dim features of each head (0: all; partial rotary, even, at most d_h),
-  /// the global layers' table all d_r features of the decoupled RoPE (§9.3) whatever
-  /// rotary_dim says.
-  RopeParams rope;
-  double norm_eps = 1e-6;  ///< ε of every RMSNorm (§3.2)
-  /// YaRN (§5) for the RoPE tables: scale s, original context L, temperature placement. Unset:
-  /// plain RoPE. When set, yarn->base must equal rope.base and max_positions must not exceed
-  /// s·L (the context the YaRN frequencies are made for).
-  std::optional<YarnParams> yarn;
-  /// Another scaling of the RoPE tables (rope_scaling.hpp: linear, dynamic NTK, Llama 3,
-  /// LongRoPE), for the local layers and, unless global_rope is set, the global ones; at most one
-  /// of yarn and rope_scaling. Unset (std::monostate): none.
-  RopeScaling rope_scaling;
-  /// The RoPE (and YaRN) of the global layers when it differs from the local layers' rope and
-  /// yarn: Gemma 3, for one, rotates its local layers with base 10 000 and its global ones with
-  /// base 1 000 000. Unset: the global layers use rope and yarn too. Its rope.rotary_dim must be
-  /// 0 (the decoupled RoPE rotates all of its d_r features).
-  std::optional<LayerRope> global_rope;
-  /// How the global (MLA) layers' weights are folded for absorbed decoding, once, at
-  /// construction (absorb_mla_weights).
-  MlaAbsorbParams absorb;
-};
-
-/// Which rows of logits prefill() and extend() return.
-enum class LogitRows {
-  kAll,   ///< every new token: [B*n, V], row b*n + s
-  kLast,  ///< the last new token of each sequence: [B, V] (all a generation loop needs)
-};
-
-/// Options of the cached (inference) calls of AttentionStack.
-struct DecodeOptions {
-  /// Which rows of logits to return: every new token (the default) or only the last one of
-  /// each sequence, which shrinks the LM head's product from [B*n, d]·[d, V] to [B, d]·[d, V].
-  LogitRows logits = LogitRows::kAll;
-  /// MLA decoding path of the global layers (mla.hpp): kAuto takes the cheaper one for the
-  /// chunk length (absorbed for single tokens, naive for prompts); both are exact.
-  MlaPath mla = MlaPath::kAuto;
-};
-
-/// The cache memory of an APEX-1 stack at a given context, by layer kind (bytes).
-struct StackCacheMemory {
-  Index local_layers = 0;   ///< GQA + sliding window
-  Index global_layers = 0;  ///< MLA
-  /// One local layer, one sequence, one token: 2·H_kv·d_h·bytes (K and V), held for the last
-  /// W tokens only. 0 when there is no local layer.
-  std::int64_t local_bytes_per_token = 0;
-  /// One global layer, one sequence, one token: (d_kv + H_kr·d_r)·bytes (c_kv and K_rope,
-  /// mla.hpp). 0 when there is no global layer.
-  std::int64_t global_bytes_per_token = 0;
-  /// One local layer at the context: B·min(S, W)·local_bytes_per_token (§10.3).
-  std::int64_t local_bytes_per_layer = 0;
-  /// One global layer at the context: B·S·global_bytes_per_token (§9.4 plus K_rope).
-  std::int64_t global_bytes_per_layer = 0;
-  /// Every layer: local_layers·local_bytes_per_layer + global_layers·global_bytes_per_layer.
-  std::int64_t total_bytes = 0;
-};
-
-/// One row of the layer plan: what layer l is and what a decoder caches for it per token.
-struct LayerPlan {
-  Index layer = 0;      ///< l, counted from 0
-  bool global = false;  ///< true for a global (MLA) layer, l mod F_g = F_g − 1 (§11.2)
-  /// Values cached per token: 2·H_kv·d_h for a local layer (kept for the last W tokens only);
-  /// d_kv + H_kr·d_r for a global (MLA) layer (c_kv and K_rope, see mla.hpp).
-  std::int64_t cache_values_per_token = 0;
-};
-
-/// The cache memory of a stack with this config holding `context` tokens for `batch` sequences,
-/// each value `bytes_per_value` bytes wide (2 for FP16, sizeof(Scalar) for a StackCache): what
-/// StackCache::bytes() reports for a cache of capacity `context`. Needs no weights, so it can
-/// be evaluated for APEX-1 Large. Throws on a non-positive batch, context or value width, an
-/// invalid layer config, or a size beyond 64 bits.
-inline StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, Index context,
-                                           Index bytes_per_value) {
-  APEX_CHECK(batch >= 1 && context >= 1 && bytes_per_value >= 1,
-             "[stack] batch (" << batch << "), context (" << context << ") and bytes_per_value ("
-                               << bytes_per_value << ") must be >= 1");
-  APEX_CHECK(c.num_layers >= 0, "[stack] num_layers (" << c.num_layers << ") must be >= 0");
-  APEX_CHECK(c.window >= 1, "[stack] window W (" << c.window << ") must be >= 1");
-  APEX_CHECK(c.global_every >= 1,
-             "[stack] global_every F_g (" << c.global_every << ") must be >= 1");
-  StackCacheMemory m;
-  // Layers l in [0, L) with l mod F_g = F_g − 1 (§11.2): floor(L / F_g) of them, counted without
-  // a loop over a user-given L.
-  m.global_layers = c.num_layers / c.global_every;
-  m.local_layers = c.num_layers - m.global_layers;
-  // Every product is checked: the dimensions are the user's, and a wrapped size is worse than
-  // an error.
-  const char* op = "stack";
-  if (m.local_layers > 0) {
-    detail::check_gqa_config(c.local);
-    m.local_bytes_per_token = detail::checked_product(
-        {2, c.local.num_kv_heads, c.local.head_dim, bytes_per_value}, op, "2*H_kv*d_h*bytes");
-    m.local_bytes_per_layer = sliding_window_cache_bytes(
-        batch, context, c.window, c.local.num_kv_heads, c.local.head_dim, bytes_per_value);
-  }
-  if (m.global_layers > 0) {
-    detail::check_mla_config(c.global);
-    const std::int64_t values = detail::checked_sum(
-        c.global.d_kv,
-        detail::checked_product(c.global.rope_key_heads(), c.global.rope_dim, op, "H_kr*d_r"), op,
-        "d_kv + H_kr*d_r");
-    m.global_bytes_per_token = detail::checked_product(values, bytes_per_value, op, "bytes/token");
-    m.global_bytes_per_layer =
-        detail::checked_product({batch, context, m.global_bytes_per_token}, op, "B*S*bytes/token");
-  }
-  const std::int64_t local_bytes =
-      detail::checked_product(m.local_layers, m.local_bytes_per_layer, op, "local bytes");
-  const std::int64_t global_bytes =
-      detail::checked_product(m.global_layers, m.global_bytes_per_layer, op, "global bytes");
-  m.total_bytes = detail::checked_sum(local_bytes, global_bytes, op, "total bytes");
-  return m;
-}
-
 template <class Scalar, class Weight = Scalar>
 class AttentionStack;
 
 namespace detail {
-struct StackCacheAccess;  // the cached calls of AttentionStack, below StackCache
-}  // namespace detail
-
-/// The decoding state of one AttentionStack: one cache per layer (a SlidingWindowCache of W
-/// tokens for each local layer, a LatentCache of `capacity` tokens for each global layer), the
-/// batch, the prefix and the next absolute position. Made by AttentionStack::make_cache and
-/// advanced only by that stack's prefill / extend / decode_step, which check that it matches.
-/// Every layer's cache stores Storage (Scalar, or Eigen::half / Eigen::bfloat16 for half the
-/// bytes): AttentionStack::make_cache<Storage>.
-/// Memory: bytes() = stack_cache_memory(config, batch, capacity, sizeof(Storage)).total_bytes,
-/// allocated at construction; the local layers' share never grows, the global layers' grows
-/// only through reserve().
-template <class Scalar, class Storage = Scalar>
-class StackCache {
- public:
-  /// An empty cache of no layers (as a moved-from one is); the stacks reject it.
-  StackCache() = default;
-  /// The cache of one layer: a SlidingWindowCache for a local layer, a LatentCache for a
-  /// global one.
-  using LayerCache =
-      std::variant<SlidingWindowCache<Scalar, Storage>, LatentCache<Scalar, Storage>>;
-
-  /// Number of sequences B decoded side by side.
-  Index batch() const { return batch_; }
-  /// Tokens the global layers can hold (positions [0, capacity)).
-  Index capacity() const { return capacity_; }
-  /// Number of layer caches, L (one per layer of the stack).
-  Index num_layers() const { return static_cast<Index>(layers_.size()); }
-  /// Absolute position of the next token (= tokens processed per sequence).
-  Index next_position() const { return next_; }
-  /// P of the sequence being decoded (set by prefill).
-  Index prefix() const { return prefix_; }
-  /// The cache of layer l, read-only (it is written only by the stack). Throws
-  /// std::invalid_argument unless 0 <= l < num_layers().
-  const LayerCache& layer(Index l) const {
-    APEX_CHECK(l >= 0 && l < num_layers(),
-               "[stack] layer (" << l << ") must lie in [0, " << num_layers() << ")");
-    return layers_[static_cast<std::size_t>(l)];
-  }
-
-  /// Exact bytes of every layer's cache.
-  std::int64_t bytes() const { return local_bytes() + global_bytes(); }
-  /// Bytes of the local layers' sliding-window caches: constant, whatever the context.
-  std::int64_t local_bytes() const { return bytes_of<SlidingWindowCache<Scalar, Storage>>(); }
-  /// Bytes of the global layers' latent caches: proportional to capacity(), so it grows with
-  /// reserve().
-  std::int64_t global_bytes() const { return bytes_of<LatentCache<Scalar, Storage>>(); }
-
-  /// Grows the global layers' capacity to at least `capacity` (one copy of each latent cache;
-  /// see LatentCache::reserve). Never shrinks.
-  void reserve(Index capacity) {
-    detail::check_constructed(batch() >= 1, "stack", "cache");
-    if (capacity <= capacity_) return;
-    for (LayerCache& cache : layers_) {
-      if (auto* latent = std::get_if<LatentCache<Scalar, Storage>>(&cache)) {
-        latent->reserve(capacity);
-      }
-    }
-    capacity_ = capacity;
-  }
-
-  /// Forgets the sequence (memory kept): the next call must be prefill (or extend from 0).
-  void clear() {
-    for (LayerCache& cache : layers_) std::visit([](auto& c) { c.clear(); }, cache);
-    next_ = 0;
-    prefix_ = 0;
-  }
-
- private:
-  friend struct detail::StackCacheAccess;
-
-  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): private, called by make_cache only
-  StackCache(Index batch, Index capacity, std::vector<LayerCache> layers)
-      : batch_(batch), capacity_(capacity), layers_(std::move(layers)) {}
-
-  template <class Kind>
-  std::int64_t bytes_of() const {
-    std::int64_t total = 0;
-    for (const LayerCache& cache : layers_) {
-      if (const auto* c = std::get_if<Kind>(&cache)) total += c->bytes();
-    }
-    return total;
-  }
-
-  detail::ResetOnMove<Index> batch_;
-  detail::ResetOnMove<Index> capacity_;
-  detail::ResetOnMove<Index> next_;
-  detail::ResetOnMove<Index> prefix_;
-  std::vector<LayerCache> layers_;  // a moved-from vector is empty
-};
-
-namespace detail {
-
-// -------------------------------------------------------------------------------------------
-// The checks of an AttentionStack's config and layers (its constructor runs them)
-// -------------------------------------------------------------------------------------------
-
-/// The RoPE of the local or the global layers (rope.rotary_dim is the local layers' only).
-inline LayerRope stack_layer_rope(const StackConfig& c, bool global) {
-  if (!global) return {c.rope, c.yarn, c.rope_scaling};
-  if (c.global_rope) return *c.global_rope;
-  // Returned as a prvalue, not a named local: moving a local variant makes GCC 12 warn falsely
-  // (-Wmaybe-uninitialized) about the members of an alternative it does not hold.
-  RopeParams whole = c.rope;
-  whole.rotary_dim = 0;
-  return {whole, c.yarn, c.rope_scaling};
-}
-
-/// One kind's RoPE: rotary_dim within the head (0: all of it, else even and at most head_dim),
-/// a positive base (RopeTable checks it), at most one scaling, and YaRN's parameters, base and
-/// reach or the other scaling's parameters. `prefix` names the field in messages.
-inline void check_stack_rope(const StackConfig& c, const LayerRope& r, Index head_dim,
-                             const char* prefix) {
-  APEX_CHECK(r.rope.rotary_dim == 0 || (r.rope.rotary_dim >= 2 && r.rope.rotary_dim % 2 == 0 &&
-                                        r.rope.rotary_dim <= head_dim),
-             "[stack] " << prefix << "rope.rotary_dim (" << r.rope.rotary_dim
-                        << ") must be 0 (all) or even, in [2, " << head_dim << "]");
-  check_layer_rope(r, "stack", prefix);
-  if (!r.yarn) {
-    const Index rotary_dim = r.rope.rotary_dim == 0 ? head_dim : r.rope.rotary_dim;
-    // Checks the scaling's parameters (and allocates its d_r/2 frequencies).
-    (void)scaled_rope_frequencies(rotary_dim, r.rope.base, r.scaling, c.max_positions);
-    (void)scaled_rope_magnitude(r.scaling);
-    return;
-  }
-  const double factor = yarn_attention_factor(*r.yarn);  // checks the YaRN parameters
-  (void)factor;
-  const double reach = r.yarn->scale * static_cast<double>(r.yarn->original_context);
-  APEX_CHECK(static_cast<double>(c.max_positions) <= reach,
-             "[stack] max_positions (" << c.max_positions << ") must not exceed " << prefix
-                                       << "yarn.scale · original_context (" << reach << ")");
-}
-
-/// Every field of an AttentionStack's config, for a stack whose weights are stored as Weight.
-template <class Weight>
-const StackConfig& checked_stack_config(const StackConfig& c) {
-  APEX_CHECK(c.vocab_size >= 1, "[stack] vocab_size (" << c.vocab_size << ") must be >= 1");
-  APEX_CHECK(c.num_layers >= 0, "[stack] num_layers (" << c.num_layers << ") must be >= 0");
-  APEX_CHECK(c.window >= 1, "[stack] window W (" << c.window << ") must be >= 1");
-  APEX_CHECK(c.global_every >= 1,
-             "[stack] global_every F_g (" << c.global_every << ") must be >= 1");
-  APEX_CHECK(c.d_model >= 1, "[stack] d_model (" << c.d_model << ") must be >= 1");
-  // The [V, d] embedding table is allocated from these: its size must be representable.
-  checked_product({c.vocab_size, c.d_model, static_cast<Index>(sizeof(Weight))}, "stack",
-                  "embedding bytes V*d*sizeof(Weight)");
-  APEX_CHECK(c.local.d_model == c.d_model && c.global.d_model == c.d_model,
-             "[stack] local.d_model (" << c.local.d_model << ") and global.d_model ("
-                                       << c.global.d_model << ") must equal d_model (" << c.d_model
-                                       << ")");
-  // Every norm of every call uses it: a bad ε must fail here, not halfway through a call that
-  // has already written some layers' caches.
-  APEX_CHECK(std::isfinite(c.norm_eps) && c.norm_eps > 0.0,
-             "[stack] norm_eps (" << c.norm_eps << ") must be positive and finite");
-  check_gqa_config(c.local);
-  check_mla_config(c.global);
-  check_stack_rope(c, stack_layer_rope(c, false), c.local.head_dim, "");
-  check_stack_rope(c, stack_layer_rope(c, true), c.global.rope_dim, "global_rope.");
-  APEX_CHECK(!c.global_rope || c.global_rope->rope.rotary_dim == 0,
-             "[stack] global_rope.rope.rotary_dim ("
-                 << c.global_rope->rope.rotary_dim
-                 << ") must be 0 for the global layers: their decoupled RoPE rotates all d_r "
-                 << "features");
-  return c;
-}
-
-/// Layer l must be of the kind the layer rule gives it, built with the stack's config for that
-/// kind (a layer of another shape would fail only later, against its cache), with a γ of d.
-template <class Scalar, class Weight>
-void check_stack_layer(const StackConfig& c, Index l, const Vector<Scalar>& gamma,
-                       const std::variant<GroupedQueryAttention<Scalar, Weight>,
-                                          MultiHeadLatentAttention<Scalar, Weight>>& layer) {
-  using Gqa = GroupedQueryAttention<Scalar, Weight>;
-  using Mla = MultiHeadLatentAttention<Scalar, Weight>;
-  APEX_CHECK(gamma.size() == c.d_model, "[stack] gamma of layer "
-                                            << l << " has length " << gamma.size()
-                                            << ", expected d = " << c.d_model);
-  const bool global = is_global_layer(l, c.global_every);
-  APEX_CHECK(std::holds_alternative<Mla>(layer) == global,
-             "[stack] layer " << l << " must be "
-                              << (global ? "MultiHeadLatentAttention (global)"
-                                         : "GroupedQueryAttention (local)"));
-  if (const auto* mla = std::get_if<Mla>(&layer)) {
-    const MlaConfig& m = mla->config();
-    const MlaConfig& e = c.global;
-    APEX_CHECK(m.d_model == e.d_model && m.d_q == e.d_q && m.d_kv == e.d_kv &&
-                   m.num_q_heads == e.num_q_heads && m.num_kv_heads == e.num_kv_heads &&
-                   m.head_dim == e.head_dim && m.rope_dim == e.rope_dim &&
-                   m.rope_key_heads() == e.rope_key_heads(),
-               "[stack] layer " << l << " (MLA: d_kv " << m.d_kv << ", H_q " << m.num_q_heads
-                                << ", H_kv " << m.num_kv_heads << ", d_h " << m.head_dim << ", d_r "
-                                << m.rope_dim << ") must have the shape of config.global (d_kv "
-                                << e.d_kv << ", H_q " << e.num_q_heads << ", H_kv "
-                                << e.num_kv_heads << ", d_h " << e.head_dim << ", d_r "
-                                << e.rope_dim << ")");
-  } else {
-    const GqaConfig& g = std::get<Gqa>(layer).config();
-    const GqaConfig& e = c.local;
-    APEX_CHECK(g.d_model == e.d_model && g.num_q_heads == e.num_q_heads &&
-                   g.num_kv_heads == e.num_kv_heads && g.head_dim == e.head_dim,
-               "[stack] layer " << l << " (GQA: H_q " << g.num_q_heads << ", H_kv "
-                                << g.num_kv_heads << ", d_h " << g.head_dim
-                                << ") must have the shape of config.local (H_q " << e.num_q_heads
-                                << ", H_kv " << e.num_kv_heads << ", d_h " << e.head_dim << ")");
-  }
-}
-
-/// The RoPE table of the local (head_dim wide) or the global (d_r wide) layers.
-template <class Scalar>
-RopeTable<Scalar> stack_rope_table(const StackConfig& c, bool global) {
-  const Index head_dim = global ? c.global.rope_dim : c.local.head_dim;
-  return layer_rope_table<Scalar>(stack_layer_rope(c, global), c.max_positions, head_dim);
-}
-
-/// YaRN's softmax-scale multiplier of the local or the global layers (1 without YaRN).
-inline double stack_softmax_multiplier(const StackConfig& c, bool global) {
-  return layer_rope_softmax_multiplier(stack_layer_rope(c, global));
-}
-
-/// The weights given to an AttentionStack: the [V, d] table, one γ of d and one layer (of its
-/// kind and shape, check_stack_layer) per block, and the final γ of d.
-template <class Scalar, class Weight, class Layer>
-void check_stack_weights(const StackConfig& config, const RowMatrix<Weight>& embedding,
-                         const std::vector<Vector<Scalar>>& norm_gammas,
-                         const Vector<Scalar>& final_gamma, const std::vector<Layer>& layers) {
-  const Index d = config.d_model;
-  APEX_CHECK(embedding.rows() == config.vocab_size && embedding.cols() == d,
-             "[stack] embedding shape [" << embedding.rows() << ", " << embedding.cols()
-                                         << "] must be [V, d] = [" << config.vocab_size << ", " << d
-                                         << "]");
-  APEX_CHECK(static_cast<Index>(layers.size()) == config.num_layers &&
-                 static_cast<Index>(norm_gammas.size()) == config.num_layers,
-             "[stack] " << layers.size() << " layers and " << norm_gammas.size()
-                        << " norm gammas given; num_layers is " << config.num_layers);
-  for (Index l = 0; l < config.num_layers; ++l) {
-    const auto at = static_cast<std::size_t>(l);
-    check_stack_layer(config, l, norm_gammas[at], layers[at]);
-  }
-  APEX_CHECK(final_gamma.size() == d,
-             "[stack] final gamma length (" << final_gamma.size() << ") must be d = " << d);
-}
 
 // -------------------------------------------------------------------------------------------
 // The cached calls (AttentionStack::prefill / extend / decode_step): the stack's block loop
 // (AttentionStack::run_blocks) with each layer's attention on its cache in a StackCache
 // -------------------------------------------------------------------------------------------
-
-/// Throws unless `cache` has the layout AttentionStack::make_cache gives for a stack of `config`.
-template <class Scalar, class Storage>
-void check_stack_cache(const StackConfig& config, const StackCache<Scalar, Storage>& cache) {
-  bool matches = cache.num_layers() == config.num_layers;
-  for (Index l = 0; matches && l < config.num_layers; ++l) {
-    const auto& layer_cache = cache.layer(l);
-    if (is_global_layer(l, config.global_every)) {
-      const auto* c = std::get_if<LatentCache<Scalar, Storage>>(&layer_cache);
-      matches = c != nullptr && c->batch() == cache.batch() &&
-                c->latent_dim() == config.global.d_kv &&
-                c->rope_heads() == config.global.rope_key_heads() &&
-                c->rope_dim() == config.global.rope_dim && c->capacity() == cache.capacity() &&
-                c->next_position() == cache.next_position();
-    } else {
-      const auto* c = std::get_if<SlidingWindowCache<Scalar, Storage>>(&layer_cache);
-      matches = c != nullptr && c->batch() == cache.batch() &&
-                c->num_kv_heads() == config.local.num_kv_heads &&
-                c->head_dim() == config.local.head_dim && c->window() == config.window &&
-                c->next_position() == cache.next_position();
-    }
-  }
-  APEX_CHECK(matches,
-             "[stack] the cache was not made by this stack's make_cache (its layers "
-             "do not match the stack's "
-                 << config.num_layers << " layers)");
-}
-
-/// The checks of prefill / extend / decode_step for n = tokens.cols() new tokens per sequence
-/// at positions [p, p + n), p = cache.next_position(): the cache, the batch, n,
-/// max_positions, the cache's capacity and the prefix (the ids are checked by embed).
-template <class TokensDerived, class Scalar, class Storage>
-void check_cached_call(const StackConfig& config, bool has_global_layers,
-                       const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
-                       const StackCache<Scalar, Storage>& cache) {
-  check_stack_cache(config, cache);
-  const Index batch = tokens.rows();
-  const Index n = tokens.cols();
-  const Index first = cache.next_position();
-  APEX_CHECK(batch == cache.batch(), "[stack] tokens batch (" << batch
-                                                              << ") must equal the cache's batch ("
-                                                              << cache.batch() << ")");
-  APEX_CHECK(n >= 1, "[stack] tokens must hold at least one token per sequence (got " << n << ")");
-  APEX_CHECK(n <= config.max_positions - first,
-             "[stack] positions [" << first << ", " << first + n << ") exceed max_positions ("
-                                   << config.max_positions << ")");
-  APEX_CHECK(!has_global_layers || n <= cache.capacity() - first,
-             "[stack] positions [" << first << ", " << first + n
-                                   << ") exceed the cache's capacity (" << cache.capacity()
-                                   << "): a full cache does not grow by itself; reserve() a "
-                                      "larger one");
-  APEX_CHECK(prefix == 0 || first >= prefix || (first == 0 && n >= prefix),
-             "[stack] prefix (" << prefix << ") must lie inside the first chunk");
-}
-
-/// The one door into a StackCache's layers and position: only the cached calls below make a
-/// cache and advance it.
-struct StackCacheAccess {
-  template <class Scalar, class Storage>
-  static StackCache<Scalar, Storage> make(
-      Index batch, Index capacity,
-      std::vector<typename StackCache<Scalar, Storage>::LayerCache> layers) {
-    return StackCache<Scalar, Storage>(batch, capacity, std::move(layers));
-  }
-  template <class Scalar, class Storage>
-  static typename StackCache<Scalar, Storage>::LayerCache& layer(StackCache<Scalar, Storage>& cache,
-                                                                 Index l) {
-    return cache.layers_[static_cast<std::size_t>(l)];
-  }
-  /// After n tokens from position `first`: the next position, and the prefix of a first call.
-  template <class Scalar, class Storage>
-  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (first, n, prefix) positions
-  static void advance(StackCache<Scalar, Storage>& cache, Index first, Index n, Index prefix) {
-    cache.next_ = first + n;
-    if (first == 0) cache.prefix_ = prefix;
-  }
-};
 
 /// AttentionStack::make_cache: a SlidingWindowCache of W tokens per local layer and a
 /// LatentCache of `capacity` tokens per global layer, storing Storage.
@@ -519,7 +79,7 @@ StackCache<Scalar, Storage> make_stack_cache(const AttentionStack<Scalar, Weight
                                              Index batch, Index capacity) {
   using Stack = AttentionStack<Scalar, Weight>;
   const auto& config = stack.config();
-  check_constructed(config.vocab_size >= 1, "stack", "stack");
+  check_stack_constructed(config);
   APEX_CHECK(batch >= 1, "[stack] batch (" << batch << ") must be >= 1");
   APEX_CHECK(capacity >= 1 && capacity <= config.max_positions,
              "[stack] capacity (" << capacity << ") must lie in [1, max_positions = "
@@ -578,7 +138,7 @@ RowMatrix<Scalar> run_cached(const AttentionStack<Scalar, Weight>& stack,
                              const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
                              const DecodeOptions& options, StackCache<Scalar, Storage>& cache) {
   const auto& config = stack.config();
-  check_constructed(config.vocab_size >= 1, "stack", "stack");
+  check_stack_constructed(config);
   // Layers l with l mod F_g = F_g − 1 exist iff L >= F_g (the stack holds them by that rule).
   check_cached_call(config, config.num_layers / config.global_every > 0, tokens, prefix, cache);
   const Index batch = tokens.rows();
@@ -596,6 +156,72 @@ RowMatrix<Scalar> run_cached(const AttentionStack<Scalar, Weight>& stack,
     return stack.last_logits(x, ends);
   }
   return stack.output_logits(x);
+}
+
+// -------------------------------------------------------------------------------------------
+// Building and converting a stack, and its weight bytes: from its constructor's arguments or its
+// public accessors
+// -------------------------------------------------------------------------------------------
+
+/// AttentionStack::random: embedding entries N(0, 0.02²) (§2.3), every γ = 1 (§3.2), attention
+/// layers from their own random() with seeds derived from `seed` (every weight drawn in double
+/// and rounded once to Weight).
+template <class Scalar, class Weight>
+AttentionStack<Scalar, Weight> random_stack(const StackConfig& config, std::uint64_t seed) {
+  using Stack = AttentionStack<Scalar, Weight>;
+  checked_stack_config<Weight>(config);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 0.02);
+  RowMatrix<Weight> embedding(config.vocab_size, config.d_model);
+  for (Index i = 0; i < embedding.size(); ++i) {
+    embedding.data()[i] = round_to<Weight>(normal(rng));
+  }
+  std::vector<Vector<Scalar>> gammas(static_cast<std::size_t>(config.num_layers),
+                                     Vector<Scalar>::Ones(config.d_model));
+  std::vector<typename Stack::Layer> layers;
+  for (Index l = 0; l < config.num_layers; ++l) {
+    const std::uint64_t layer_seed = rng();
+    if (is_global_layer(l, config.global_every)) {
+      layers.emplace_back(Stack::Mla::random(config.global, layer_seed));
+    } else {
+      layers.emplace_back(Stack::Gqa::random(config.local, layer_seed));
+    }
+  }
+  return Stack(config, std::move(embedding), std::move(gammas),
+               Vector<Scalar>::Ones(config.d_model), std::move(layers));
+}
+
+/// AttentionStack::with_weights: the stack of the same config, γ and layers, with every weight
+/// matrix (the embedding table and each layer's projections) converted to W.
+template <class W, class Scalar, class Weight>
+AttentionStack<Scalar, W> converted_stack(
+    const StackConfig& config, const RowMatrix<Weight>& embedding,
+    const std::vector<Vector<Scalar>>& norm_gammas, const Vector<Scalar>& final_gamma,
+    const std::vector<typename AttentionStack<Scalar, Weight>::Layer>& layers) {
+  std::vector<typename AttentionStack<Scalar, W>::Layer> converted_layers;
+  converted_layers.reserve(layers.size());
+  for (const auto& layer : layers) {
+    std::visit([&](const auto& a) { converted_layers.emplace_back(a.template with_weights<W>()); },
+               layer);
+  }
+  return AttentionStack<Scalar, W>(config, converted<W>(embedding), norm_gammas, final_gamma,
+                                   std::move(converted_layers));
+}
+
+/// AttentionStack::weight_bytes: the embedding table and every layer's matrices in Weight (with
+/// the absorbed products of absorb_mla_weights), the L + 1 γ of d in Scalar.
+template <class Scalar, class Weight>
+std::int64_t stack_weight_bytes(const AttentionStack<Scalar, Weight>& stack) {
+  const auto weight = static_cast<std::int64_t>(sizeof(Weight));
+  std::int64_t total = static_cast<std::int64_t>(stack.embedding().size()) * weight;
+  const Index layers = stack.config().num_layers;
+  for (Index l = 0; l < layers; ++l) {
+    total += std::visit([](const auto& a) { return a.weight_bytes(); }, stack.layer(l));
+    const MlaAbsorbedWeights<Weight>& a = stack.absorbed_weights(l);
+    total += static_cast<std::int64_t>(a.w_q_latent.size() + a.w_o_latent.size()) * weight;
+  }
+  const auto gammas = static_cast<std::int64_t>(layers + 1) * stack.config().d_model;
+  return total + gammas * static_cast<std::int64_t>(sizeof(Scalar));
 }
 
 }  // namespace detail
@@ -641,43 +267,17 @@ class AttentionStack {
         norm_gammas_(std::move(norm_gammas)),
         final_gamma_(std::move(final_gamma)),
         layers_(std::move(layers)),
-        local_rope_(detail::stack_rope_table<Scalar>(config, false)),
-        global_rope_(detail::stack_rope_table<Scalar>(config, true)),
-        local_multiplier_(detail::stack_softmax_multiplier(config, false)),
-        global_multiplier_(detail::stack_softmax_multiplier(config, true)) {
+        local_rope_(detail::stack_rope<Scalar>(config, false)),
+        global_rope_(detail::stack_rope<Scalar>(config, true)) {
     detail::check_stack_weights(config, embedding_, norm_gammas_, final_gamma_, layers_);
-    absorbed_.resize(layers_.size());
-    for (std::size_t l = 0; l < layers_.size(); ++l) {
-      if (const auto* mla = std::get_if<Mla>(&layers_[l])) {
-        absorbed_[l] = absorb_mla_weights(*mla, config.absorb);
-      }
-    }
+    absorbed_ = detail::absorbed_stack_weights<Weight>(layers_, config.absorb);
   }
 
   /// A stack with random weights for examples and tests: embedding entries N(0, 0.02²) (§2.3),
   /// every γ = 1 (§3.2), attention layers from their own random() with seeds derived from `seed`
   /// (every weight drawn in double and rounded once to Weight).
   static AttentionStack random(const StackConfig& config, std::uint64_t seed) {
-    detail::checked_stack_config<Weight>(config);
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<double> normal(0.0, 0.02);
-    RowMatrix<Weight> embedding(config.vocab_size, config.d_model);
-    for (Index i = 0; i < embedding.size(); ++i) {
-      embedding.data()[i] = round_to<Weight>(normal(rng));
-    }
-    std::vector<Vector<Scalar>> gammas(static_cast<std::size_t>(config.num_layers),
-                                       Vector<Scalar>::Ones(config.d_model));
-    std::vector<Layer> layers;
-    for (Index l = 0; l < config.num_layers; ++l) {
-      const std::uint64_t layer_seed = rng();
-      if (is_global_layer(l, config.global_every)) {
-        layers.emplace_back(Mla::random(config.global, layer_seed));
-      } else {
-        layers.emplace_back(Gqa::random(config.local, layer_seed));
-      }
-    }
-    return AttentionStack(config, std::move(embedding), std::move(gammas),
-                          Vector<Scalar>::Ones(config.d_model), std::move(layers));
+    return detail::random_stack<Scalar, Weight>(config, seed);
   }
 
   /// The configuration the stack was built with (checked at construction).
@@ -691,50 +291,20 @@ class AttentionStack {
   /// latter folded from the converted weights). Allocates the new stack.
   template <class W>
   AttentionStack<Scalar, W> with_weights() const {
-    check_constructed();
-    std::vector<typename AttentionStack<Scalar, W>::Layer> layers;
-    layers.reserve(layers_.size());
-    for (const Layer& layer : layers_) {
-      std::visit([&](const auto& a) { layers.emplace_back(a.template with_weights<W>()); }, layer);
-    }
-    return AttentionStack<Scalar, W>(config(), converted<W>(embedding_), norm_gammas_, final_gamma_,
-                                     std::move(layers));
+    detail::check_stack_constructed(config());
+    return detail::converted_stack<W>(config(), embedding_, norm_gammas_, final_gamma_, layers_);
   }
 
   /// Bytes of the weights the stack holds: the embedding table and every layer's matrices in
   /// Weight (with the absorbed products of absorb_mla_weights), the γ in Scalar. The RoPE
   /// tables are not counted.
-  std::int64_t weight_bytes() const {
-    const auto weight = static_cast<std::int64_t>(sizeof(Weight));
-    std::int64_t total = static_cast<std::int64_t>(embedding_.size()) * weight;
-    for (const Layer& layer : layers_) {
-      total += std::visit([](const auto& a) { return a.weight_bytes(); }, layer);
-    }
-    for (const MlaAbsorbedWeights<Weight>& a : absorbed_) {
-      total += static_cast<std::int64_t>(a.w_q_latent.size() + a.w_o_latent.size()) * weight;
-    }
-    const auto gammas = static_cast<std::int64_t>(norm_gammas_.size() + 1) * config().d_model;
-    return total + gammas * static_cast<std::int64_t>(sizeof(Scalar));
-  }
+  std::int64_t weight_bytes() const { return detail::stack_weight_bytes(*this); }
   /// The attention layer of block l. Throws std::out_of_range unless 0 <= l < L.
   const Layer& layer(Index l) const { return layers_.at(static_cast<std::size_t>(l)); }
 
   /// The kind of every layer and its cache values per token (multiply by sizeof(Scalar) for
   /// bytes).
-  std::vector<LayerPlan> plan() const {
-    std::vector<LayerPlan> rows;
-    for (Index l = 0; l < config().num_layers; ++l) {
-      LayerPlan row;
-      row.layer = l;
-      row.global = is_global_layer(l, config().global_every);
-      row.cache_values_per_token =
-          row.global
-              ? mla_cache_values_per_token(config().global)
-              : kv_cache_values_per_token(config().local.num_kv_heads, config().local.head_dim);
-      rows.push_back(row);
-    }
-    return rows;
-  }
+  std::vector<LayerPlan> plan() const { return detail::stack_layer_plan(config()); }
 
   /// The mask of layer l for a prompt whose first `prefix` tokens are bidirectional (§11.1).
   AttentionMask<Scalar> mask_for_layer(Index l, Index prefix) const {
@@ -750,23 +320,16 @@ class AttentionStack {
   /// what each layer's forward allocates, and the logits.
   template <class TokensDerived>
   RowMatrix<Scalar> forward(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix) const {
-    check_constructed();
+    detail::check_stack_constructed(config());
     const Index batch = tokens.rows();
-    const Index seq = tokens.cols();
-    APEX_CHECK(batch >= 1 && seq >= 1,
-               "[stack] tokens shape [" << batch << ", " << seq << "] must be non-empty");
-    APEX_CHECK(prefix >= 0 && prefix <= seq,
-               "[stack] prefix (" << prefix << ") must lie in [0, S = " << seq << "]");
-    APEX_CHECK(seq <= config().max_positions, "[stack] sequence length ("
-                                                  << seq << ") exceeds max_positions ("
-                                                  << config().max_positions << ")");
-    RowMatrix<Scalar> x = embedded(tokens);  // checks every id
+    detail::check_forward_tokens(config(), batch, tokens.cols(), prefix);
+    RowMatrix<Scalar> x = embed_tokens(tokens);  // checks every id
     run_blocks(x, [&](Index l, const Layer& layer, const RowMatrix<Scalar>& normed,
                       RowMatrix<Scalar>& attended) {
       const AttentionMask<Scalar> mask = mask_for_layer(l, prefix);
       std::visit(
           [&](const auto& attention) {
-            attended = attention.forward(normed, batch, mask, layer_params(attention, 0));
+            attended = attention.forward(normed, batch, mask, rope_of(attention).layer_params(0));
           },
           layer);
     });
@@ -799,12 +362,7 @@ class AttentionStack {
   RowMatrix<Scalar> prefill(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
                             const DecodeOptions& options,
                             StackCache<Scalar, Storage>& cache) const {
-    APEX_CHECK(cache.next_position() == 0,
-               "[stack] prefill needs an empty cache (its next position is "
-                   << cache.next_position()
-                   << "): use extend() to continue a sequence, or clear()");
-    APEX_CHECK(prefix >= 0 && prefix <= tokens.cols(),
-               "[stack] prefix (" << prefix << ") must lie in [0, S = " << tokens.cols() << "]");
+    detail::check_prefill(cache, prefix, tokens.cols());
     return detail::run_cached(*this, tokens, prefix, options, cache);
   }
 
@@ -892,9 +450,8 @@ class AttentionStack {
   /// the first call writes a cache. Allocates the two [rows, d] buffers normed and attended.
   template <class Attend>
   void run_blocks(RowMatrix<Scalar>& x, Attend&& attend) const {
-    check_constructed();
-    APEX_CHECK(x.cols() == config().d_model,
-               "[stack] x width (" << x.cols() << ") must be d_model = " << config().d_model);
+    detail::check_stack_constructed(config());
+    detail::check_stack_width(config(), x.cols());
     RowMatrix<Scalar> normed(x.rows(), x.cols());
     RowMatrix<Scalar> attended(x.rows(), x.cols());
     const RmsNormParams norm{config().norm_eps};
@@ -910,14 +467,17 @@ class AttentionStack {
   /// Allocates the result.
   template <class TokensDerived>
   RowMatrix<Scalar> embed_tokens(const Eigen::MatrixBase<TokensDerived>& tokens) const {
-    check_constructed();
-    return embedded(tokens);
+    detail::check_stack_constructed(config());
+    const Index rows = detail::checked_product(tokens.rows(), tokens.cols(), "stack", "B*S");
+    RowMatrix<Scalar> x(rows, config().d_model);
+    embed(embedding_, tokens, EmbeddingParams{}, x);  // in Scalar, whatever Weight the table is
+    return x;
   }
 
   /// RMSNorm(x; γ_l) (§3), block l's normalisation of its input: x [rows, d] -> out [rows, d]
   /// (out may be x). Throws unless 0 <= l < L and the shapes fit.
   void block_norm(Index l, const RowMatrix<Scalar>& x, RowRef<Scalar> out) const {
-    check_block(l);
+    detail::check_stack_block(config(), l);
     rms_norm(x, norm_gammas_[static_cast<std::size_t>(l)], RmsNormParams{config().norm_eps}, out);
   }
 
@@ -926,8 +486,8 @@ class AttentionStack {
   /// scale), with position_offset 0: set it to the absolute position of the rows' first token.
   /// Throws unless 0 <= l < L. The table is the stack's: the result is valid while it lives.
   AttentionLayerParams<Scalar> block_params(Index l) const {
-    check_block(l);
-    return std::visit([&](const auto& a) { return layer_params(a, 0); },
+    detail::check_stack_block(config(), l);
+    return std::visit([&](const auto& a) { return rope_of(a).layer_params(0); },
                       layers_[static_cast<std::size_t>(l)]);
   }
 
@@ -935,9 +495,8 @@ class AttentionStack {
   /// prefill and decode_step compute them (bit-identical for any thread count). Allocates the
   /// normalised copy and the result.
   RowMatrix<Scalar> output_logits(const RowMatrix<Scalar>& x) const {
-    check_constructed();
-    APEX_CHECK(x.cols() == config().d_model,
-               "[stack] x width (" << x.cols() << ") must be d_model = " << config().d_model);
+    detail::check_stack_constructed(config());
+    detail::check_stack_width(config(), x.cols());
     RowMatrix<Scalar> normed(x.rows(), x.cols());
     rms_norm(x, final_gamma_, RmsNormParams{config().norm_eps}, RowRef<Scalar>(normed));
     return detail::matmul_transposed<Scalar>(normed, embedding_);
@@ -970,59 +529,17 @@ class AttentionStack {
   }
 
  private:
-  /// Throws unless the stack is constructed and 0 <= l < L.
-  void check_block(Index l) const {
-    check_constructed();
-    APEX_CHECK(l >= 0 && l < config().num_layers,
-               "[stack] layer (" << l << ") must lie in [0, " << config().num_layers << ")");
-  }
-
-  /// Throws for an empty (default-constructed or moved-from) stack.
-  void check_constructed() const {
-    detail::check_constructed(config().vocab_size >= 1, "stack", "stack");
-  }
-
-  const RopeTable<Scalar>* rope_for(const Gqa&) const { return &local_rope_; }
-  const RopeTable<Scalar>* rope_for(const Mla&) const { return &global_rope_; }
-  double multiplier_for(const Gqa&) const { return local_multiplier_; }
-  double multiplier_for(const Mla&) const { return global_multiplier_; }
-  /// d_qk, the width the default softmax scale 1/√d_qk of a layer refers to.
-  Index qk_dim(const Gqa&) const { return config().local.head_dim; }
-  Index qk_dim(const Mla&) const { return config().global.qk_dim(); }
-
-  /// x_0 = Embed(tokens)·√d (§2.2) in Scalar, whatever Weight the table is stored in; checks
-  /// every id.
-  template <class TokensDerived>
-  RowMatrix<Scalar> embedded(const Eigen::MatrixBase<TokensDerived>& tokens) const {
-    const Index rows = detail::checked_product(tokens.rows(), tokens.cols(), "stack", "B*S");
-    RowMatrix<Scalar> x(rows, config().d_model);
-    embed(embedding_, tokens, EmbeddingParams{}, x);
-    return x;
-  }
-
-  /// RoPE table, position and (with YaRN) softmax scale of a layer.
-  template <class Attention>
-  AttentionLayerParams<Scalar> layer_params(const Attention& attention,
-                                            Index position_offset) const {
-    AttentionLayerParams<Scalar> params;
-    params.rope = rope_for(attention);
-    params.position_offset = position_offset;
-    const double multiplier = multiplier_for(attention);
-    if (multiplier != 1.0) {
-      params.attention.scale = multiplier / std::sqrt(static_cast<double>(qk_dim(attention)));
-    }
-    return params;
-  }
+  /// The RoPE (table, YaRN's multiplier, d_qk) of a layer's kind.
+  const detail::StackRope<Scalar>& rope_of(const Gqa&) const { return local_rope_; }
+  const detail::StackRope<Scalar>& rope_of(const Mla&) const { return global_rope_; }
 
   detail::ResetOnMove<StackConfig> config_;  // a moved-from stack is an empty one
   RowMatrix<Weight> embedding_;
   std::vector<Vector<Scalar>> norm_gammas_;
   Vector<Scalar> final_gamma_;
   std::vector<Layer> layers_;
-  RopeTable<Scalar> local_rope_;
-  RopeTable<Scalar> global_rope_;
-  double local_multiplier_ = 1.0;   ///< YaRN's softmax-scale multiplier (1 without YaRN)
-  double global_multiplier_ = 1.0;  ///< the same for the global layers
+  detail::StackRope<Scalar> local_rope_;   ///< [max_positions, d_h] table of the local layers
+  detail::StackRope<Scalar> global_rope_;  ///< [max_positions, d_r] table of the global layers
   std::vector<MlaAbsorbedWeights<Weight>> absorbed_;  ///< per layer; empty for local layers
 };
 

@@ -330,30 +330,32 @@ RunningRows<C> running_rows(const HeadsShape& q, Index d_v) {
               static_cast<std::size_t>(q.batch * q.heads * q.seq))};
 }
 
-/// One step's non-blocking transfers: requests 0, 1 receive the next shard's K and V from the
-/// rank before, 2, 3 send the held one's to the rank after (tags 2s and 2s + 1).
-template <class TK, class TV>
-void post_receive(MPI_Comm comm, KvShard<TK, TV>& next, int from, int step,
-                  std::array<MPI_Request, 4>& requests, const char* op) {
-  mpi_call(MPI_Irecv(next.k.data(), static_cast<int>(next.key_bytes()), MPI_BYTE, from, 2 * step,
-                     comm, &requests[0]),
-           op);
-  mpi_call(MPI_Irecv(next.v.data(), static_cast<int>(next.value_bytes()), MPI_BYTE, from,
-                     2 * step + 1, comm, &requests[1]),
-           op);
+/// The direction of a transfer of the ring.
+enum class Transfer { kSend, kReceive };
+
+/// One non-blocking transfer of `bytes` bytes at `data` with rank `peer` (MPI_Isend or
+/// MPI_Irecv); returns MPI's error code.
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (bytes, peer, tag) as MPI's
+inline int post_bytes(Transfer transfer, void* data, std::int64_t bytes, int peer, int tag,
+                      MPI_Comm comm, MPI_Request* request) {
+  const int count = static_cast<int>(bytes);
+  return transfer == Transfer::kSend ? MPI_Isend(data, count, MPI_BYTE, peer, tag, comm, request)
+                                     : MPI_Irecv(data, count, MPI_BYTE, peer, tag, comm, request);
 }
 
+/// The two non-blocking transfers of a shard with rank `peer` at step s: its K (tag 2s) and its
+/// V (tag 2s + 1), into requests[0] and requests[1]. Each step of the ring receives the next
+/// shard from the rank before into its requests 0 and 1 and sends the held one to the rank after
+/// from its requests 2 and 3.
 template <class TK, class TV>
-void post_send(MPI_Comm comm, KvShard<TK, TV>& held, int to, int step,
-               std::array<MPI_Request, 4>& requests, Traffic& traffic, const char* op) {
-  mpi_call(MPI_Isend(held.k.data(), static_cast<int>(held.key_bytes()), MPI_BYTE, to, 2 * step,
-                     comm, &requests[2]),
+void post_shard(Transfer transfer, MPI_Comm comm, KvShard<TK, TV>& shard, int peer, int step,
+                MPI_Request* requests, const char* op) {
+  mpi_call(
+      post_bytes(transfer, shard.k.data(), shard.key_bytes(), peer, 2 * step, comm, &requests[0]),
+      op);
+  mpi_call(post_bytes(transfer, shard.v.data(), shard.value_bytes(), peer, 2 * step + 1, comm,
+                      &requests[1]),
            op);
-  mpi_call(MPI_Isend(held.v.data(), static_cast<int>(held.value_bytes()), MPI_BYTE, to,
-                     2 * step + 1, comm, &requests[3]),
-           op);
-  traffic.bytes_sent += held.key_bytes() + held.value_bytes();
-  traffic.messages += 2;
 }
 
 /// The chunks of the held shard (of rank `origin`) that the queries [first_query, + q_rows) may
@@ -522,11 +524,15 @@ Traffic ring_attention(MPI_Comm comm, const SequenceSharding& sharding, const He
     const bool receive = s + 1 < plan.steps && s + 1 <= hops_of(next_origin);
     if (receive) {
       next.hold(sharding.local_length(next_origin));
-      detail::post_receive(comm, next, (me.rank - 1 + p) % p, s, requests, op);
+      detail::post_shard(detail::Transfer::kReceive, comm, next, (me.rank - 1 + p) % p, s,
+                         &requests[0], op);
     }
     const int origin = origin_at(s);
     if (have && s < hops_of(origin)) {
-      detail::post_send(comm, held, (me.rank + 1) % p, s, requests, traffic, op);
+      detail::post_shard(detail::Transfer::kSend, comm, held, (me.rank + 1) % p, s, &requests[2],
+                         op);
+      traffic.bytes_sent += held.key_bytes() + held.value_bytes();
+      traffic.messages += 2;
     }
     if (have) {
       detail::attend_held_shard(sharding, me.rank, origin, cq, held, positions, part_params, run,

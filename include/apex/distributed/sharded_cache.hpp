@@ -51,6 +51,148 @@ struct ShardedCacheShape {
   Index value_dim = 0;          ///< d_v, the width of a value head; 0: head_dim
 };
 
+namespace detail {
+
+// -------------------------------------------------------------------------------------------
+// The steps of a ShardedKvCache that hold no state of their own: its checks, who owns a
+// position, and the records of attend (written by each rank, merged on every rank)
+// -------------------------------------------------------------------------------------------
+
+/// The rank that holds a position past the prompt: ⌊p / decode_block⌋ mod P.
+inline int owner_rank(Index position, Index decode_block, int ranks) {
+  return static_cast<int>((position / decode_block) % ranks);
+}
+
+/// The values every rank of a ShardedKvCache agrees on at construction: the shape and the code
+/// of the storage type.
+inline std::vector<Agreed> cache_shape_agreement(const ShardedCacheShape& shape,
+                                                 std::int64_t storage_type) {
+  return {{"batch", shape.batch},
+          {"num_kv_heads", shape.num_kv_heads},
+          {"head_dim", shape.head_dim},
+          {"value_dim", shape.value_dim},
+          {"capacity_per_rank", shape.capacity_per_rank},
+          {"decode_block", shape.decode_block},
+          {"storage type", storage_type}};
+}
+
+/// Throws unless decode_block, each extent and the capacity of `shape` are >= 1. Returns d_v
+/// (value_dim, or head_dim when it is 0).
+inline Index checked_value_dim(const ShardedCacheShape& shape, const char* op) {
+  APEX_CHECK(shape.decode_block >= 1,
+             "[" << op << "] decode_block (" << shape.decode_block << ") must be >= 1");
+  const Index d_v = shape.value_dim == 0 ? shape.head_dim : shape.value_dim;
+  for (const auto& [name, value] : {std::pair<const char*, Index>{"batch", shape.batch},
+                                    {"num_kv_heads", shape.num_kv_heads},
+                                    {"head_dim", shape.head_dim},
+                                    {"value_dim", d_v},
+                                    {"capacity_per_rank", shape.capacity_per_rank}}) {
+    APEX_CHECK(value >= 1, "[" << op << "] " << name << " (" << value << ") must be >= 1");
+  }
+  return d_v;
+}
+
+/// Throws unless k and v are chunks [B, H_kv, n, d_qk] and [B, H_kv, n, d_v] of a cache whose
+/// buffers have the shapes `keys` and `values`.
+template <class Scalar>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (k, v) as everywhere in apex
+void check_kv_chunk(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                    const HeadsShape& keys, const HeadsShape& values, const char* op) {
+  apex::detail::check_extents(k, op, "k shape");
+  apex::detail::check_extents(v, op, "v shape");
+  APEX_CHECK(k.batch() == keys.batch && k.heads() == keys.heads && k.dim() == keys.dim,
+             "[" << op << "] k chunk [" << k.batch() << ", " << k.heads() << ", n, " << k.dim()
+                 << "] must be [B, H_kv, n, d_qk] = [" << keys.batch << ", " << keys.heads
+                 << ", n, " << keys.dim << "]");
+  APEX_CHECK(v.batch() == values.batch && v.heads() == values.heads && v.dim() == values.dim &&
+                 v.seq() == k.seq(),
+             "[" << op << "] v chunk [" << v.batch() << ", " << v.heads() << ", " << v.seq() << ", "
+                 << v.dim() << "] must be [B, H_kv, n, d_v] = [" << values.batch << ", "
+                 << values.heads << ", " << k.seq() << ", " << values.dim << "]");
+}
+
+/// Throws unless n tokens appended at `position` fit: into the room of all ranks together, and
+/// each into the room of the rank that owns it (owner_rank), every rank holding `counts[r]` of
+/// `capacity` positions.
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, positions and sizes
+inline void check_append_room(const std::vector<Index>& counts, Index capacity, Index decode_block,
+                              Index position, Index n, const char* op) {
+  const auto ranks = static_cast<int>(counts.size());
+  // More tokens than all ranks have room for never fit. Checked first, so that the owners
+  // below are counted over at most that room and position + n is an Index.
+  Index room = 0;
+  for (const Index held : counts) {
+    room = apex::detail::checked_sum(room, capacity - held, op, "positions free");
+  }
+  APEX_CHECK(n <= room, "[" << op << "] appending " << n << " tokens at position " << position
+                            << " would exceed the capacity (" << capacity << " per rank) of all "
+                            << ranks << " ranks, which have " << room << " positions free");
+  std::vector<Index> extra(counts.size(), 0);
+  for (Index i = 0; i < n; ++i) {
+    ++extra[static_cast<std::size_t>(owner_rank(position + i, decode_block, ranks))];
+  }
+  for (int r = 0; r < ranks; ++r) {
+    const auto at = static_cast<std::size_t>(r);
+    APEX_CHECK(counts[at] + extra[at] <= capacity,
+               "[" << op << "] appending " << extra[at] << " tokens to rank " << r
+                   << ", which holds " << counts[at] << ", would exceed its capacity (" << capacity
+                   << ")");
+  }
+}
+
+/// One rank's part of attend as records: for each (b, h, i) row of part [B, H_q, S_q, d], the
+/// row's m = max(b, h)(i), l = sum(b, h)(i) and the d values of part, in double.
+template <class Scalar>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): (part, max, sum) as flash_attention's
+void write_records(const HeadsTensor<Scalar>& part, const HeadsTensor<Scalar>& max,
+                   const HeadsTensor<Scalar>& sum, double* records) {
+  const Index d = part.dim();
+  for (Index b = 0; b < part.batch(); ++b) {
+    for (Index h = 0; h < part.heads(); ++h) {
+      for (Index i = 0; i < part.seq(); ++i) {
+        double* rec = records + ((b * part.heads() + h) * part.seq() + i) * (d + 2);
+        rec[0] = double(max.head(b, h)(i, 0));
+        rec[1] = double(sum.head(b, h)(i, 0));
+        for (Index c = 0; c < d; ++c) rec[2 + c] = double(part.head(b, h)(i, c));
+      }
+    }
+  }
+}
+
+/// The rows of every rank's records `all` (rank-major; per rank, row (b, h, i) of q's shape
+/// holds m, l and d values of out), merged in rank order with each head's sink (-inf without
+/// sinks) into out (and lse) in their type.
+template <class TO>
+// NOLINTBEGIN(bugprone-easily-swappable-parameters): internal, (out, lse) as sdpa's
+void merge_records(const std::vector<double>& all, int ranks, const HeadsShape& q, Index d,
+                   const std::vector<double>& sinks, const HeadsView<TO>& out,
+                   const HeadsView<TO>& lse) {
+  // NOLINTEND(bugprone-easily-swappable-parameters)
+  const Index rows = q.batch * q.heads * q.seq;
+  const Index width = d + 2;  // m, l, out
+  std::vector<double> scratch(static_cast<std::size_t>(ranks + d));
+  for (Index b = 0; b < q.batch; ++b) {
+    for (Index h = 0; h < q.heads; ++h) {
+      const double sink = sinks.empty() ? -std::numeric_limits<double>::infinity()
+                                        : sinks[static_cast<std::size_t>(h)];
+      for (Index i = 0; i < q.seq; ++i) {
+        const Index row = (b * q.heads + h) * q.seq + i;
+        const auto part_at = [&](Index r) {
+          const double* rec = all.data() + (r * rows + row) * width;
+          return apex::detail::PartRow<double, double>{rec + 2, {rec[0], rec[1]}};
+        };
+        const auto total =
+            apex::detail::merge_rows<double>(ranks, d, part_at, out.head(b, h).row(i).data(),
+                                             scratch.data(), scratch.data() + ranks, sink);
+        if (!lse.empty())
+          lse.head(b, h)(i, 0) = apex::round_to<TO>(apex::detail::log_sum_exp(total));
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
 /// One attention layer's K/V cache, sharded by position over the ranks of a communicator (see
 /// WHO HOLDS WHAT above). Each rank holds K [B, H_kv, C, d_qk] and V [B, H_kv, C, d_v] of
 /// Storage, C = capacity_per_rank, allocated (zeroed) at construction; Scalar is the type of the
@@ -70,25 +212,8 @@ class ShardedKvCache {
     constexpr const char* op = "sharded_kv_cache";
     const RankInfo me = detail::rank_info(comm, op);
     detail::agree(
-        comm, me, op,
-        {{"batch", shape.batch},
-         {"num_kv_heads", shape.num_kv_heads},
-         {"head_dim", shape.head_dim},
-         {"value_dim", shape.value_dim},
-         {"capacity_per_rank", shape.capacity_per_rank},
-         {"decode_block", shape.decode_block},
-         {"storage type", detail::type_code<Storage>()}},
-        [&] {
-          APEX_CHECK(shape.decode_block >= 1,
-                     "[" << op << "] decode_block (" << shape.decode_block << ") must be >= 1");
-          const Index d_v = shape.value_dim == 0 ? shape.head_dim : shape.value_dim;
-          for (const auto& [name, value] : {std::pair<const char*, Index>{"batch", shape.batch},
-                                            {"num_kv_heads", shape.num_kv_heads},
-                                            {"head_dim", shape.head_dim},
-                                            {"value_dim", d_v},
-                                            {"capacity_per_rank", shape.capacity_per_rank}}) {
-            APEX_CHECK(value >= 1, "[" << op << "] " << name << " (" << value << ") must be >= 1");
-          }
+        comm, me, op, detail::cache_shape_agreement(shape, detail::type_code<Storage>()), [&] {
+          const Index d_v = detail::checked_value_dim(shape, op);
           keys_ = HeadsTensor<Storage>(
               {shape.batch, shape.num_kv_heads, shape.capacity_per_rank, shape.head_dim});
           values_ =
@@ -128,7 +253,7 @@ class ShardedKvCache {
   }
   /// The rank that holds (or will hold) a position past the prompt: ⌊p / decode_block⌋ mod P.
   int owner_of(Index position) const {
-    return static_cast<int>((position / decode_block_) % me_.get().size);
+    return detail::owner_rank(position, decode_block_, me_.get().size);
   }
 
   /// Collective: stores this rank's shard of a prompt of sharding.length() positions, starting
@@ -182,25 +307,7 @@ class ShardedKvCache {
     constexpr const char* op = "sharded_kv_cache";
     check_chunk(k, v);
     apex::detail::check_append_position(position, length_, op);
-    // More tokens than all ranks have room for never fit. Checked first, so that the owners
-    // below are counted over at most that room and position + n is an Index.
-    Index room = 0;
-    for (const Index held : counts_) {
-      room = apex::detail::checked_sum(room, capacity() - held, op, "positions free");
-    }
-    APEX_CHECK(k.seq() <= room, "[" << op << "] appending " << k.seq() << " tokens at position "
-                                    << position << " would exceed the capacity (" << capacity()
-                                    << " per rank) of all " << me_.get().size
-                                    << " ranks, which have " << room << " positions free");
-    std::vector<Index> extra(counts_.size(), 0);
-    for (Index i = 0; i < k.seq(); ++i) ++extra[static_cast<std::size_t>(owner_of(position + i))];
-    for (int r = 0; r < me_.get().size; ++r) {
-      const auto at = static_cast<std::size_t>(r);
-      APEX_CHECK(counts_[at] + extra[at] <= capacity(),
-                 "[" << op << "] appending " << extra[at] << " tokens to rank " << r
-                     << ", which holds " << counts_[at] << ", would exceed its capacity ("
-                     << capacity() << ")");
-    }
+    detail::check_append_room(counts_, capacity(), decode_block_, position, k.seq(), op);
     for (Index i = 0; i < k.seq();) {
       const int owner = owner_of(position + i);
       Index n = 1;
@@ -273,60 +380,18 @@ class ShardedKvCache {
     const int count = static_cast<int>(mine.size());  // checked above
     detail::mpi_call(
         MPI_Allgather(mine.data(), count, MPI_DOUBLE, all.data(), count, MPI_DOUBLE, comm_), op);
-    merge_records(all, me.size, q.shape(), d, params.sinks, out, lse);
+    detail::merge_records(all, me.size, q.shape(), d, params.sinks, out, lse);
     Traffic traffic;
     traffic.collective_bytes = static_cast<std::int64_t>(mine.size() * sizeof(double));
     return traffic;
   }
 
  private:
-  /// The rows of every rank's records `all` (rank-major; per rank, row (b, h, i) of q's shape
-  /// holds m, l and d values of out), merged in rank order with each head's sink (-inf without
-  /// sinks) into out (and lse) in their type.
-  template <class TO>
-  // NOLINTBEGIN(bugprone-easily-swappable-parameters): internal, (out, lse) as sdpa's
-  static void merge_records(const std::vector<double>& all, int ranks, const HeadsShape& q, Index d,
-                            const std::vector<double>& sinks, const HeadsView<TO>& out,
-                            const HeadsView<TO>& lse) {
-    // NOLINTEND(bugprone-easily-swappable-parameters)
-    const Index rows = q.batch * q.heads * q.seq;
-    const Index width = d + 2;  // m, l, out
-    std::vector<double> scratch(static_cast<std::size_t>(ranks + d));
-    for (Index b = 0; b < q.batch; ++b) {
-      for (Index h = 0; h < q.heads; ++h) {
-        const double sink = sinks.empty() ? -std::numeric_limits<double>::infinity()
-                                          : sinks[static_cast<std::size_t>(h)];
-        for (Index i = 0; i < q.seq; ++i) {
-          const Index row = (b * q.heads + h) * q.seq + i;
-          const auto part_at = [&](Index r) {
-            const double* rec = all.data() + (r * rows + row) * width;
-            return apex::detail::PartRow<double, double>{rec + 2, {rec[0], rec[1]}};
-          };
-          const auto total =
-              apex::detail::merge_rows<double>(ranks, d, part_at, out.head(b, h).row(i).data(),
-                                               scratch.data(), scratch.data() + ranks, sink);
-          if (!lse.empty())
-            lse.head(b, h)(i, 0) = apex::round_to<TO>(apex::detail::log_sum_exp(total));
-        }
-      }
-    }
-  }
-
-  /// Throws unless k and v are chunks [B, H_kv, n, d_qk] and [B, H_kv, n, d_v] of this cache.
+  /// Throws unless the cache is constructed and k and v are chunks [B, H_kv, n, d_qk] and
+  /// [B, H_kv, n, d_v] of it.
   void check_chunk(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v) const {
-    constexpr const char* op = "sharded_kv_cache";
-    apex::detail::check_constructed(!counts_.empty(), op, "cache");
-    apex::detail::check_extents(k, op, "k shape");
-    apex::detail::check_extents(v, op, "v shape");
-    APEX_CHECK(k.batch() == keys_.batch() && k.heads() == keys_.heads() && k.dim() == keys_.dim(),
-               "[" << op << "] k chunk [" << k.batch() << ", " << k.heads() << ", n, " << k.dim()
-                   << "] must be [B, H_kv, n, d_qk] = [" << keys_.batch() << ", " << keys_.heads()
-                   << ", n, " << keys_.dim() << "]");
-    APEX_CHECK(v.batch() == values_.batch() && v.heads() == values_.heads() &&
-                   v.dim() == values_.dim() && v.seq() == k.seq(),
-               "[" << op << "] v chunk [" << v.batch() << ", " << v.heads() << ", " << v.seq()
-                   << ", " << v.dim() << "] must be [B, H_kv, n, d_v] = [" << values_.batch()
-                   << ", " << values_.heads() << ", " << k.seq() << ", " << values_.dim() << "]");
+    apex::detail::check_constructed(!counts_.empty(), "sharded_kv_cache", "cache");
+    detail::check_kv_chunk(k, v, keys_.shape(), values_.shape(), "sharded_kv_cache");
   }
 
   /// Rows [first, first + count) of every head of a [B, H_kv, C, D] buffer.
@@ -378,16 +443,7 @@ class ShardedKvCache {
           problem, apex::detail::AttentionOutputs<Scalar>{part.view(), {}, max.view(), sum.view()},
           apex::detail::FlashBlocking{});
     }
-    for (Index b = 0; b < q.batch(); ++b) {
-      for (Index h = 0; h < q.heads(); ++h) {
-        for (Index i = 0; i < q.seq(); ++i) {
-          double* rec = records + ((b * q.heads() + h) * q.seq() + i) * (d + 2);
-          rec[0] = double(max.head(b, h)(i, 0));
-          rec[1] = double(sum.head(b, h)(i, 0));
-          for (Index c = 0; c < d; ++c) rec[2 + c] = double(part.head(b, h)(i, c));
-        }
-      }
-    }
+    detail::write_records(part, max, sum, records);
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;

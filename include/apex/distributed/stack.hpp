@@ -39,29 +39,15 @@
 
 namespace apex::distributed {
 
-template <class Scalar, class Storage = Scalar>
-class ShardedStackCache;
-
-template <class Scalar, class Weight, class Storage>
-RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
-                                           const AttentionStack<Scalar, Weight>& stack,
-                                           const SequenceSharding& sharding,
-                                           const std::vector<std::int64_t>& local_tokens,
-                                           Index prefix, ShardedStackCache<Scalar, Storage>& cache,
-                                           Traffic* traffic = nullptr);
-
-template <class Scalar, class Weight, class Storage>
-RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
-                                               const AttentionStack<Scalar, Weight>& stack,
-                                               std::int64_t token,
-                                               ShardedStackCache<Scalar, Storage>& cache,
-                                               Traffic* traffic = nullptr);
+namespace detail {
+struct ShardedStackCacheAccess;  // the context-parallel calls, below ShardedStackCache
+}  // namespace detail
 
 /// The decoding state of an AttentionStack run across ranks: one ShardedKvCache per layer (see
 /// CACHES above), the prompt's sharding, its prefix and the next position. Made by
 /// make_sharded_cache; advanced by context_parallel_prefill and context_parallel_decode_step.
 /// Default-constructed or moved from: no layers, rejected by both.
-template <class Scalar, class Storage>
+template <class Scalar, class Storage = Scalar>
 class ShardedStackCache {
  public:
   /// An empty cache of no layers.
@@ -88,15 +74,7 @@ class ShardedStackCache {
       : layers_(std::move(layers)) {}
 
  private:
-  template <class S, class W, class St>
-  friend RowMatrix<S> context_parallel_prefill(MPI_Comm, const AttentionStack<S, W>&,
-                                               const SequenceSharding&,
-                                               const std::vector<std::int64_t>&, Index,
-                                               ShardedStackCache<S, St>&, Traffic*);
-  template <class S, class W, class St>
-  friend RowMatrix<S> context_parallel_decode_step(MPI_Comm, const AttentionStack<S, W>&,
-                                                   std::int64_t, ShardedStackCache<S, St>&,
-                                                   Traffic*);
+  friend struct detail::ShardedStackCacheAccess;
 
   std::vector<ShardedKvCache<Scalar, Storage>> layers_;  // a moved-from vector is empty
   apex::detail::ResetOnMove<Index> prefix_;
@@ -104,6 +82,26 @@ class ShardedStackCache {
 };
 
 namespace detail {
+
+/// The one door into a ShardedStackCache's layers and positions: only the context-parallel
+/// calls below write them.
+struct ShardedStackCacheAccess {
+  template <class Scalar, class Storage>
+  static std::vector<ShardedKvCache<Scalar, Storage>>& layers(
+      ShardedStackCache<Scalar, Storage>& cache) {
+    return cache.layers_;
+  }
+  /// P of the prompt, set by the prefill.
+  template <class Scalar, class Storage>
+  static void set_prefix(ShardedStackCache<Scalar, Storage>& cache, Index prefix) {
+    cache.prefix_ = prefix;
+  }
+  /// After a prefill or a decoding step: the next position.
+  template <class Scalar, class Storage>
+  static void advance(ShardedStackCache<Scalar, Storage>& cache, Index next) {
+    cache.next_ = next;
+  }
+};
 
 /// H_kv, d_qk and d_v of the K and V that layer `layer` attends with.
 template <class Layer>
@@ -256,7 +254,7 @@ RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
                                            const SequenceSharding& sharding,
                                            const std::vector<std::int64_t>& local_tokens,
                                            Index prefix, ShardedStackCache<Scalar, Storage>& cache,
-                                           Traffic* traffic) {
+                                           Traffic* traffic = nullptr) {
   constexpr const char* op = "context_parallel_prefill";
   const RankInfo me = apex::distributed::detail::rank_info(comm, op);
   RowMatrix<Scalar> x;
@@ -271,7 +269,8 @@ RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
                                    });
   const std::vector<PositionRange> chunks = sharding.chunks(me.rank);
   const Index rows = x.rows();
-  std::vector<ShardedKvCache<Scalar, Storage>>& layers = cache.layers_;
+  std::vector<ShardedKvCache<Scalar, Storage>>& layers =
+      detail::ShardedStackCacheAccess::layers(cache);
   stack.run_blocks(x, [&](Index l, const auto& layer, const RowMatrix<Scalar>& normed,
                           RowMatrix<Scalar>& attended) {
     const apex::detail::LayerHeads heads =
@@ -289,8 +288,8 @@ RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
     detail::output_projection<Scalar, Weight>(layer, concat, attended);
     layers[static_cast<std::size_t>(l)].load_prompt(sharding, k.view(), v.view());
   });
-  cache.prefix_ = prefix;
-  cache.next_ = sharding.length();
+  detail::ShardedStackCacheAccess::set_prefix(cache, prefix);
+  detail::ShardedStackCacheAccess::advance(cache, sharding.length());
   return stack.output_logits(x);
 }
 
@@ -305,7 +304,7 @@ RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
                                                const AttentionStack<Scalar, Weight>& stack,
                                                std::int64_t token,
                                                ShardedStackCache<Scalar, Storage>& cache,
-                                               Traffic* traffic) {
+                                               Traffic* traffic = nullptr) {
   constexpr const char* op = "context_parallel_decode_step";
   const RankInfo me = apex::distributed::detail::rank_info(comm, op);
   const Index p = cache.next_position();
@@ -327,7 +326,8 @@ RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
         const TokenMatrix ids = TokenMatrix::Constant(1, 1, token);
         x = stack.embed_tokens(ids);  // checks the id
       });
-  std::vector<ShardedKvCache<Scalar, Storage>>& layers = cache.layers_;
+  std::vector<ShardedKvCache<Scalar, Storage>>& layers =
+      detail::ShardedStackCacheAccess::layers(cache);
   stack.run_blocks(x, [&](Index l, const auto& layer, const RowMatrix<Scalar>& normed,
                           RowMatrix<Scalar>& attended) {
     AttentionLayerParams<Scalar> params = stack.block_params(l);
@@ -346,7 +346,7 @@ RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
     if (traffic != nullptr) *traffic += t;
     detail::output_projection<Scalar, Weight>(layer, concat, attended);
   });
-  cache.next_ = p + 1;
+  detail::ShardedStackCacheAccess::advance(cache, p + 1);
   return stack.output_logits(x);
 }
 

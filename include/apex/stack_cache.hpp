@@ -1,0 +1,139 @@
+// SPDX-License-Identifier: MIT
+// The decoding state of an AttentionStack (stack.hpp): StackCache, one cache per layer of the
+// kind the documents motivate each layer with, and the one door (detail::StackCacheAccess)
+// through which the stack's cached calls make and advance it:
+//   local layers   SlidingWindowCache of the last W tokens  2·H_kv·d_h values per token, ≤ W tokens
+//   global layers  LatentCache (c_kv ‖ K_rope)               d_kv + H_kr·d_r values per token
+#pragma once
+
+#include <apex/config.hpp>
+#include <apex/kv_cache.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace apex {
+
+namespace detail {
+struct StackCacheAccess;  // the cached calls of AttentionStack, below StackCache
+}  // namespace detail
+
+/// The decoding state of one AttentionStack: one cache per layer (a SlidingWindowCache of W
+/// tokens for each local layer, a LatentCache of `capacity` tokens for each global layer), the
+/// batch, the prefix and the next absolute position. Made by AttentionStack::make_cache and
+/// advanced only by that stack's prefill / extend / decode_step, which check that it matches.
+/// Every layer's cache stores Storage (Scalar, or Eigen::half / Eigen::bfloat16 for half the
+/// bytes): AttentionStack::make_cache<Storage>.
+/// Memory: bytes() = stack_cache_memory(config, batch, capacity, sizeof(Storage)).total_bytes,
+/// allocated at construction; the local layers' share never grows, the global layers' grows
+/// only through reserve().
+template <class Scalar, class Storage = Scalar>
+class StackCache {
+ public:
+  /// An empty cache of no layers (as a moved-from one is); the stacks reject it.
+  StackCache() = default;
+  /// The cache of one layer: a SlidingWindowCache for a local layer, a LatentCache for a
+  /// global one.
+  using LayerCache =
+      std::variant<SlidingWindowCache<Scalar, Storage>, LatentCache<Scalar, Storage>>;
+
+  /// Number of sequences B decoded side by side.
+  Index batch() const { return batch_; }
+  /// Tokens the global layers can hold (positions [0, capacity)).
+  Index capacity() const { return capacity_; }
+  /// Number of layer caches, L (one per layer of the stack).
+  Index num_layers() const { return static_cast<Index>(layers_.size()); }
+  /// Absolute position of the next token (= tokens processed per sequence).
+  Index next_position() const { return next_; }
+  /// P of the sequence being decoded (set by prefill).
+  Index prefix() const { return prefix_; }
+  /// The cache of layer l, read-only (it is written only by the stack). Throws
+  /// std::invalid_argument unless 0 <= l < num_layers().
+  const LayerCache& layer(Index l) const {
+    APEX_CHECK(l >= 0 && l < num_layers(),
+               "[stack] layer (" << l << ") must lie in [0, " << num_layers() << ")");
+    return layers_[static_cast<std::size_t>(l)];
+  }
+
+  /// Exact bytes of every layer's cache.
+  std::int64_t bytes() const { return local_bytes() + global_bytes(); }
+  /// Bytes of the local layers' sliding-window caches: constant, whatever the context.
+  std::int64_t local_bytes() const { return bytes_of<SlidingWindowCache<Scalar, Storage>>(); }
+  /// Bytes of the global layers' latent caches: proportional to capacity(), so it grows with
+  /// reserve().
+  std::int64_t global_bytes() const { return bytes_of<LatentCache<Scalar, Storage>>(); }
+
+  /// Grows the global layers' capacity to at least `capacity` (one copy of each latent cache;
+  /// see LatentCache::reserve). Never shrinks.
+  void reserve(Index capacity) {
+    detail::check_constructed(batch() >= 1, "stack", "cache");
+    if (capacity <= capacity_) return;
+    for (LayerCache& cache : layers_) {
+      if (auto* latent = std::get_if<LatentCache<Scalar, Storage>>(&cache)) {
+        latent->reserve(capacity);
+      }
+    }
+    capacity_ = capacity;
+  }
+
+  /// Forgets the sequence (memory kept): the next call must be prefill (or extend from 0).
+  void clear() {
+    for (LayerCache& cache : layers_) std::visit([](auto& c) { c.clear(); }, cache);
+    next_ = 0;
+    prefix_ = 0;
+  }
+
+ private:
+  friend struct detail::StackCacheAccess;
+
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): private, called by make_cache only
+  StackCache(Index batch, Index capacity, std::vector<LayerCache> layers)
+      : batch_(batch), capacity_(capacity), layers_(std::move(layers)) {}
+
+  template <class Kind>
+  std::int64_t bytes_of() const {
+    std::int64_t total = 0;
+    for (const LayerCache& cache : layers_) {
+      if (const auto* c = std::get_if<Kind>(&cache)) total += c->bytes();
+    }
+    return total;
+  }
+
+  detail::ResetOnMove<Index> batch_;
+  detail::ResetOnMove<Index> capacity_;
+  detail::ResetOnMove<Index> next_;
+  detail::ResetOnMove<Index> prefix_;
+  std::vector<LayerCache> layers_;  // a moved-from vector is empty
+};
+
+namespace detail {
+
+/// The one door into a StackCache's layers and position: only the cached calls of AttentionStack
+/// (stack.hpp) make a cache and advance it.
+struct StackCacheAccess {
+  template <class Scalar, class Storage>
+  static StackCache<Scalar, Storage> make(
+      Index batch, Index capacity,
+      std::vector<typename StackCache<Scalar, Storage>::LayerCache> layers) {
+    return StackCache<Scalar, Storage>(batch, capacity, std::move(layers));
+  }
+  template <class Scalar, class Storage>
+  static typename StackCache<Scalar, Storage>::LayerCache& layer(StackCache<Scalar, Storage>& cache,
+                                                                 Index l) {
+    return cache.layers_[static_cast<std::size_t>(l)];
+  }
+  /// After n tokens from position `first`: the next position, and the prefix of a first call.
+  template <class Scalar, class Storage>
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (first, n, prefix) positions
+  static void advance(StackCache<Scalar, Storage>& cache, Index first, Index n, Index prefix) {
+    cache.next_ = first + n;
+    if (first == 0) cache.prefix_ = prefix;
+  }
+};
+
+}  // namespace detail
+
+}  // namespace apex
