@@ -209,6 +209,7 @@ void attention_layer_forward(const ConstRowRef<Scalar>& x, Index batch, const La
 /// with the chunk's queries at query_offset and the held keys from key_offset (0 for a cache
 /// that holds every token; the oldest held position for a sliding window).
 template <class Scalar>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, PositionMask's two offsets
 AttentionMask<Scalar> cached_mask(const PositionMask& mask, Index query_offset, Index key_offset) {
   AttentionMask<Scalar> m;
   m.positions = mask;
@@ -221,6 +222,7 @@ AttentionMask<Scalar> cached_mask(const PositionMask& mask, Index query_offset, 
 /// are many sequences', so their positions come from the cache (checked per sequence by
 /// paged_step_positions) and params.position_offset must be 0.
 template <class Scalar>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (width, offset) of one call
 void check_paged_layer_input(const ConstRowRef<Scalar>& x, Index d_model, Index position_offset,
                              const char* op) {
   check_layer_input<Scalar>(x, 1, d_model, nullptr, 0, op);

@@ -52,6 +52,8 @@ inline std::int64_t kv_cache_bytes(std::int64_t batch, std::int64_t seq, std::in
 /// Eigen::half or BlockQ8_0): 2·B·S·H_kv·bytes(a row of d_h values). Throws unless d_h is a whole
 /// number of F's blocks, on a negative argument or on a size beyond 64 bits.
 template <class F>
+// The arguments follow §7.4's product 2·B·S·H_kv·d_h in its order, as the other form's do.
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters)
 std::int64_t kv_cache_bytes(std::int64_t batch, std::int64_t seq, std::int64_t num_kv_heads,
                             std::int64_t head_dim) {
   const char* op = "kv_cache_bytes";

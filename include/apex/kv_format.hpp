@@ -89,6 +89,7 @@ namespace detail {
 /// The first element of row s of head (b, h) of a view (a batch or head axis of extent 1
 /// broadcasts), by the view's strides: elements of any format, no Eigen map of them.
 template <class T>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the indices in the order of the axes
 T* row_data(const HeadsView<T>& view, Index b, Index h, Index s) {
   const Index bb = view.batch() == 1 ? 0 : b;
   const Index hh = view.heads() == 1 ? 0 : h;
@@ -108,6 +109,22 @@ auto zeroed_buffer(Index size) {
 /// The type of zeroed_buffer<F>.
 template <class F>
 using CacheBuffer = decltype(zeroed_buffer<F>(0));
+
+/// Head (b, h) of a view of K, V or latent rows in any format, as a [seq, row_values] matrix of
+/// Scalar: the view's own map when it holds Scalar, else its rows widened through their format
+/// (allocated: seq × row_values).
+template <class Scalar, class T>
+auto head_values(const HeadsView<const T>& view, Index b, Index h) {
+  if constexpr (is_storage_v<T>) {
+    return widened<Scalar>(view.head(b, h));
+  } else {
+    RowMatrix<Scalar> rows(view.seq(), row_values(view));
+    for (Index s = 0; s < view.seq(); ++s) {
+      KvFormat<T>::widen(row_data(view, b, h, s), rows.row(s).data(), view.dim());
+    }
+    return rows;
+  }
+}
 
 /// Formats other than apex's K/V formats are rejected at compile time.
 template <class T>

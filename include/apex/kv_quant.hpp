@@ -139,7 +139,7 @@ inline BlockQ8_0 quantize_q8_0(const float* x) {
   y.d = detail::half_bits(d);
   for (Index j = 0; j < BlockQ8_0::kValues; ++j) {
     const float scaled = x[j] * id;
-    y.q[j] = std::isfinite(scaled) ? static_cast<std::int8_t>(std::round(scaled)) : 0;
+    y.q[j] = std::isfinite(scaled) ? static_cast<std::int8_t>(std::round(scaled)) : std::int8_t{0};
   }
   return y;
 }
@@ -195,7 +195,8 @@ BlockFp8<K, B> quantize_fp8(const float* x) {
 template <class C>
 void dequantize(const BlockQ8_0& x, C* y) {
   const float d = detail::half_value(x.d);
-  for (Index j = 0; j < BlockQ8_0::kValues; ++j) y[j] = static_cast<C>(x.q[j] * d);
+  for (Index j = 0; j < BlockQ8_0::kValues; ++j)
+    y[j] = static_cast<C>(static_cast<float>(x.q[j]) * d);
 }
 
 /// y[0, 32) = the values of a q4_0 block, (c_j − 8)·d formed in float, as C.

@@ -169,8 +169,9 @@ RowMatrix<Scalar> merge_heads(const HeadsTensor<Scalar>& heads) {
 /// Every shape is checked before out is written. out may share storage with q, k or v (they are
 /// read completely before out is written) but not with w_o. Allocates the [B*S_q, H_q·d_v]
 /// concatenation. Bit-identical for any number of threads (sdpa, detail::matmul).
-/// K and V may be stored in another type than the rest (a 16-bit cache's keys() and values():
-/// Eigen::half or Eigen::bfloat16), which sdpa widens as it reads them, and so may W_O (a layer
+/// K and V may be stored in another format than the rest (a 16-bit or quantized cache's keys()
+/// and values(): Eigen::half, Eigen::bfloat16, or the blocks of kv_quant.hpp), which sdpa widens
+/// as it reads them, and so may W_O (a layer
 /// with 16-bit weights), which the product widens as it reads it. Q's type (float or double) is
 /// the type of the computation and of out.
 template <class Q, class K, class V, class DerivedWo>
@@ -184,7 +185,7 @@ void multi_head_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const He
   const Index batch = q.batch();
   const Index heads = q.heads();
   const Index s_q = q.seq();
-  const Index d_v = v.dim();
+  const Index d_v = row_values(v);  // v.dim() for the scalar formats, blocks × values otherwise
   const char* op = "multi_head_attention";
   detail::check_sdpa(q, k, v, mask, params,
                      detail::shape_only_view<Scalar>({batch, heads, s_q, d_v}), {}, op);

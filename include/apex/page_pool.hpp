@@ -652,6 +652,7 @@ class PagedLatentCache : public PagedSequences<Storage> {
                    << " columns; expected d_kv + H_kr·d_r = " << row_dim());
     pool_.check_grow(id, rows.rows(), kOp);
     const Index rope_values = row_dim() - latent_dim();
+    // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): append_tokens's (token, page, row)
     this->append_tokens(id, rows.rows(), [&](Index t, Index page, Index row) {
       const Scalar* from = rows.row(t).data();
       Storage* to = detail::row_data(pool_.plane(0), page, 0, row);

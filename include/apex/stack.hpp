@@ -344,7 +344,7 @@ class AttentionStack {
   /// max_positions): a SlidingWindowCache of W tokens per local layer and a LatentCache of
   /// `capacity` tokens per global layer, every one storing Storage (Scalar by default;
   /// stack.make_cache<Eigen::bfloat16>(batch, capacity) for 16-bit caches). Allocates
-  /// stack_cache_memory(config, batch, capacity, sizeof(Storage)).total_bytes.
+  /// stack_cache_memory<Storage>(config, batch, capacity).total_bytes.
   template <class Storage = Scalar>
   StackCache<Scalar, Storage> make_cache(Index batch, Index capacity) const {
     return detail::make_stack_cache<Storage>(*this, batch, capacity);
@@ -521,11 +521,11 @@ class AttentionStack {
   }
 
   /// The cache memory of this stack for `batch` sequences of `context` tokens in this scalar
-  /// type, or for caches storing Storage (stack_cache_memory with bytes_per_value =
-  /// sizeof(Storage)): the bytes make_cache<Storage> allocates.
+  /// type, or for caches storing format Storage (stack_cache_memory<Storage>): the bytes
+  /// make_cache<Storage> allocates.
   template <class Storage = Scalar>
   StackCacheMemory cache_memory(Index batch, Index context) const {
-    return stack_cache_memory(config(), batch, context, static_cast<Index>(sizeof(Storage)));
+    return stack_cache_memory<Storage>(config(), batch, context);
   }
 
  private:

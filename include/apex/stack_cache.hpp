@@ -27,7 +27,7 @@ struct StackCacheAccess;  // the cached calls of AttentionStack, below StackCach
 /// advanced only by that stack's prefill / extend / decode_step, which check that it matches.
 /// Every layer's cache stores Storage (Scalar, or Eigen::half / Eigen::bfloat16 for half the
 /// bytes): AttentionStack::make_cache<Storage>.
-/// Memory: bytes() = stack_cache_memory(config, batch, capacity, sizeof(Storage)).total_bytes,
+/// Memory: bytes() = stack_cache_memory<Storage>(config, batch, capacity).total_bytes,
 /// allocated at construction; the local layers' share never grows, the global layers' grows
 /// only through reserve().
 template <class Scalar, class Storage = Scalar>

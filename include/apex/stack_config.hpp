@@ -9,6 +9,7 @@
 #include <apex/cache_memory.hpp>
 #include <apex/config.hpp>
 #include <apex/gqa.hpp>
+#include <apex/kv_format.hpp>
 #include <apex/mla.hpp>
 #include <apex/rope.hpp>
 #include <apex/rope_config.hpp>
@@ -151,6 +152,50 @@ inline StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, In
       detail::checked_product(m.global_layers, m.global_bytes_per_layer, op, "global bytes");
   m.total_bytes = detail::checked_sum(local_bytes, global_bytes, op, "total bytes");
   return m;
+}
+
+/// The cache memory of a stack with this config whose caches store format F (kv_format.hpp:
+/// float, double, a 16-bit type, or a block format of kv_quant.hpp): what
+/// StackCache<Scalar, F>::bytes() reports for a cache of capacity `context`. A local layer holds
+/// 2·H_kv rows of d_h values per token for min(S, W) tokens, a global one a row of d_kv values
+/// and H_kr rows of d_r; each row costs the bytes of its elements. For a scalar format this is
+/// stack_cache_memory(c, batch, context, sizeof(F)). Throws as that does, and unless d_h, d_kv
+/// and d_r are whole blocks of F.
+template <class F>
+StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, Index context) {
+  if constexpr (is_storage_v<F>) {
+    return stack_cache_memory(c, batch, context, static_cast<Index>(sizeof(F)));
+  } else {
+    StackCacheMemory m = stack_cache_memory(c, batch, context, 1);  // the checks and layer counts
+    const char* op = "stack";
+    const auto row_bytes = [&](Index values, const char* name) {
+      detail::check_row_values<F>(values, op, name);
+      return KvFormat<F>::bytes(KvFormat<F>::elements(values));
+    };
+    if (m.local_layers > 0) {
+      m.local_bytes_per_token = detail::checked_product(
+          {2, c.local.num_kv_heads, row_bytes(c.local.head_dim, "local head_dim")}, op,
+          "2*H_kv*row bytes");
+      m.local_bytes_per_layer = detail::checked_product(
+          {batch, std::min<Index>(context, c.window), m.local_bytes_per_token}, op,
+          "B*min(S, W)*bytes/token");
+    }
+    if (m.global_layers > 0) {
+      m.global_bytes_per_token = detail::checked_sum(
+          row_bytes(c.global.d_kv, "global d_kv"),
+          detail::checked_product(c.global.rope_key_heads(),
+                                  row_bytes(c.global.rope_dim, "global rope_dim"), op,
+                                  "H_kr*row bytes"),
+          op, "bytes/token");
+      m.global_bytes_per_layer = detail::checked_product({batch, context, m.global_bytes_per_token},
+                                                         op, "B*S*bytes/token");
+    }
+    m.total_bytes = detail::checked_sum(
+        detail::checked_product(m.local_layers, m.local_bytes_per_layer, op, "local bytes"),
+        detail::checked_product(m.global_layers, m.global_bytes_per_layer, op, "global bytes"), op,
+        "total bytes");
+    return m;
+  }
 }
 
 }  // namespace apex

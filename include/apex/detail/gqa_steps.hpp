@@ -114,6 +114,7 @@ Index check_gqa_cached(const GqaConfig& c, const GqaWeights<Weight>& w,
 
 /// RMSNorm of every d_h-wide head of x [rows, H·d_h] (heads side by side), in place.
 template <class Scalar, class Weight>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, RMSNorm's (eps, head_dim)
 void normalize_heads(const Vector<Weight>& gamma, double eps, Index head_dim,
                      RowMatrix<Scalar>& x) {
   Eigen::Map<RowMatrix<Scalar>> heads(x.data(), x.size() / head_dim, head_dim);

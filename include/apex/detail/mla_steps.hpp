@@ -218,8 +218,10 @@ RowMatrix<Scalar> mla_latent_rows(const MlaConfig& c, const MlaWeights<Weight>& 
 /// (len = cache.size()): K = c_kv·W_UK, V = c_kv·W_UV, K_final = [K ‖ K_rope], the cache's rows
 /// widened as they are read. O(cache) work and memory: the naive path's cost.
 template <class Scalar, class Weight, class Cache>
+// Internal, the outputs (k, v) in their order. NOLINTBEGIN(bugprone-easily-swappable-parameters)
 void decompress_latent_cache(const MlaConfig& c, const MlaWeights<Weight>& w, const Cache& cache,
                              RowMatrix<Scalar>& k, RowMatrix<Scalar>& v) {
+  // NOLINTEND(bugprone-easily-swappable-parameters)
   const Index h_kv = c.num_kv_heads;
   const Index d_h = c.head_dim;
   const Index d_r = c.rope_dim;
@@ -229,13 +231,13 @@ void decompress_latent_cache(const MlaConfig& c, const MlaWeights<Weight>& w, co
   v.resize(cache.batch() * len, h_kv * d_h);
   RowMatrix<Scalar> k_content;
   for (Index b = 0; b < cache.batch(); ++b) {
-    const auto c_kv = widened<Scalar>(cache.latent().head(b, 0));  // [len, d_kv]
+    const auto c_kv = head_values<Scalar>(cache.latent(), b, 0);  // [len, d_kv]
     k_content = matmul<Scalar>(c_kv, w.w_uk);
     matmul<Scalar>(c_kv, w.w_uv, v.middleRows(b * len, len));
     for (Index g = 0; g < h_kv; ++g) {
       k.block(b * len, g * d_qk, len, d_h) = k_content.middleCols(g * d_h, d_h);
       k.block(b * len, g * d_qk + d_h, len, d_r) =
-          cache.rope_keys().head(b, c.rope_key_heads() == 1 ? 0 : g).template cast<Scalar>();
+          head_values<Scalar>(cache.rope_keys(), b, c.rope_key_heads() == 1 ? 0 : g);
     }
   }
 }
