@@ -29,6 +29,7 @@
 #include <random>
 #include <vector>
 
+#include "format_names.hpp"
 #include "reference/quantize.hpp"
 #include "tolerances.hpp"
 
@@ -47,7 +48,7 @@ struct Kind {
   static constexpr Fp8Kind kKind = K;
 };
 using Fp8Kinds = ::testing::Types<Kind<Fp8Kind::kE4m3>, Kind<Fp8Kind::kE5m2>>;
-TYPED_TEST_SUITE(Fp8, Fp8Kinds);
+TYPED_TEST_SUITE(Fp8, Fp8Kinds, apex::testing::Fp8KindName);
 
 TYPED_TEST(Fp8, EveryCodeDecodesToItsFieldsAndFiniteCodesEncodeBack) {
   constexpr Fp8Kind K = TypeParam::kKind;
@@ -354,7 +355,7 @@ template <class F>
 class QuantizedAttention : public ::testing::Test {};
 using BlockFormats = ::testing::Types<apex::BlockQ8_0, apex::BlockQ4_0, apex::BlockFp8E4m3<64>,
                                       apex::BlockFp8E5m2<128>>;
-TYPED_TEST_SUITE(QuantizedAttention, BlockFormats);
+TYPED_TEST_SUITE(QuantizedAttention, BlockFormats, apex::testing::FormatName);
 
 struct Case {
   Index batch, q_heads, kv_heads, s_q, s_k, d_qk, d_v;
@@ -616,7 +617,7 @@ namespace {
 template <class F>
 class QuantizedLatent : public ::testing::Test {};
 using LatentFormats = ::testing::Types<apex::BlockQ8_0, apex::BlockQ4_0, apex::BlockFp8E4m3<64>>;
-TYPED_TEST_SUITE(QuantizedLatent, LatentFormats);
+TYPED_TEST_SUITE(QuantizedLatent, LatentFormats, apex::testing::FormatName);
 
 TYPED_TEST(QuantizedLatent, LatentCacheStoresEachPartAndAbsorbedAttentionReadsIt) {
   // c_kv (d_kv = 128) and K_rope (H_kr = 2 heads of d_r = 64) quantized part by part, so that

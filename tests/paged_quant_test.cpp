@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "attention_case.hpp"
+#include "format_names.hpp"
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
@@ -205,7 +206,7 @@ void expect_attention_matches(const QuantizedAndDecoded<F>& caches, std::mt19937
 template <class F>
 class PagedQuant : public ::testing::Test {};
 using BlockFormats = ::testing::Types<apex::BlockQ8_0, apex::BlockQ4_0, apex::BlockFp8E4m3<64>>;
-TYPED_TEST_SUITE(PagedQuant, BlockFormats);
+TYPED_TEST_SUITE(PagedQuant, BlockFormats, apex::testing::FormatName);
 
 /// Two blocks a row (q8_0, q4_0: d = 64; fp8 in blocks of 64: d = 128).
 template <class F>
