@@ -95,7 +95,11 @@ for source in "$src"/tests/fuzz/fuzz_*.cpp; do
   targets+=("$name")
 done
 [ ${#targets[@]} -gt 0 ] || { echo "apex fuzz: no target named $only" >&2; exit 2; }
-cmake --build "$build" -j "${APEX_FUZZ_JOBS:-2}" --target "${targets[@]}"
+if [ -n "$only" ]; then
+  cmake --build "$build" -j "${APEX_FUZZ_JOBS:-2}" --target "$only"
+else
+  cmake --build "$build" -j "${APEX_FUZZ_JOBS:-2}" --target apex_fuzzers
+fi
 echo "build: $(elapsed "$start") s"
 
 # final_stat <name> <log>: the value of libFuzzer's final statistic stat::<name>, or nothing.
