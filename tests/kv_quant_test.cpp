@@ -338,6 +338,15 @@ struct QuantizedHeads {
     }
     decoded_double.assign(decoded.begin(), decoded.end());
   }
+  /// Stores row r (of the [B·H·S] rows) with a NaN among its values: a block of NaN values.
+  void poison(Index r) {
+    using Format = apex::KvFormat<F>;
+    const Index per_row = Format::elements(shape.dim);
+    values[static_cast<std::size_t>(r * shape.dim)] = std::nanf("");
+    Format::store_row(values.data() + r * shape.dim, shape.dim, blocks.data() + r * per_row);
+    Format::widen(blocks.data() + r * per_row, decoded.data() + r * shape.dim, per_row);
+    decoded_double.assign(decoded.begin(), decoded.end());
+  }
   apex::HeadsView<const F> view() const {
     return apex::HeadsView<const F>::contiguous(
         blocks.data(),
@@ -391,11 +400,20 @@ TYPED_TEST(QuantizedAttention, IsAttentionOverTheDecodedValues) {
     params.softcap = c.softcap;
     const std::size_t outputs = static_cast<std::size_t>(c.batch * c.q_heads * c.s_q * c.d_v);
     std::vector<float> out(outputs), expected(outputs);
-    apex::sdpa(qv, k.view(), v.view(), mask, params,
-               apex::HeadsView<float>::contiguous(out.data(), o_shape));
-    apex::sdpa(qv, k.float_view(), v.float_view(), mask, params,
-               apex::HeadsView<float>::contiguous(expected.data(), o_shape));
-    ASSERT_EQ(out, expected) << "S_q " << c.s_q << ", S_k " << c.s_k;  // bit for bit
+    // Bit for bit at every kernel level: the streaming kernels of AVX2 and AVX-512 read the
+    // blocks in registers, the others widen them first, and both form the same values.
+    const apex::KernelIsa before = apex::kernel_isa();
+    for (const apex::KernelIsa isa :
+         {apex::KernelIsa::kPortable, apex::KernelIsa::kAvx2, apex::KernelIsa::kAvx512}) {
+      if (!apex::cpu_supports(isa)) continue;
+      apex::set_kernel_isa(isa);
+      apex::sdpa(qv, k.view(), v.view(), mask, params,
+                 apex::HeadsView<float>::contiguous(out.data(), o_shape));
+      apex::sdpa(qv, k.float_view(), v.float_view(), mask, params,
+                 apex::HeadsView<float>::contiguous(expected.data(), o_shape));
+      apex::set_kernel_isa(before);
+      ASSERT_EQ(out, expected) << apex::to_string(isa) << ", S_q " << c.s_q << ", S_k " << c.s_k;
+    }
 
     std::vector<double> ref(outputs);
     apex::AttentionMask<double> mask_double;
@@ -713,6 +731,43 @@ F random_block(std::mt19937& gen, int i) {
     block.scale = s;
   }
   return block;
+}
+
+TYPED_TEST(QuantizedAttention, HiddenKeysWithNaNValuesTakeNoPart) {
+  // Decoding one query over 300 keys, a dense mask hiding keys [150, 200), whose value rows are
+  // NaN blocks, in key blocks that visible keys share (so the kernel reads them). The output is
+  // finite and equals attention over float rows of the decoded values bit for bit, at every
+  // kernel level (where the streaming kernels read blocks in place, the rows are widened for
+  // the check).
+  using F = TypeParam;
+  constexpr Index kBlock = apex::KvFormat<F>::kValuesPerElement;
+  std::mt19937 gen(17);
+  const apex::HeadsShape kv_shape{1, 1, 300, kBlock}, q_shape{1, 4, 1, kBlock};
+  const QuantizedHeads<F> k(kv_shape, gen);
+  QuantizedHeads<F> v(kv_shape, gen);
+  for (Index r = 150; r < 200; ++r) v.poison(r);
+  std::vector<float> q(static_cast<std::size_t>(4 * kBlock));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& x : q) x = normal(gen);
+  const auto qv = apex::HeadsView<const float>::contiguous(q.data(), q_shape);
+  std::array<bool, 300> allowed{};
+  for (Index j = 0; j < 300; ++j) allowed[static_cast<std::size_t>(j)] = j < 150 || j >= 200;
+  apex::AttentionMask<float> mask;
+  mask.allowed = apex::HeadsView<const bool>::contiguous(allowed.data(), {1, 1, 1, 300});
+  std::vector<float> out(q.size()), expected(q.size());
+  const apex::KernelIsa before = apex::kernel_isa();
+  for (const apex::KernelIsa isa :
+       {apex::KernelIsa::kPortable, apex::KernelIsa::kAvx2, apex::KernelIsa::kAvx512}) {
+    if (!apex::cpu_supports(isa)) continue;
+    apex::set_kernel_isa(isa);
+    apex::sdpa(qv, k.view(), v.view(), mask, {},
+               apex::HeadsView<float>::contiguous(out.data(), q_shape));
+    apex::sdpa(qv, k.float_view(), v.float_view(), mask, {},
+               apex::HeadsView<float>::contiguous(expected.data(), q_shape));
+    apex::set_kernel_isa(before);
+    for (const float x : out) ASSERT_TRUE(std::isfinite(x)) << apex::to_string(isa);
+    ASSERT_EQ(out, expected) << apex::to_string(isa);
+  }
 }
 
 TYPED_TEST(QuantizedAttention, EveryKernelLevelWidensToTheScalarValues) {

@@ -52,6 +52,7 @@
 #include <apex/detail/score_terms.hpp>
 #include <apex/detail/tile_products.hpp>
 #include <apex/detail/tile_scratch.hpp>
+#include <apex/kv_format.hpp>
 #include <apex/mask.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
@@ -253,10 +254,18 @@ class AttentionTile {
   /// acc += P·V for the value rows v (keys [j0, j0 + n) of the block) by `update`, the fast
   /// product; but where some key takes no part (`hidden`) and v holds a value that is not
   /// finite, only the keys that take part are added, after rescale_acc (a weight of -0.0 times
-  /// NaN would be NaN; the non-finite policy: sdpa.hpp).
+  /// NaN would be NaN; the non-finite policy: sdpa.hpp). Rows of blocks read in place are
+  /// widened into v_copy for that check (the fast product still reads the blocks).
   template <class T, class Update>
   void add_values(const ConstRows<T>& v, Index j0, Index n, bool hidden, const Update& update) {
-    if (hidden && !all_finite(v.data, n, p_.d_v, v.stride)) {
+    if constexpr (!is_storage_v<T>) {
+      if (!hidden) return update();
+      for (Index j = 0; j < n; ++j) {
+        KvFormat<T>::widen(v.data + j * v.stride, buf_.v_copy + j * p_.d_v,
+                           p_.d_v / KvFormat<T>::kValuesPerElement);
+      }
+      return add_values(ConstRows<C>{buf_.v_copy, p_.d_v}, j0, n, hidden, update);
+    } else if (hidden && !all_finite(v.data, n, p_.d_v, v.stride)) {
       rescale_acc();
       accumulate_visible(v, j0, n);
     } else {

@@ -14,7 +14,8 @@
 //               by their format (KvFormat<T>::widen, kv_format.hpp), one run (page) at a time;
 //   read_rows   the row reader of the streaming path: in place when the streaming products
 //               widen T in registers themselves (streams_in_place: always on apex's float
-//               kernels, on Eigen's where the build targets AVX), else a panel of kStreamPanel
+//               kernels, for the 16-bit formats and most block formats too; on Eigen's where
+//               the build targets AVX, for the 16-bit formats), else a panel of kStreamPanel
 //               rows widened by load_rows just before it is used;
 //   stored_rows rows as they are stored (the bfloat16 products pack them directly).
 // The streaming products themselves (streamed_scores, streamed_update) pick apex's float kernels
@@ -167,8 +168,8 @@ bool streams_in_place(const FloatKernels* simd) {
   return std::is_same_v<C, float> && !std::is_void_v<SimdElement<T>> && simd != nullptr;
 }
 
-/// Whether some CPU may stream rows of T in place for C (streams_in_place can be true): never
-/// for a format with many values per element, whose rows are always widened first.
+/// Whether some CPU may stream rows of T in place for C (streams_in_place can be true): a block
+/// format only where apex's float kernels read it (kReadsBlocks).
 template <class C, class T>
 inline constexpr bool kMayStreamInPlace = kStreamsFrom<C, T> || (std::is_same_v<C, float> &&
                                                                  !std::is_void_v<SimdElement<T>>);

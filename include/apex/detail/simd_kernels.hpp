@@ -16,7 +16,8 @@
 // HOW ONE SOURCE BECOMES TWO KERNELS. Each level is a namespace (simd_avx2, simd_avx512) compiled
 // under that level's target (GCC's and clang's target pragmas), holding the level's vector
 // operations, written with intrinsics, and then the shared body, simd_kernels.inl, included
-// into it. b and the keys may be float or a 16-bit format (bfloat16, half), widened to float in
+// into it. b and the keys may be float or a 16-bit format (bfloat16, half), and the streamed rows
+// (dots, stream_update) also a block format of kv_quant.hpp (BlockValues), widened to float in
 // registers as they are loaded; the sums are float. float_kernels() hands out the level in use as a
 // table of function pointers, or nullptr for KernelIsa::kPortable, where the caller uses Eigen's
 // products.
@@ -27,6 +28,7 @@
 
 #include <apex/config.hpp>
 #include <apex/cpu.hpp>
+#include <apex/kv_quant.hpp>
 
 #include <Eigen/Core>
 
@@ -57,15 +59,53 @@ struct Bf16Pair {
   std::uint32_t bits;
 };
 
-/// The element type the kernels read for a storage type T: float, Bf16Bits, HalfBits, or void
-/// where they read no T.
+/// Whether the streaming kernels (dots, stream_update) read rows of the block format F of
+/// kv_quant.hpp in registers: q8_0, q4_0, and fp8 blocks of a multiple of 32 values, so that no
+/// pair of vectors of values (8 or 16 lanes each) straddles two blocks.
+template <class F>
+inline constexpr bool kReadsBlocks = false;
+template <>
+inline constexpr bool kReadsBlocks<BlockQ8_0> = true;
+template <>
+inline constexpr bool kReadsBlocks<BlockQ4_0> = true;
+template <Fp8Kind K, int B>
+inline constexpr bool kReadsBlocks<BlockFp8<K, B>> = B % 32 == 0;
+
+/// The element type the kernels read for a storage type T: float, Bf16Bits, HalfBits, the block
+/// itself where kReadsBlocks, or void where they read no T.
 template <class T>
 using SimdElement = std::conditional_t<
-    std::is_same_v<T, float>, float,
-    std::conditional_t<std::is_same_v<T, Eigen::bfloat16>, Bf16Bits,
-                       std::conditional_t<std::is_same_v<T, Eigen::half>, HalfBits, void>>>;
+    kReadsBlocks<T>, T,
+    std::conditional_t<
+        std::is_same_v<T, float>, float,
+        std::conditional_t<std::is_same_v<T, Eigen::bfloat16>, Bf16Bits,
+                           std::conditional_t<std::is_same_v<T, Eigen::half>, HalfBits, void>>>>;
 
-/// The kernels of one level that read rows of a storage element E (float, Bf16Bits, HalfBits).
+/// The values of a run of blocks of a quantized format, as the streaming kernels read a row of
+/// them: value v is value v mod kValues of block v / kValues, and p + n is n values on (the way
+/// a pointer to a row of scalars moves). A load of a vector of values at p dequantizes them in
+/// registers; it never straddles two blocks (kReadsBlocks).
+template <class Block>
+struct BlockValues {
+  const Block* blocks;  ///< the first block of the run
+  Index value;          ///< values from its start
+
+  BlockValues operator+(Index n) const { return {blocks, value + n}; }
+  /// The address of the block that holds value `value` (an address only: it may lie past the
+  /// run, for a prefetch).
+  const Block* address() const { return blocks + unsigned_value() / Block::kValues; }
+  /// The block that holds value `value`.
+  const Block& block() const { return *address(); }
+  /// Its place in that block.
+  Index offset() const { return static_cast<Index>(unsigned_value() % Block::kValues); }
+
+ private:
+  // value >= 0: unsigned, the division and remainder are a shift and a mask
+  std::size_t unsigned_value() const { return static_cast<std::size_t>(value); }
+};
+
+/// The kernels of one level that read rows of a storage element E (float, Bf16Bits, HalfBits, or
+/// a block: then strides count blocks, d and d_v values, and gemm is null).
 template <class E>
 struct RowKernels {
   /// c [rows × cols] = (add ? diag(scale)·c : 0) + a [rows × depth] (row stride lda) · b, b in
@@ -157,7 +197,7 @@ struct FloatKernels {
 /// p as the kernels' element type of T (the same bits).
 template <class T>
 const SimdElement<T>* simd_elements(const T* p) {
-  return reinterpret_cast<const SimdElement<T>*>(p);  // NOLINT: the same 16 or 32 bits
+  return reinterpret_cast<const SimdElement<T>*>(p);  // NOLINT: the same bits (or the same type)
 }
 
 #if APEX_X86_KERNELS
@@ -177,6 +217,23 @@ const SimdElement<T>* simd_elements(const T* p) {
 #endif
 
 // NOLINTBEGIN: intrinsics, C-style masks and the BLAS-style argument lists of the shared body.
+
+/// Prefetches the n values at p into L1 (for rows read a little later): a line at a time for
+/// the 16-bit formats and the blocks, nothing for float and double (their rows stream well
+/// without it; eigen_adapter.hpp's prefetch_ahead says why the narrow ones need it).
+template <class T>
+void prefetch_values(const T* p, Index n) {
+  if constexpr (sizeof(T) < sizeof(float)) {
+    for (Index c = 0; c < n; c += 32)
+      _mm_prefetch(reinterpret_cast<const char*>(p + c), _MM_HINT_T0);
+  }
+}
+template <class Block>
+void prefetch_values(BlockValues<Block> p, Index n) {
+  const char* first = reinterpret_cast<const char*>(p.address());
+  const char* end = reinterpret_cast<const char*>((p + n).address());
+  for (const char* line = first; line < end; line += 64) _mm_prefetch(line, _MM_HINT_T0);
+}
 
 APEX_KERNEL_TARGET_PUSH("avx2,fma,f16c")
 namespace simd_avx2 {
@@ -246,6 +303,49 @@ inline float reduce_max(V v) {
   const __m128 quarter = _mm_max_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
 }
+// A block's values [at, at + 8) are block_codes(b, at) · block_scale(b), each the one
+// KvFormat::widen forms (widen_blocks.hpp): the exact value of the code times the scale.
+/// The 8 signed bytes at p as float lanes.
+inline V int8_values(const void* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
+}
+/// A half scale, widened, in every lane.
+inline V half_scale(std::uint16_t d) {
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(d)));
+}
+inline V block_codes(const BlockQ8_0& b, Index at) { return int8_values(b.q + at); }
+inline V block_scale(const BlockQ8_0& b) { return half_scale(b.d); }
+inline V block_codes(const BlockQ4_0& b, Index at) {
+  // values [16, 32) are the high nibbles of bytes [0, 16)
+  __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.q + at % 16));
+  if (at >= 16) bytes = _mm_srli_epi16(bytes, 4);
+  const __m128i codes = _mm_sub_epi8(_mm_and_si128(bytes, _mm_set1_epi8(0x0f)), _mm_set1_epi8(8));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+}
+inline V block_scale(const BlockQ4_0& b) { return half_scale(b.d); }
+/// The values of the 8 fp8 codes of kind K at p.
+template <Fp8Kind K>
+V fp8_lanes(const std::uint8_t* p) {
+  return fp8_values<K>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <Fp8Kind K, int B>
+V block_codes(const BlockFp8<K, B>& b, Index at) {
+  return fp8_lanes<K>(b.code + at);
+}
+template <Fp8Kind K, int B>
+V block_scale(const BlockFp8<K, B>& b) {
+  return set1(b.scale);
+}
+/// The values [p, p + kLanes) of a run of blocks (kReadsBlocks), and the lanes of m of them.
+template <class Block>
+V load(BlockValues<Block> p) {
+  const Block& b = p.block();
+  return mul(block_codes(b, p.offset()), block_scale(b));
+}
+template <class Block>
+V load(BlockValues<Block> p, Mask m) {
+  return select(m, load(p), zero());
+}
 #include <apex/detail/simd_kernels.inl>
 }  // namespace simd_avx2
 APEX_KERNEL_TARGET_POP()
@@ -314,6 +414,45 @@ inline float reduce_add(V v) {
 inline float reduce_max(V v) {
   return simd_avx2::reduce_max(_mm256_max_ps(_mm512_maskz_extractf32x8_ps(0xFF, v, 0),
                                              _mm512_maskz_extractf32x8_ps(0xFF, v, 1)));
+}
+// A block's values [at, at + 16), as AVX2's block_codes and block_scale form them.
+/// 16 signed bytes as float lanes.
+inline V int8_values(__m128i bytes) {
+  return _mm512_maskz_cvtepi32_ps(kAll, _mm512_maskz_cvtepi8_epi32(kAll, bytes));
+}
+/// A half scale, widened, in every lane.
+inline V half_scale(std::uint16_t d) {
+  return _mm512_maskz_cvtph_ps(kAll, _mm256_set1_epi16(static_cast<short>(d)));
+}
+inline V block_codes(const BlockQ8_0& b, Index at) {
+  return int8_values(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.q + at)));
+}
+inline V block_scale(const BlockQ8_0& b) { return half_scale(b.d); }
+inline V block_codes(const BlockQ4_0& b, Index at) {
+  __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.q));
+  if (at >= 16) bytes = _mm_srli_epi16(bytes, 4);  // values [16, 32): the high nibbles
+  return int8_values(_mm_sub_epi8(_mm_and_si128(bytes, _mm_set1_epi8(0x0f)), _mm_set1_epi8(8)));
+}
+inline V block_scale(const BlockQ4_0& b) { return half_scale(b.d); }
+template <Fp8Kind K, int B>
+V block_codes(const BlockFp8<K, B>& b, Index at) {
+  const std::uint8_t* code = b.code + at;
+  return _mm512_insertf32x8(_mm512_castps256_ps512(simd_avx2::fp8_lanes<K>(code)),
+                            simd_avx2::fp8_lanes<K>(code + 8), 1);
+}
+template <Fp8Kind K, int B>
+V block_scale(const BlockFp8<K, B>& b) {
+  return set1(b.scale);
+}
+/// The values [p, p + kLanes) of a run of blocks (kReadsBlocks), and the lanes of m of them.
+template <class Block>
+V load(BlockValues<Block> p) {
+  const Block& b = p.block();
+  return mul(block_codes(b, p.offset()), block_scale(b));
+}
+template <class Block>
+V load(BlockValues<Block> p, Mask m) {
+  return select(m, load(p), zero());
 }
 #include <apex/detail/simd_kernels.inl>
 }  // namespace simd_avx512

@@ -20,16 +20,50 @@ constexpr Index kPanel = 2 * kLanes;
 APEX_ALWAYS_INLINE V broadcast(const float* a) { return set1(*a); }
 APEX_ALWAYS_INLINE V madd(const float* /*a*/, V x, V b, V acc) { return fmadd(x, b, acc); }
 
+/// row[u] = the vector at p + u·kLanes for u < kVecs, the last one only the lanes of `last` when
+/// kMasked, each kept in a register: compilers otherwise fold its load into every multiply-add
+/// that reads it, reading it R times in madd_tile (measured: a 4-row streaming update at half
+/// speed).
+template <int kVecs, bool kMasked, class P>
+APEX_ALWAYS_INLINE void load_vectors(V* row, P p, Mask last) {
+#pragma GCC unroll 4
+  for (int u = 0; u < kVecs; ++u) {
+    row[u] = kMasked && u == kVecs - 1 ? load(p + u * kLanes, last) : load(p + u * kLanes);
+    asm("" : "+v"(row[u]));
+  }
+}
+/// The same for values of blocks, in pairs of vectors that lie in one block (p at a multiple of
+/// 2·kLanes values, as stream_group's wide tiles are), each block's scale widened once.
+template <int kVecs, bool kMasked, class Block>
+APEX_ALWAYS_INLINE void load_vectors(V* row, BlockValues<Block> p, Mask last) {
+  if constexpr (kVecs % 2 != 0 || kMasked) {
+    load_vectors<kVecs, kMasked, BlockValues<Block>>(row, p, last);
+  } else {
+    static_assert(Block::kValues % (2 * kLanes) == 0, "a pair of vectors lies in one block");
+    APEX_ASSERT(p.offset() % (2 * kLanes) == 0);
+#pragma GCC unroll 4
+    for (int u = 0; u < kVecs; u += 2) {
+      const BlockValues<Block> at = p + u * kLanes;
+      const Block& b = at.block();
+      const V scale = block_scale(b);
+      row[u] = mul(block_codes(b, at.offset()), scale);
+      row[u + 1] = mul(block_codes(b, at.offset() + kLanes), scale);
+      asm("" : "+v"(row[u]), "+v"(row[u + 1]));
+    }
+  }
+}
+
 /// c[R × (kVecs·kLanes)] (+)= a[R × depth] · b[depth × kVecs·kLanes], the register-blocked micro
 /// kernel: the R·kVecs accumulators stay in registers across the whole depth, a broadcasts, b is
-/// loaded a row of vectors at a time (widened to float in registers when T is a 16-bit format).
+/// loaded a row of vectors at a time (widened to float in registers when b points to a 16-bit
+/// format, or is BlockValues).
 /// Row i of a at a + i·lda, row k of b at b + k·ldb, row i of c at c + i·ldc. Each c(i, j) is
 /// one chain of multiply-adds (madd) over k = 0, 1, …, depth − 1, starting from c(i, j) when `add`
 /// is set (times scale[i] where scale is given: the online softmax's rescaling, in registers),
 /// else from 0. The last vector reads and writes only the lanes of `last` (kMasked). A is float
-/// (T any), or Bf16Pair for a and b alike, depth then counting pairs.
-template <int R, int kVecs, bool kMasked, class A, class T>
-APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const A* a, Index lda, const T* b, Index ldb,
+/// (b any), or Bf16Pair for a and b alike, depth then counting pairs.
+template <int R, int kVecs, bool kMasked, class A, class P>
+APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const A* a, Index lda, P b, Index ldb,
                                   Index depth, bool add, const float* scale, Mask last) {
   V acc[R][kVecs];
 #pragma GCC unroll 16
@@ -45,14 +79,7 @@ APEX_ALWAYS_INLINE void madd_tile(float* c, Index ldc, const A* a, Index lda, co
   }
   for (Index k = 0; k < depth; ++k) {
     V row[kVecs];
-#pragma GCC unroll 4
-    for (int u = 0; u < kVecs; ++u) {
-      const bool part = kMasked && u == kVecs - 1;
-      row[u] = part ? load(b + k * ldb + u * kLanes, last) : load(b + k * ldb + u * kLanes);
-      // Keeps the row in a register: compilers otherwise fold its load into every row's
-      // multiply-add, reading it R times (measured: a 4-row streaming update at half speed).
-      asm("" : "+v"(row[u]));
-    }
+    load_vectors<kVecs, kMasked>(row, b + k * ldb, last);
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const A* factor = a + i * lda + k;
@@ -137,9 +164,9 @@ constexpr Index kStreamGroup = 8;
 
 /// acc [R × d_v] += p [R × n] · v [n × d_v] (value row j at v + j·stride) for n <= kStreamGroup
 /// keys: tiles of kStreamVecs vectors across the columns, then single vectors, the last masked.
-template <int R, class T>
-void stream_group(float* acc, Index ld_acc, const float* p, Index ld_p, const T* v, Index stride,
-                  Index n, Index d_v) {
+template <int R, class P>
+void stream_group(float* acc, Index ld_acc, const float* p, Index ld_p, P v, Index stride, Index n,
+                  Index d_v) {
   constexpr Index kWide = kStreamVecs * kLanes;
   Index c = 0;
   for (; c + kWide <= d_v; c += kWide) {
@@ -158,20 +185,17 @@ void stream_group(float* acc, Index ld_acc, const float* p, Index ld_p, const T*
 /// acc_r += Σ_j p(r, j) v_j for `rows` rows and n value rows (row j at v + j·stride): the
 /// streaming update of decoding (a few rows, bound by reading v). Groups of kStreamGroup keys,
 /// every column of them before the next group, so that each value row is read once, whole, in
-/// memory order; 16-bit rows are prefetched 16 rows ahead. Each acc(r, c) is one chain of
-/// fused multiply-adds over the keys in order, whatever the groups and the rows beside it.
-/// Allocates nothing.
-template <class T>
-void stream_update(float* acc, Index ld_acc, const float* p, Index ld_p, Index rows, const T* v,
+/// memory order; 16-bit and block rows are prefetched 16 rows ahead (prefetch_values). v is a
+/// pointer to rows of float or a 16-bit format, or BlockValues (stride then counts values). Each
+/// acc(r, c) is one chain of fused multiply-adds over the keys in order, whatever the groups and
+/// the rows beside it. Allocates nothing.
+template <class P>
+void stream_update(float* acc, Index ld_acc, const float* p, Index ld_p, Index rows, P v,
                    Index stride, Index n, Index d_v) {
   for (Index j0 = 0; j0 < n; j0 += kStreamGroup) {
     const Index m = std::min(kStreamGroup, n - j0);
-    const T* values = v + j0 * stride;
-    if constexpr (sizeof(T) < sizeof(float)) {
-      for (Index j = 16; j < 16 + m; ++j) {
-        for (Index c = 0; c < d_v; c += 32) _mm_prefetch(values + j * stride + c, _MM_HINT_T0);
-      }
-    }
+    const P values = v + j0 * stride;
+    for (Index j = 16; j < 16 + m; ++j) prefetch_values(values + j * stride, d_v);
     Index r = 0;
     for (; r + 4 <= rows; r += 4) {
       stream_group<4>(acc + r * ld_acc, ld_acc, p + r * ld_p + j0, ld_p, values, stride, m, d_v);
@@ -185,8 +209,8 @@ void stream_update(float* acc, Index ld_acc, const float* p, Index ld_p, Index r
 /// s(i, 0) = q_i · key for R query rows q (row i at q + i·d), one key row of d elements widened
 /// in registers: two vector accumulators over alternating chunks of d (the last chunk masked),
 /// added, then summed across lanes; the same operations for every row, whatever R.
-template <int R, class T>
-APEX_ALWAYS_INLINE void dot_rows(float* s, Index ld_s, const float* q, Index d, const T* key) {
+template <int R, class P>
+APEX_ALWAYS_INLINE void dot_rows(float* s, Index ld_s, const float* q, Index d, P key) {
   V even[R];
   V odd[R];
 #pragma GCC unroll 4
@@ -217,19 +241,43 @@ APEX_ALWAYS_INLINE void dot_rows(float* s, Index ld_s, const float* q, Index d, 
   for (int i = 0; i < R; ++i) s[i * ld_s] = reduce_add(add(even[i], odd[i]));
 }
 
+/// dot_rows on a key row of blocks whose values come in whole pairs of chunks (d a multiple of
+/// 2·kLanes, each pair inside one block): the same multiply-adds in the same order, the block's
+/// scale widened once for both chunks.
+template <int R, class Block>
+APEX_ALWAYS_INLINE void dot_rows(float* s, Index ld_s, const float* q, Index d,
+                                 BlockValues<Block> key) {
+  static_assert(Block::kValues % (2 * kLanes) == 0, "a pair of chunks lies inside one block");
+  V even[R];
+  V odd[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) even[i] = odd[i] = zero();
+  for (Index c = 0; c < d; c += 2 * kLanes) {
+    const BlockValues<Block> at = key + c;
+    const Block& b = at.block();
+    const V scale = block_scale(b);
+    const V k0 = mul(block_codes(b, at.offset()), scale);
+    const V k1 = mul(block_codes(b, at.offset() + kLanes), scale);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      even[i] = fmadd(load(q + i * d + c), k0, even[i]);
+      odd[i] = fmadd(load(q + i * d + c + kLanes), k1, odd[i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) s[i * ld_s] = reduce_add(add(even[i], odd[i]));
+}
+
 /// s(r, j) = q_r · k_j for `rows` query rows q (contiguous, rows × d) and n key rows (row j at
 /// k + j·k_stride): the streaming product of the scores (a few rows, bound by reading the keys).
 /// Each key row is read once, in memory order, widened in registers, and used at once by four
-/// query rows (dot_rows); 16-bit rows are prefetched 16 rows ahead (eigen_adapter.hpp's
-/// prefetch_ahead says why). Allocates nothing.
-template <class T>
-void dots(float* s, Index ld_s, const float* q, Index rows, const T* k, Index k_stride, Index n,
-          Index d) {
+/// query rows (dot_rows); 16-bit and block rows are prefetched 16 rows ahead (prefetch_values).
+/// k as stream_update's v. Allocates nothing.
+template <class P>
+void dots(float* s, Index ld_s, const float* q, Index rows, P k, Index k_stride, Index n, Index d) {
   for (Index j = 0; j < n; ++j) {
-    const T* key = k + j * k_stride;
-    if constexpr (sizeof(T) < sizeof(float)) {
-      for (Index c = 0; c < d; c += 32) _mm_prefetch(key + 16 * k_stride + c, _MM_HINT_T0);
-    }
+    const P key = k + j * k_stride;
+    prefetch_values(key + 16 * k_stride, d);
     Index r = 0;
     for (; r + 4 <= rows; r += 4) dot_rows<4>(s + r * ld_s + j, ld_s, q + r * d, d, key);
     for (; r < rows; ++r) dot_rows<1>(s + r * ld_s + j, ld_s, q + r * d, d, key);
@@ -316,11 +364,30 @@ inline float exp_sum(float* s, Index n, float max, bool& hidden) {
   return reduce_add(sum);
 }
 
-/// This level's kernels reading rows of E, as a table (simd_kernels.hpp's row_kernels).
+/// stream_update and dots on rows of blocks (strides in blocks), read through BlockValues.
+template <class Block>
+void block_update(float* acc, Index ld_acc, const float* p, Index ld_p, Index rows, const Block* v,
+                  Index stride, Index n, Index d_v) {
+  stream_update(acc, ld_acc, p, ld_p, rows, BlockValues<Block>{v, 0}, stride * Block::kValues, n,
+                d_v);
+}
+template <class Block>
+void block_dots(float* s, Index ld_s, const float* q, Index rows, const Block* k, Index k_stride,
+                Index n, Index d) {
+  dots(s, ld_s, q, rows, BlockValues<Block>{k, 0}, k_stride * Block::kValues, n, d);
+}
+
+/// This level's kernels reading rows of E, as a table (simd_kernels.hpp's row_kernels); a block
+/// format has the streaming kernels only.
 template <class E>
 const RowKernels<E>& row_table() {
-  static const RowKernels<E> table{&gemm<float, E>, &stream_update<E>, &dots<E>};
-  return table;
+  if constexpr (kReadsBlocks<E>) {
+    static const RowKernels<E> table{nullptr, &block_update<E>, &block_dots<E>};
+    return table;
+  } else {
+    static const RowKernels<E> table{&gemm<float, E>, &stream_update<const E*>, &dots<const E*>};
+    return table;
+  }
 }
 
 /// This level's float kernels, as a table (simd_kernels.hpp's float_kernels).

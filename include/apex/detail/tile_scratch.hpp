@@ -29,6 +29,7 @@
 #include <apex/detail/online_softmax.hpp>
 #include <apex/detail/scratch.hpp>
 #include <apex/detail/simd_kernels.hpp>
+#include <apex/storage.hpp>
 
 #include <algorithm>
 #include <limits>
@@ -125,7 +126,12 @@ TileBuffers<C> tile_buffers(const P& p, const TilePath& path, Index rows, Index 
   // The streaming path widens one panel of keys at a time (kStreamPanel rows).
   const Index copied = gemm ? keys : std::min(keys, kStreamPanel);
   if (gemm || !path.k_in_place) t.k_copy = get(ScratchSlot::kKCopy, copied * p.d_qk);
-  if (gemm || !path.v_in_place) t.v_copy = get(ScratchSlot::kVCopy, copied * p.d_v);
+  // Value rows of blocks read in place are widened here where hidden keys need a check
+  // (AttentionTile::add_values).
+  constexpr bool kBlockValues = !is_storage_v<typename P::Value>;
+  if (gemm || !path.v_in_place || kBlockValues) {
+    t.v_copy = get(ScratchSlot::kVCopy, copied * p.d_v);
+  }
   if (path.bf16 != nullptr) {
     const auto pairs = [&](ScratchSlot slot, Index count) {
       return scratch.get<Bf16Pair>(slot, count);
