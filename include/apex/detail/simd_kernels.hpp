@@ -336,16 +336,6 @@ template <Fp8Kind K, int B>
 V block_scale(const BlockFp8<K, B>& b) {
   return set1(b.scale);
 }
-/// The values [p, p + kLanes) of a run of blocks (kReadsBlocks), and the lanes of m of them.
-template <class Block>
-V load(BlockValues<Block> p) {
-  const Block& b = p.block();
-  return mul(block_codes(b, p.offset()), block_scale(b));
-}
-template <class Block>
-V load(BlockValues<Block> p, Mask m) {
-  return select(m, load(p), zero());
-}
 #include <apex/detail/simd_kernels.inl>
 }  // namespace simd_avx2
 APEX_KERNEL_TARGET_POP()
@@ -444,16 +434,6 @@ template <Fp8Kind K, int B>
 V block_scale(const BlockFp8<K, B>& b) {
   return set1(b.scale);
 }
-/// The values [p, p + kLanes) of a run of blocks (kReadsBlocks), and the lanes of m of them.
-template <class Block>
-V load(BlockValues<Block> p) {
-  const Block& b = p.block();
-  return mul(block_codes(b, p.offset()), block_scale(b));
-}
-template <class Block>
-V load(BlockValues<Block> p, Mask m) {
-  return select(m, load(p), zero());
-}
 #include <apex/detail/simd_kernels.inl>
 }  // namespace simd_avx512
 APEX_KERNEL_TARGET_POP()
@@ -505,7 +485,9 @@ inline V madd(const Bf16Pair* /*a*/, V x, V b, V acc) {
 }
 /// The 16 floats of x rounded to bfloat16, in order.
 inline __m256i round16(V x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+#define APEX_SIMD_LOADS_OF_AVX512  // its loads are AVX-512's (using simd_avx512::load)
 #include <apex/detail/simd_kernels.inl>
+#undef APEX_SIMD_LOADS_OF_AVX512
 
 /// Bf16Kernels::round_pairs.
 inline void round_pairs(Bf16Pair* dst, Index ld_dst, const float* src, Index ld_src, Index rows,

@@ -14,6 +14,20 @@
 /// Columns of one panel of a product: two vectors.
 constexpr Index kPanel = 2 * kLanes;
 
+#if !defined(APEX_SIMD_LOADS_OF_AVX512)
+/// The values [p, p + kLanes) of a run of blocks (kReadsBlocks): the values of their codes times
+/// the block's scale (the level's block_codes and block_scale); and the lanes of m of them.
+template <class Block>
+V load(BlockValues<Block> p) {
+  const Block& b = p.block();
+  return mul(block_codes(b, p.offset()), block_scale(b));
+}
+template <class Block>
+V load(BlockValues<Block> p, Mask m) {
+  return select(m, load(p), zero());
+}
+#endif
+
 /// The factor a(i, k) as madd_tile broadcasts it, and its multiply-add with a row of b: for float,
 /// set1 and one fused multiply-add. A level with bfloat16 dot products declares the same two for
 /// Bf16Pair (a vector lane then holds a pair, and one step adds both of its products).
