@@ -13,7 +13,9 @@
 //                             BM_Decode_Fast/f32/S (the same keys stored contiguously). The
 //                             sequence's pages follow one another in the pool (a pool is stored
 //                             head-major, so each head then reads as one stream); with
-//                             /scattered:8 they lie 8 pages apart, as after churn.
+//                             /scattered:8 they lie 8 pages apart, as after churn; with /q8_0
+//                             the cache holds q8_0 blocks (kv_quant.hpp): compare with
+//                             BM_Decode_Fast/q8_0/S.
 //   BM_BatchDecode/seqs:64    one decoding step of 64 sequences of a PagedKvCache (pages of 64),
 //                             lengths spread geometrically over 256 .. 32768 (439 K tokens in
 //                             all), H_q = 8, H_kv = 2 (the group of 4 of BM_Decode_Fast): one
@@ -26,7 +28,9 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
+#include <apex/cache_memory.hpp>
 #include <apex/config.hpp>
+#include <apex/kv_quant.hpp>
 #include <apex/mask.hpp>
 #include <apex/paged_cache.hpp>
 #include <apex/tensor.hpp>
@@ -75,15 +79,17 @@ void run_varlen(benchmark::State& state) {
       apex::bench::gflops(state, pairs * 4.0 * static_cast<double>(kHeadDim * q_heads));
 }
 
-/// A PagedKvCache holding sequences of the given lengths of random K/V, appended 512 tokens at
-/// a time, so that each sequence's pages follow one another in the pool; returns the cache and
-/// the sequences' ids. With `scatter` > 1, `scatter` − 1 other sequences are appended a page at
-/// a time in turn with each one and then freed: its pages lie `scatter` apart, as after churn.
-std::pair<apex::PagedKvCache<float>, std::vector<apex::SequenceId>> filled_cache(
-    const std::vector<Index>& lengths, Index kv_heads, Index page, Index scatter = 1) {
+/// A PagedKvCache of rows stored as Format holding sequences of the given lengths of random K/V,
+/// appended 512 tokens at a time, so that each sequence's pages follow one another in the pool;
+/// returns the cache and the sequences' ids. With `scatter` > 1, `scatter` − 1 other sequences
+/// are appended a page at a time in turn with each one and then freed: its pages lie `scatter`
+/// apart, as after churn.
+template <class Format>
+std::pair<apex::PagedKvCache<float, Format>, std::vector<apex::SequenceId>> filled_cache(
+    const std::vector<Index>& lengths, Index kv_heads, Index page, Index scatter) {
   Index pages = 0;
   for (const Index l : lengths) pages += (l + page - 1) / page;
-  apex::PagedKvCache<float> cache({kv_heads, kHeadDim, page, pages * scatter});
+  apex::PagedKvCache<float, Format> cache({kv_heads, kHeadDim, page, pages * scatter});
   const Packed block(kv_heads, 512, 5);
   std::vector<apex::SequenceId> ids;
   for (const Index l : lengths) {
@@ -104,9 +110,10 @@ std::pair<apex::PagedKvCache<float>, std::vector<apex::SequenceId>> filled_cache
 }
 
 /// One query per sequence against its whole paged history; GBps counts the K/V bytes held.
+template <class Format = float>
 void run_paged_decode(benchmark::State& state, const std::vector<Index>& lengths, Index q_heads,
                       Index kv_heads, Index page, Index scatter = 1) {
-  const auto [cache, ids] = filled_cache(lengths, kv_heads, page, scatter);
+  const auto [cache, ids] = filled_cache<Format>(lengths, kv_heads, page, scatter);
   const auto n = static_cast<Index>(ids.size());
   std::vector<Index> cu;
   for (Index i = 0; i <= n; ++i) cu.push_back(i);
@@ -118,10 +125,10 @@ void run_paged_decode(benchmark::State& state, const std::vector<Index>& lengths
     benchmark::DoNotOptimize(out.data.data());
     benchmark::ClobberMemory();
   }
-  double tokens = 0.0;
-  for (const Index l : lengths) tokens += static_cast<double>(l);
+  Index tokens = 0;
+  for (const Index l : lengths) tokens += l;
   state.counters["GBps"] = apex::bench::gbps(
-      state, 2.0 * tokens * static_cast<double>(kv_heads * kHeadDim) * sizeof(float));
+      state, static_cast<double>(apex::kv_cache_bytes<Format>(1, tokens, kv_heads, kHeadDim)));
 }
 
 /// 64 lengths spread geometrically over [256, 32768].
@@ -146,6 +153,14 @@ const bool kRegistered = [] {
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark("BM_PagedDecode/block:16/q8_0",
+                               [](benchmark::State& state) {
+                                 run_paged_decode<apex::BlockQ8_0>(state, {state.range(0)}, 32, 8,
+                                                                   16);
+                               })
+      ->Arg(32768)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark(
       "BM_PagedDecode/block:16/scattered:8",
       [](benchmark::State& state) { run_paged_decode(state, {state.range(0)}, 32, 8, 16, 8); })

@@ -3,7 +3,8 @@
 // new token, append it to the cache, attend over everything cached, project the output. Float
 // arithmetic, batch 1, at APEX-1-like widths: d = 2048, H_q = 16 query heads of d_h = 128; the
 // weights and the cache are stored as f32, or both as f16 / bf16 (Eigen::half, Eigen::bfloat16),
-// the last part of the name: BM_DecodeStep/gqa/bf16/cache_len:32768.
+// or the weights as bf16 and the cache as q8_0, q4_0 or fp8 e4m3 blocks of 128 (kv_quant.hpp), the
+// last part of the name: BM_DecodeStep/gqa/bf16/cache_len:32768, BM_DecodeStep/gqa/q8_0/....
 //
 //   BM_DecodeStep/mha           H_kv = 16, full KvCache                       (§7)
 //   BM_DecodeStep/gqa           H_kv = 2 (G = 8), full KvCache                (§8)
@@ -32,6 +33,7 @@
 #include <apex/config.hpp>
 #include <apex/gqa.hpp>
 #include <apex/kv_cache.hpp>
+#include <apex/kv_quant.hpp>
 #include <apex/mask.hpp>
 #include <apex/mha.hpp>
 #include <apex/mla.hpp>
@@ -121,8 +123,8 @@ void fill_latent(Cache& cache, Index count) {
 /// Decodes one token at position cache_len - 1 per iteration. The full caches are truncated
 /// back after each step (O(1), inside the timed loop); the ring cannot be, so it keeps going
 /// and is restored from a copy (outside the timing) when its positions reach the RoPE table's
-/// end. Weights and cache are both stored as Storage.
-template <class Storage>
+/// end. The weights are stored as Storage, the cache as Format.
+template <class Storage, class Format = Storage>
 void BM_DecodeStep(benchmark::State& state, Kind kind) {
   const Index cache_len = state.range(0);
   const Index position = cache_len - 1;
@@ -139,7 +141,7 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
     weight_bytes = layer.weight_bytes();
     const apex::RopeTable<float> rope(cache_len, layer.config().rope_dim);
     params.rope = &rope;
-    auto cache = layer.template make_cache<Storage>(1, cache_len);
+    auto cache = layer.template make_cache<Format>(1, cache_len);
     fill_latent(cache, position);
     cache_bytes = cache.bytes();
     bytes_read = static_cast<double>(cache_bytes);
@@ -159,13 +161,13 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
     const Index steps = 4096;  // positions per pass before the ring is restored
     const apex::RopeTable<float> rope(position + steps, kHeadDim);
     params.rope = &rope;
-    auto cache = layer.template make_window_cache<Storage>(1, kWindow);
+    auto cache = layer.template make_window_cache<Format>(1, kWindow);
     fill_kv(cache, position);
     const auto start = cache;
     const apex::PositionMask rule = apex::sliding_window_mask(kWindow);
-    cache_bytes = cache.bytes();
-    bytes_read = static_cast<double>(std::min(cache_len, kWindow)) * 2.0 * kGroupedKvHeads *
-                 kHeadDim * sizeof(Storage);
+    cache_bytes = cache.bytes();  // the ring's W tokens, of which the step reads min(cache_len, W)
+    bytes_read = static_cast<double>(cache_bytes) *
+                 static_cast<double>(std::min(cache_len, kWindow)) / static_cast<double>(kWindow);
     for (auto _ : state) {
       if (cache.next_position() == position + steps) {
         state.PauseTiming();
@@ -182,7 +184,7 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
     weight_bytes = layer.weight_bytes();
     const apex::RopeTable<float> rope(cache_len, kHeadDim);
     params.rope = &rope;
-    auto cache = layer.template make_cache<Storage>(1, cache_len);
+    auto cache = layer.template make_cache<Format>(1, cache_len);
     fill_kv(cache, position);
     cache_bytes = cache.bytes();
     bytes_read = static_cast<double>(cache_bytes);
@@ -212,25 +214,31 @@ void decode_args(benchmark::internal::Benchmark* b) {
 }
 
 /// BM_DecodeStep/<kind>/<precision>: f32 for every kind, f16 and bf16 (Eigen::half and
-/// Eigen::bfloat16 weights and caches, float arithmetic) for all but the naive MLA oracle.
+/// Eigen::bfloat16 weights and caches, float arithmetic) for all but the naive MLA oracle, and
+/// q8_0, q4_0 and fp8_e4m3 caches with bf16 weights for gqa, mla_absorbed and local_window.
 const bool kRegistered = [] {
   const std::pair<const char*, Kind> kinds[] = {{"mha", Kind::kMha},
                                                 {"gqa", Kind::kGqa},
                                                 {"mla_naive", Kind::kMlaNaive},
                                                 {"mla_absorbed", Kind::kMlaAbsorbed},
                                                 {"local_window", Kind::kLocalWindow}};
-  const auto add = [](const std::string& name, Kind kind, auto storage) {
+  const auto add = [](const std::string& name, Kind kind, auto storage, auto format) {
     using Storage = decltype(storage);
+    using Format = decltype(format);
     benchmark::RegisterBenchmark(("BM_DecodeStep/" + name).c_str(), [kind](
                                                                         benchmark::State& state) {
-      BM_DecodeStep<Storage>(state, kind);
+      BM_DecodeStep<Storage, Format>(state, kind);
     })->Apply(decode_args);
   };
-  for (const auto& [name, kind] : kinds) add(std::string(name) + "/f32", kind, float{});
+  for (const auto& [name, kind] : kinds) add(std::string(name) + "/f32", kind, float{}, float{});
   for (const auto& [name, kind] : kinds) {
     if (kind == Kind::kMlaNaive) continue;
-    add(std::string(name) + "/f16", kind, Eigen::half{});
-    add(std::string(name) + "/bf16", kind, Eigen::bfloat16{});
+    add(std::string(name) + "/f16", kind, Eigen::half{}, Eigen::half{});
+    add(std::string(name) + "/bf16", kind, Eigen::bfloat16{}, Eigen::bfloat16{});
+    if (kind == Kind::kMha) continue;
+    add(std::string(name) + "/q8_0", kind, Eigen::bfloat16{}, apex::BlockQ8_0{});
+    add(std::string(name) + "/q4_0", kind, Eigen::bfloat16{}, apex::BlockQ4_0{});
+    add(std::string(name) + "/fp8_e4m3", kind, Eigen::bfloat16{}, apex::BlockFp8E4m3<128>{});
   }
   return true;
 }();
