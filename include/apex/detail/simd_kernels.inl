@@ -34,6 +34,23 @@ V load(BlockValues<Block> p, Mask m) {
 APEX_ALWAYS_INLINE V broadcast(const float* a) { return set1(*a); }
 APEX_ALWAYS_INLINE V madd(const float* /*a*/, V x, V b, V acc) { return fmadd(x, b, acc); }
 
+/// first, second = the vectors at p and p + kLanes; for values of blocks (p at a multiple of
+/// 2·kLanes values, so both lie in one block) the block's scale is widened once for the two.
+template <class P>
+APEX_ALWAYS_INLINE void load_pair(V& first, V& second, P p) {
+  first = load(p);
+  second = load(p + kLanes);
+}
+template <class Block>
+APEX_ALWAYS_INLINE void load_pair(V& first, V& second, BlockValues<Block> p) {
+  static_assert(Block::kValues % (2 * kLanes) == 0, "a pair of vectors lies in one block");
+  APEX_ASSERT(p.offset() % (2 * kLanes) == 0);
+  const Block& b = p.block();
+  const V scale = block_scale(b);
+  first = mul(block_codes(b, p.offset()), scale);
+  second = mul(block_codes(b, p.offset() + kLanes), scale);
+}
+
 /// row[u] = the vector at p + u·kLanes for u < kVecs, the last one only the lanes of `last` when
 /// kMasked, each kept in a register: compilers otherwise fold its load into every multiply-add
 /// that reads it, reading it R times in madd_tile (measured: a 4-row streaming update at half
@@ -46,22 +63,16 @@ APEX_ALWAYS_INLINE void load_vectors(V* row, P p, Mask last) {
     asm("" : "+v"(row[u]));
   }
 }
-/// The same for values of blocks, in pairs of vectors that lie in one block (p at a multiple of
-/// 2·kLanes values, as stream_group's wide tiles are), each block's scale widened once.
+/// The same for values of blocks, a pair of vectors at a time (load_pair: p at a multiple of
+/// 2·kLanes values, as stream_group's wide tiles are) where kVecs is even and none is masked.
 template <int kVecs, bool kMasked, class Block>
 APEX_ALWAYS_INLINE void load_vectors(V* row, BlockValues<Block> p, Mask last) {
   if constexpr (kVecs % 2 != 0 || kMasked) {
     load_vectors<kVecs, kMasked, BlockValues<Block>>(row, p, last);
   } else {
-    static_assert(Block::kValues % (2 * kLanes) == 0, "a pair of vectors lies in one block");
-    APEX_ASSERT(p.offset() % (2 * kLanes) == 0);
 #pragma GCC unroll 4
     for (int u = 0; u < kVecs; u += 2) {
-      const BlockValues<Block> at = p + u * kLanes;
-      const Block& b = at.block();
-      const V scale = block_scale(b);
-      row[u] = mul(block_codes(b, at.offset()), scale);
-      row[u + 1] = mul(block_codes(b, at.offset() + kLanes), scale);
+      load_pair(row[u], row[u + 1], p + u * kLanes);
       asm("" : "+v"(row[u]), "+v"(row[u + 1]));
     }
   }
@@ -231,8 +242,8 @@ APEX_ALWAYS_INLINE void dot_rows(float* s, Index ld_s, const float* q, Index d, 
   for (int i = 0; i < R; ++i) even[i] = odd[i] = zero();
   Index c = 0;
   for (; c + 2 * kLanes <= d; c += 2 * kLanes) {
-    const V k0 = load(key + c);
-    const V k1 = load(key + c + kLanes);
+    V k0, k1;
+    load_pair(k0, k1, key + c);
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
       even[i] = fmadd(load(q + i * d + c), k0, even[i]);
@@ -250,33 +261,6 @@ APEX_ALWAYS_INLINE void dot_rows(float* s, Index ld_s, const float* q, Index d, 
     const V k1 = load(key + c, lanes);
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) odd[i] = fmadd(load(q + i * d + c, lanes), k1, odd[i]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < R; ++i) s[i * ld_s] = reduce_add(add(even[i], odd[i]));
-}
-
-/// dot_rows on a key row of blocks whose values come in whole pairs of chunks (d a multiple of
-/// 2·kLanes, each pair inside one block): the same multiply-adds in the same order, the block's
-/// scale widened once for both chunks.
-template <int R, class Block>
-APEX_ALWAYS_INLINE void dot_rows(float* s, Index ld_s, const float* q, Index d,
-                                 BlockValues<Block> key) {
-  static_assert(Block::kValues % (2 * kLanes) == 0, "a pair of chunks lies inside one block");
-  V even[R];
-  V odd[R];
-#pragma GCC unroll 4
-  for (int i = 0; i < R; ++i) even[i] = odd[i] = zero();
-  for (Index c = 0; c < d; c += 2 * kLanes) {
-    const BlockValues<Block> at = key + c;
-    const Block& b = at.block();
-    const V scale = block_scale(b);
-    const V k0 = mul(block_codes(b, at.offset()), scale);
-    const V k1 = mul(block_codes(b, at.offset() + kLanes), scale);
-#pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) {
-      even[i] = fmadd(load(q + i * d + c), k0, even[i]);
-      odd[i] = fmadd(load(q + i * d + c + kLanes), k1, odd[i]);
-    }
   }
 #pragma GCC unroll 4
   for (int i = 0; i < R; ++i) s[i * ld_s] = reduce_add(add(even[i], odd[i]));
