@@ -12,6 +12,7 @@
 #include <apex/cached_attention.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/kv_quant.hpp>
+#include <apex/mla_absorbed.hpp>
 #include <apex/sdpa.hpp>
 
 #include <gtest/gtest.h>
@@ -22,11 +23,13 @@
 
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <iostream>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "format_names.hpp"
@@ -694,6 +697,146 @@ TYPED_TEST(QuantizedLatent, LatentCacheStoresEachPartAndAbsorbedAttentionReadsIt
   EXPECT_EQ(out, expected);
   cache.reserve(40);
   EXPECT_EQ(decoded(cache.rows()), rows);
+}
+
+// FlashMLA's fp8 latent rows: one element a token, c_kv in e4m3 with a float scale per 128
+// values and K_rope in bfloat16, laid out as DeepSeek's fp8 MLA cache is.
+using FlashRow = apex::FlashMlaFp8Row<128, 64>;
+
+/// A latent row of 192 values: c_kv's first 128 around 1, the rest of magnitude 1e3.
+std::vector<float> latent_row(std::mt19937& gen) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(FlashRow::kValues);
+  for (std::size_t j = 0; j < x.size(); ++j) x[j] = normal(gen) * (j < 128 ? 1.0f : 1e3f);
+  return x;
+}
+
+TEST(FlashMlaRow, IsFlashMlasLayoutWithEachPartInItsFormat) {
+  using Wide = apex::FlashMlaFp8Row<>;
+  EXPECT_EQ(sizeof(Wide), 656U);
+  EXPECT_EQ(offsetof(Wide, code), 0U);
+  EXPECT_EQ(offsetof(Wide, scale), 512U);
+  EXPECT_EQ(offsetof(Wide, rope), 528U);
+  std::mt19937 gen(51);
+  const std::vector<float> x = latent_row(gen);
+  const FlashRow row = apex::quantize_flashmla_row<128, 64>(x.data());
+  const auto block = apex::quantize_fp8<Fp8Kind::kE4m3, 128>(x.data());
+  EXPECT_EQ(row.scale[0], block.scale);
+  EXPECT_EQ(std::memcmp(row.code, block.code, 128), 0);
+  std::vector<float> values(FlashRow::kValues), c_kv(128);
+  apex::dequantize(row, values.data());
+  apex::dequantize(block, c_kv.data());
+  for (Index j = 0; j < FlashRow::kValues; ++j) {
+    const auto u = static_cast<std::size_t>(j);
+    const float expected = j < 128 ? c_kv[u] : static_cast<float>(Eigen::bfloat16(x[u]));
+    ASSERT_EQ(values[u], expected) << "value " << j;
+  }
+  // A non-finite c_kv value poisons its group of 128; K_rope keeps NaN and inf as bfloat16 does.
+  std::vector<float> bad = x;
+  bad[5] = std::numeric_limits<float>::infinity();
+  bad[130] = std::nanf("");
+  bad[131] = -std::numeric_limits<float>::infinity();
+  apex::dequantize(apex::quantize_flashmla_row<128, 64>(bad.data()), values.data());
+  for (Index j = 0; j < 128; ++j) ASSERT_TRUE(std::isnan(values[static_cast<std::size_t>(j)]));
+  EXPECT_TRUE(std::isnan(values[130]));
+  EXPECT_EQ(values[131], -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(values[132], static_cast<float>(Eigen::bfloat16(x[132])));
+}
+
+TEST(FlashMlaRow, EveryKernelLevelWidensToTheScalarValues) {
+  // Rows of random bytes (every code, every bfloat16 bit pattern) with finite, NaN and infinite
+  // scales: KvFormat::widen at each level against the scalar dequantize, bit for bit.
+  std::mt19937 gen(52);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::vector<apex::FlashMlaFp8Row<256, 64>> rows(64);
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    unsigned char raw[sizeof(rows[i])];
+    for (auto& b : raw) b = static_cast<unsigned char>(byte(gen));
+    std::memcpy(&rows[i], raw, sizeof raw);
+    rows[i].scale[0] = std::ldexp(1.5f, static_cast<int>(i % 40) - 20);
+    rows[i].scale[1] = i % 4 == 3 ? std::nanf("") : -0.75f;
+  }
+  constexpr std::size_t kValues = 320;
+  for (const apex::KernelIsa isa : {apex::KernelIsa::kPortable, apex::KernelIsa::kAvx2}) {
+    if (!apex::cpu_supports(isa)) continue;
+    const apex::KernelIsa before = apex::kernel_isa();
+    apex::set_kernel_isa(isa);
+    std::vector<float> fast(rows.size() * kValues);
+    apex::KvFormat<apex::FlashMlaFp8Row<256, 64>>::widen(rows.data(), fast.data(),
+                                                         static_cast<Index>(rows.size()));
+    apex::set_kernel_isa(before);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      float slow[kValues];
+      apex::dequantize(rows[i], slow);
+      for (std::size_t j = 0; j < kValues; ++j) {
+        const float a = fast[i * kValues + j];
+        ASSERT_TRUE(std::memcmp(&a, &slow[j], sizeof a) == 0 ||
+                    (std::isnan(a) && std::isnan(slow[j])))
+            << apex::to_string(isa) << " row " << i << " value " << j;
+      }
+    }
+  }
+}
+
+TEST(FlashMlaRow, LatentCacheStoresWholeRowsAndAbsorbedAttentionReadsThem) {
+  // d_kv = 128, K_rope H_kr = 2 heads of 32: each token one FlashMlaFp8Row<128, 64>, whatever
+  // overload appended it; attention with K = V = rows (the K_rope columns of the output
+  // dropped, as absorbed MLA does for this format) is the float kernel's over the decoded rows
+  // with V = c_kv.
+  constexpr Index kWidth = FlashRow::kValues;
+  apex::LatentCache<float, FlashRow> cache({2, 128, 2, 32, 16});
+  EXPECT_EQ(cache.bytes(), 2 * 16 * static_cast<std::int64_t>(sizeof(FlashRow)));
+  std::mt19937 gen(53);
+  apex::RowMatrix<float> whole(2 * 3, kWidth), more(2 * 2, kWidth);
+  for (apex::RowMatrix<float>* m : {&whole, &more}) {
+    for (Index r = 0; r < m->rows(); ++r) {
+      const std::vector<float> x = latent_row(gen);
+      m->row(r) = Eigen::Map<const apex::RowMatrix<float>>(x.data(), 1, kWidth);
+    }
+  }
+  cache.append(whole.leftCols(128), whole.rightCols(64), 0);
+  cache.append(more, 3);
+  const std::vector<float> rows = decoded(cache.rows());
+  for (Index b = 0; b < 2; ++b) {
+    for (Index t = 0; t < 5; ++t) {
+      const auto x = t < 3 ? whole.row(b * 3 + t) : more.row(b * 2 + t - 3);
+      const FlashRow expected = apex::quantize_flashmla_row<128, 64>(x.data());
+      ASSERT_EQ(
+          std::memcmp(apex::detail::row_data(cache.rows(), b, 0, t), &expected, sizeof expected), 0)
+          << "batch " << b << ", token " << t;
+    }
+  }
+  const apex::HeadsShape q_shape{2, 4, 2, kWidth}, o_shape{2, 4, 2, 128};
+  const std::vector<float> q = random_chunk(q_shape, gen);
+  apex::RowMatrix<float> expected(2 * 2, 4 * 128);
+  const auto rows_view = apex::HeadsView<const float>::contiguous(rows.data(), {2, 1, 5, kWidth});
+  apex::sdpa(apex::HeadsView<const float>::contiguous(q.data(), q_shape), rows_view,
+             apex::HeadsView<const float>(rows.data(), {2, 1, 5, 128}, {5 * kWidth, 0, kWidth}),
+             apex::AttentionMask<float>{}, apex::SdpaParams{},
+             apex::HeadsView<float>::token_major(expected.data(), o_shape));
+  const apex::RowMatrix<float> out =
+      apex::detail::attend_latent_rows(apex::HeadsView<const float>::contiguous(q.data(), q_shape),
+                                       cache, apex::AttentionMask<float>{}, apex::SdpaParams{});
+  EXPECT_EQ(out, expected);
+  cache.reserve(40);
+  EXPECT_EQ(decoded(cache.rows()), rows);
+}
+
+TEST(FlashMlaRow, LatentCacheWidthsMustBeTheRowsOwn) {
+  for (const apex::LatentCacheShape& bad :
+       {apex::LatentCacheShape{1, 256, 2, 32, 8}, apex::LatentCacheShape{1, 128, 1, 32, 8}}) {
+    try {
+      apex::LatentCache<float, FlashRow> cache(bad);
+      FAIL() << "d_kv " << bad.latent_dim << ", H_kr " << bad.rope_heads;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("[latent_cache] latent_dim d_kv (" +
+                                           std::to_string(bad.latent_dim) + ") and H_kr*d_r (" +
+                                           std::to_string(bad.rope_heads * bad.rope_dim) +
+                                           ") must be the row format's 128 and 64"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 TEST(QuantizedLatentShapes, PartsMustBeWholeBlocks) {

@@ -427,10 +427,12 @@ struct LatentCacheShape {
 /// The cache of one multi-head latent attention layer (§9): per token, c_kv = x·W_DKV (d_kv
 /// values) and the rotated K_rope = RoPE(x·W_KR) (H_kr heads of d_r), side by side in one row
 /// of width d_kv + H_kr·d_r, [B, C, d_kv + H_kr·d_r] in all and nothing else. K and V are never
-/// stored: the naive decoder decompresses them from latent(), the absorbed one attends to rows()
-/// directly (mla.hpp). Memory: B·C·(d_kv + H_kr·d_r) elements of Storage, allocated at
+/// stored: the naive decoder decompresses them from the rows, the absorbed one attends to rows()
+/// directly (mla.hpp). Memory: B·C·(d_kv + H_kr·d_r) values in Storage's format, allocated at
 /// construction. Overflow: append past C throws and leaves the cache unchanged; reserve() grows
-/// explicitly. Scalar and Storage as for KvCache: the rows appended, and what the cache holds.
+/// explicitly. Scalar and Storage as for KvCache: the rows appended, and what the cache holds; a
+/// block format stores c_kv and K_rope apart (each whole blocks), a whole-row format
+/// (FlashMlaFp8Row) one element a token.
 template <class Scalar, class Storage = Scalar>
 class LatentCache {
  public:
@@ -455,12 +457,11 @@ class LatentCache {
         "[latent_cache] rope_dim d_r (" << shape.rope_dim << ") must be even and at least 2");
     APEX_CHECK(shape.capacity >= 1,
                "[latent_cache] capacity (" << shape.capacity << ") must be >= 1");
-    detail::check_row_values<Storage>(shape.latent_dim, "latent_cache", "latent_dim d_kv");
-    detail::check_row_values<Storage>(shape.rope_dim, "latent_cache", "rope_dim d_r");
     detail::checked_sum(
         shape.latent_dim,
         detail::checked_product(shape.rope_heads, shape.rope_dim, "latent_cache", "H_kr*d_r"),
         "latent_cache", "d_kv + H_kr*d_r");
+    check_part_widths(shape);
     rows_ = detail::zeroed_buffer<Storage>(storage_size(shape, shape.capacity));
     shape_ = shape;
   }
@@ -507,10 +508,7 @@ class LatentCache {
     check_room(n);
     for (Index b = 0; b < batch(); ++b) {
       for (Index t = 0; t < n; ++t) {
-        Storage* row = row_at(b, size_ + t);
-        KvFormat<Storage>::store_row(c.row(b * n + t).data(), latent_dim(), row);
-        KvFormat<Storage>::store_row(r.row(b * n + t).data(), rope_heads() * rope_dim(),
-                                     row + elements(latent_dim()));
+        store(c.row(b * n + t).data(), r.row(b * n + t).data(), row_at(b, size_ + t));
       }
     }
     size_.get() += n;
@@ -528,12 +526,8 @@ class LatentCache {
     check_room(n);
     for (Index b = 0; b < batch(); ++b) {
       for (Index t = 0; t < n; ++t) {
-        // The c_kv and K_rope parts separately, so that no block straddles the two.
         const Scalar* from = r.row(b * n + t).data();
-        Storage* row = row_at(b, size_ + t);
-        KvFormat<Storage>::store_row(from, latent_dim(), row);
-        KvFormat<Storage>::store_row(from + latent_dim(), rope_heads() * rope_dim(),
-                                     row + elements(latent_dim()));
+        store(from, from + latent_dim(), row_at(b, size_ + t));
       }
     }
     size_.get() += n;
@@ -550,14 +544,17 @@ class LatentCache {
 
   /// [B, 1, size(), d_kv]: the cached c_kv (row stride d_kv + H_kr·d_r). The extents and
   /// strides of these views count elements of Storage (values, for the scalar formats; blocks
-  /// of a quantized one: row_values gives the values).
+  /// of a quantized one: row_values gives the values). A whole-row format
+  /// (is_latent_row_format_v) has only rows().
   HeadsView<const Storage> latent() const {
+    static_assert(!is_latent_row_format_v<Storage>, "a whole-row format's cache has only rows()");
     const Index stride = elements(row_width());
     return HeadsView<const Storage>(rows_.data(), {batch(), 1, size_, elements(latent_dim())},
                                     {capacity() * stride, 0, stride});
   }
   /// [B, H_kr, size(), d_r]: the cached rotated K_rope.
   HeadsView<const Storage> rope_keys() const {
+    static_assert(!is_latent_row_format_v<Storage>, "a whole-row format's cache has only rows()");
     const Index stride = elements(row_width());
     const Index head = elements(rope_dim());
     return HeadsView<const Storage>(
@@ -603,6 +600,36 @@ class LatentCache {
 
   /// Elements of Storage in `values` values (a whole number of blocks: checked at construction).
   static Index elements(Index values) { return KvFormat<Storage>::elements(values); }
+
+  /// Throws unless c_kv and K_rope are whole elements of Storage each, or, for a whole-row
+  /// format, exactly the widths of its row.
+  static void check_part_widths(const LatentCacheShape& s) {
+    if constexpr (is_latent_row_format_v<Storage>) {
+      APEX_CHECK(s.latent_dim == Storage::kLatent && s.rope_heads * s.rope_dim == Storage::kRope,
+                 "[latent_cache] latent_dim d_kv ("
+                     << s.latent_dim << ") and H_kr*d_r (" << s.rope_heads * s.rope_dim
+                     << ") must be the row format's " << Storage::kLatent << " and "
+                     << Storage::kRope);
+    } else {
+      detail::check_row_values<Storage>(s.latent_dim, "latent_cache", "latent_dim d_kv");
+      detail::check_row_values<Storage>(s.rope_dim, "latent_cache", "rope_dim d_r");
+    }
+  }
+
+  /// Stores one token's c_kv (d_kv values) and K_rope (H_kr·d_r) into `row`: part by part, so
+  /// that no block straddles the two, or as one row of a whole-row format.
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the parts in the order of the row
+  void store(const Scalar* c_kv, const Scalar* k_rope, Storage* row) const {
+    if constexpr (is_latent_row_format_v<Storage>) {
+      std::array<Scalar, Storage::kValues> whole;
+      std::copy_n(c_kv, Storage::kLatent, whole.data());
+      std::copy_n(k_rope, Storage::kRope, whole.data() + Storage::kLatent);
+      KvFormat<Storage>::store_row(whole.data(), Storage::kValues, row);
+    } else {
+      KvFormat<Storage>::store_row(c_kv, latent_dim(), row);
+      KvFormat<Storage>::store_row(k_rope, rope_heads() * rope_dim(), row + elements(latent_dim()));
+    }
+  }
 
   /// Elements of [B, capacity, d_kv + H_kr·d_r], checked together with their bytes.
   static Index storage_size(const LatentCacheShape& s, Index capacity) {

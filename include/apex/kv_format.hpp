@@ -77,6 +77,12 @@ inline constexpr bool is_kv_format_v = false;
 template <class F>
 inline constexpr bool is_kv_format_v<F, std::void_t<typename KvFormat<F>::Element>> = true;
 
+/// Whether an element of F is one whole row of a latent cache, c_kv and K_rope together
+/// (FlashMlaFp8Row, kv_quant.hpp), rather than a run of values of either part: a latent cache
+/// of such a format has no view of c_kv or K_rope alone, only of its rows.
+template <class F>
+inline constexpr bool is_latent_row_format_v = false;
+
 /// The values in a row of a view of K or V whose elements are of format T
 /// (dim()·kValuesPerElement).
 template <class T>

@@ -10,6 +10,8 @@
 //   BlockQ4_0          32 values   18     4.5       half d, 4-bit codes c[32]     (c[j] − 8)·d
 //   BlockFp8<E4m3, B>   B values  4 + B   8 + 32/B  float s, e4m3 codes[B]        e4m3(c)·s
 //   BlockFp8<E5m2, B>   B values  4 + B   8 + 32/B  float s, e5m2 codes[B]        e5m2(c)·s
+//   FlashMlaFp8Row      a latent   656    9.1       c_kv as e4m3 codes with a float s per 128
+//     <512, 64>         row (576)                   values, K_rope as bfloat16 (below)
 //
 // q8_0 AND q4_0 are ggml's block formats, byte for byte (llama.cpp's q8_0 and q4_0 caches):
 //   BlockQ8_0  | d (IEEE half, 2 bytes) | q[0] ... q[31] (int8) |
@@ -33,9 +35,20 @@
 // by default), and each value's code fp8_encode(x_j / s) (fp8.hpp: rounded once to nearest
 // even, saturating). A block of zeros has s = 0 and stores the values' signed zeros.
 //
+// FLASHMLA's fp8 LATENT ROWS (FlashMlaFp8Row<D_kv, D_rope>), as DeepSeek-V3.2's fp8 MLA cache
+// lays out one token: one element is a whole row of a latent cache (§9.4), c_kv and K_rope,
+//   | code[0 .. D_kv) e4m3 | scale[0 .. D_kv/128) float | rope[0 .. D_rope) bfloat16 bits |
+// (656 bytes at D_kv = 512, D_rope = H_kr·d_r = 64). c_kv is quantized per 128 values exactly as
+// BlockFp8E4m3<128> is (the same scale and codes), and K_rope, whose rotation the scores are most
+// sensitive to, is rounded once to bfloat16. Its values are [c_kv ‖ K_rope], D_kv + D_rope of
+// them. Rows written by another quantizer (DeepSeek's power-of-two scales) read back as they
+// are: a value is code·scale whatever chose the scale.
+//
 // NON-FINITE INPUT (apex's rule, the same for every block format; ggml's answers to it are
 // accidents of its arithmetic): a block holding a NaN or ±inf stores a NaN scale, so that all
-// its values read back as NaN; the other blocks of the row, and other rows, are unaffected.
+// its values read back as NaN; the other blocks of the row, and other rows, are unaffected. (In
+// a FlashMlaFp8Row, each 128 values of c_kv are such a block; K_rope keeps a NaN or ±inf as
+// bfloat16 keeps it, as the 16-bit formats do.)
 // Attention then treats those values as apex::sdpa does any NaN (sdpa.hpp).
 //
 // DOUBLE INPUT. The quantizers read float, as ggml's do: double values are rounded to float
@@ -91,6 +104,25 @@ using BlockFp8E4m3 = BlockFp8<Fp8Kind::kE4m3, B>;
 template <int B = 128>
 using BlockFp8E5m2 = BlockFp8<Fp8Kind::kE5m2, B>;
 
+/// One token's row of a latent cache in FlashMLA's fp8 layout (header comment): c_kv (D_kv
+/// values) as e4m3 codes with a float scale per 128 values, then K_rope (D_rope = H_kr·d_r
+/// values) as bfloat16. Its values are [c_kv ‖ K_rope]: kLatent + kRope of them.
+template <int D_kv = 512, int D_rope = 64>
+struct FlashMlaFp8Row {
+  static_assert(D_kv >= 128 && D_kv % 128 == 0,
+                "FlashMlaFp8Row: c_kv is a positive multiple of 128 values");
+  static_assert(D_rope >= 2 && D_rope % 2 == 0, "FlashMlaFp8Row: K_rope is even and not empty");
+  static constexpr Index kGroup = 128;             ///< c_kv values per scale
+  static constexpr Index kLatent = D_kv;           ///< c_kv values, d_kv
+  static constexpr Index kRope = D_rope;           ///< K_rope values, H_kr·d_r
+  static constexpr Index kValues = D_kv + D_rope;  ///< values of the row
+  std::uint8_t code[D_kv];                         ///< c_kv's e4m3 codes
+  float scale[D_kv / kGroup];    ///< c_kv value j is e4m3(code[j])·scale[j / 128]
+  Eigen::bfloat16 rope[D_rope];  ///< K_rope
+};
+
+static_assert(sizeof(FlashMlaFp8Row<>) == 656,
+              "FlashMLA's fp8 latent row is 512 codes, 4 float scales and 64 bfloat16: 656 bytes");
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18,
               "q8_0 and q4_0 blocks are ggml's: 34 and 18 bytes");
 static_assert(sizeof(BlockFp8E4m3<>) == 132, "an fp8 block is its scale and its codes");
@@ -191,6 +223,24 @@ BlockFp8<K, B> quantize_fp8(const float* x) {
   return y;
 }
 
+/// The FlashMLA fp8 row of the float values x [c_kv ‖ K_rope] (header comment): each 128 values
+/// of c_kv as quantize_fp8<kE4m3, 128> quantizes them, K_rope rounded to bfloat16.
+template <int D_kv, int D_rope>
+FlashMlaFp8Row<D_kv, D_rope> quantize_flashmla_row(const float* x) {
+  using Row = FlashMlaFp8Row<D_kv, D_rope>;
+  Row y{};
+  for (Index g = 0; g < D_kv / Row::kGroup; ++g) {
+    const BlockFp8E4m3<Row::kGroup> block =
+        quantize_fp8<Fp8Kind::kE4m3, Row::kGroup>(x + g * Row::kGroup);
+    y.scale[g] = block.scale;
+    std::copy_n(block.code, Row::kGroup, y.code + g * Row::kGroup);
+  }
+  for (Index j = 0; j < D_rope; ++j) {
+    y.rope[j] = Eigen::bfloat16(x[D_kv + j]);  // to nearest, ties to even
+  }
+  return y;
+}
+
 /// y[0, 32) = the values of a q8_0 block, q[j]·d formed in float, as C.
 template <class C>
 void dequantize(const BlockQ8_0& x, C* y) {
@@ -215,14 +265,31 @@ void dequantize(const BlockFp8<K, B>& x, C* y) {
   for (Index j = 0; j < B; ++j) y[j] = static_cast<C>(fp8_decode<K>(x.code[j]) * x.scale);
 }
 
+/// y[0, D_kv + D_rope) = the values of a FlashMLA fp8 row: e4m3(code_j)·scale formed in float,
+/// then the bfloat16 values of K_rope, as C.
+template <class C, int D_kv, int D_rope>
+void dequantize(const FlashMlaFp8Row<D_kv, D_rope>& x, C* y) {
+  for (Index j = 0; j < D_kv; ++j) {
+    y[j] = static_cast<C>(fp8_decode<Fp8Kind::kE4m3>(x.code[j]) * x.scale[j / 128]);
+  }
+  for (Index j = 0; j < D_rope; ++j) {
+    y[D_kv + j] = static_cast<C>(static_cast<float>(x.rope[j]));
+  }
+}
+
 namespace detail {
 
-/// The quantizer of each block format (quantize_q8_0, quantize_q4_0, quantize_fp8).
+/// The quantizer of each block format (quantize_q8_0, quantize_q4_0, quantize_fp8,
+/// quantize_flashmla_row).
 inline BlockQ8_0 quantize_block(const float* x, const BlockQ8_0*) { return quantize_q8_0(x); }
 inline BlockQ4_0 quantize_block(const float* x, const BlockQ4_0*) { return quantize_q4_0(x); }
 template <Fp8Kind K, int B>
 BlockFp8<K, B> quantize_block(const float* x, const BlockFp8<K, B>*) {
   return quantize_fp8<K, B>(x);
+}
+template <int D_kv, int D_rope>
+FlashMlaFp8Row<D_kv, D_rope> quantize_block(const float* x, const FlashMlaFp8Row<D_kv, D_rope>*) {
+  return quantize_flashmla_row<D_kv, D_rope>(x);
 }
 
 #if APEX_X86_KERNELS
@@ -236,6 +303,16 @@ inline void widen_avx2(const BlockQ4_0* src, float* dst, Index count) {
 template <Fp8Kind K, int B>
 void widen_avx2(const BlockFp8<K, B>* src, float* dst, Index count) {
   widen_fp8_avx2<K>(src, dst, count);
+}
+template <int D_kv, int D_rope>
+void widen_avx2(const FlashMlaFp8Row<D_kv, D_rope>* src, float* dst, Index count) {
+  for (Index i = 0; i < count; ++i, dst += D_kv + D_rope) {
+    for (Index g = 0; g < D_kv / 128; ++g) {
+      widen_fp8_codes_avx2<Fp8Kind::kE4m3>(src[i].code + g * 128, src[i].scale[g], dst + g * 128,
+                                           128);
+    }
+    widen(src[i].rope, dst + D_kv, D_rope);
+  }
 }
 #endif
 
@@ -287,5 +364,12 @@ struct KvFormat<BlockQ4_0> : detail::BlockFormat<BlockQ4_0> {};
 /// fp8 rows with a float scale per block (BlockFp8).
 template <Fp8Kind K, int B>
 struct KvFormat<BlockFp8<K, B>> : detail::BlockFormat<BlockFp8<K, B>> {};
+/// FlashMLA's fp8 latent rows (FlashMlaFp8Row): one element a whole row of a latent cache.
+template <int D_kv, int D_rope>
+struct KvFormat<FlashMlaFp8Row<D_kv, D_rope>> : detail::BlockFormat<FlashMlaFp8Row<D_kv, D_rope>> {
+};
+/// A FlashMlaFp8Row is one whole row of a latent cache.
+template <int D_kv, int D_rope>
+inline constexpr bool is_latent_row_format_v<FlashMlaFp8Row<D_kv, D_rope>> = true;
 
 }  // namespace apex

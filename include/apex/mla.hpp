@@ -212,7 +212,8 @@ class MultiHeadLatentAttention {
   ///   other arguments, checks and aliasing as for forward_cached.
   /// Allocates the chunk's projections, its [B*n, H_q·(d_kv + H_kr·d_r)] queries and
   /// [B*n, H_q·d_kv] attention output: O(chunk) memory, nothing proportional to the cache.
-  /// A 16-bit cache's rows are read as stored, widened by sdpa.
+  /// A 16-bit or quantized cache's rows are read as stored, widened by sdpa (for a whole-row
+  /// format, FlashMlaFp8Row, see detail::attend_latent_rows).
   template <class Derived, class Storage>
   void forward_absorbed(const Eigen::MatrixBase<Derived>& x, const PositionMask& mask,
                         const AttentionLayerParams<Scalar>& params,
@@ -224,16 +225,12 @@ class MultiHeadLatentAttention {
                                              detail::mla_absorbed_heads(config()), out);
     const Index batch = cache.batch();
     const Index h_q = config().num_q_heads;
-    const Index d_kv = config().d_kv;
     const RowMatrix<Scalar> q = detail::absorbed_queries(
         config(), weights_, xr, {params.position_offset, batch, nullptr}, params, absorbed);
     append_latents(xr, batch, params, cache);
-    // One key/value head shared by all H_q query heads: keys [c_kv ‖ K_rope], values c_kv.
-    RowMatrix<Scalar> o_latent(xr.rows(), h_q * d_kv);
-    sdpa(HeadsView<const Scalar>::token_major(q.data(), {batch, h_q, n, cache.row_width()}),
-         cache.rows(), cache.latent(), detail::cached_mask<Scalar>(mask, params.position_offset, 0),
-         attention_params(params),
-         HeadsView<Scalar>::token_major(o_latent.data(), {batch, h_q, n, d_kv}));
+    const RowMatrix<Scalar> o_latent = detail::attend_latent_rows(
+        HeadsView<const Scalar>::token_major(q.data(), {batch, h_q, n, cache.row_width()}), cache,
+        detail::cached_mask<Scalar>(mask, params.position_offset, 0), attention_params(params));
     detail::absorbed_output(config(), weights_, o_latent, absorbed, out);
   }
 

@@ -18,6 +18,7 @@
 #include <apex/config.hpp>
 #include <apex/detail/checks.hpp>
 #include <apex/detail/matmul.hpp>
+#include <apex/kv_cache.hpp>
 #include <apex/mla_config.hpp>
 #include <apex/rope.hpp>
 #include <apex/storage.hpp>
@@ -240,6 +241,33 @@ void absorbed_output(const MlaConfig& c, const MlaWeights<Weight>& w,
     }
   }
   matmul<Scalar>(concat, w.w_o, out);
+}
+
+/// The attention of absorbed queries q [B, H_q, n, d_kv + H_kr·d_r] over every row a latent
+/// cache holds, one key/value head shared by all H_q heads: keys [c_kv ‖ K_rope] (rows()),
+/// values c_kv -> o_latent [B*n, H_q·d_kv] (token-major). A whole-row format
+/// (is_latent_row_format_v: FlashMlaFp8Row) has no view of c_kv alone: its values are the whole
+/// rows and the K_rope columns of that output are dropped, which costs H_kr·d_r / d_kv more
+/// multiply-adds in the update and allocates the [B*n, H_q·(d_kv + H_kr·d_r)] output first.
+template <class Scalar, class Storage>
+RowMatrix<Scalar> attend_latent_rows(const HeadsView<const Scalar>& q,
+                                     const LatentCache<Scalar, Storage>& cache,
+                                     const AttentionMask<Scalar>& mask, const SdpaParams& params) {
+  const Index batch = q.batch(), h_q = q.heads(), n = q.seq(), d_kv = cache.latent_dim();
+  RowMatrix<Scalar> o_latent(batch * n, h_q * d_kv);
+  if constexpr (is_latent_row_format_v<Storage>) {
+    const Index width = cache.row_width();
+    RowMatrix<Scalar> o_rows(batch * n, h_q * width);
+    sdpa(q, cache.rows(), cache.rows(), mask, params,
+         HeadsView<Scalar>::token_major(o_rows.data(), {batch, h_q, n, width}));
+    for (Index h = 0; h < h_q; ++h) {
+      o_latent.middleCols(h * d_kv, d_kv) = o_rows.middleCols(h * width, d_kv);
+    }
+  } else {
+    sdpa(q, cache.rows(), cache.latent(), mask, params,
+         HeadsView<Scalar>::token_major(o_latent.data(), {batch, h_q, n, d_kv}));
+  }
+  return o_latent;
 }
 
 }  // namespace detail

@@ -613,6 +613,8 @@ class PagedKvCache : public PagedSequences<Storage> {
 /// Storage's format, allocated (zeroed) at construction, plus a block table per sequence.
 template <class Scalar, class Storage = Scalar>
 class PagedLatentCache : public PagedSequences<Storage> {
+  static_assert(!is_latent_row_format_v<Storage>,
+                "a whole-row latent format (FlashMlaFp8Row) is stored by LatentCache only");
   using Base = PagedSequences<Storage>;
   using Base::pool_;
 

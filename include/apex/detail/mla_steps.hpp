@@ -216,7 +216,8 @@ RowMatrix<Scalar> mla_latent_rows(const MlaConfig& c, const MlaWeights<Weight>& 
 
 /// K_final [B·len, H_kv·(d_h + d_r)] and V [B·len, H_kv·d_h] of every token a latent cache holds
 /// (len = cache.size()): K = c_kv·W_UK, V = c_kv·W_UV, K_final = [K ‖ K_rope], the cache's rows
-/// widened as they are read. O(cache) work and memory: the naive path's cost.
+/// [c_kv ‖ K_rope] widened as they are read (whole rows: every format has a view of them).
+/// O(cache) work and memory: the naive path's cost.
 template <class Scalar, class Weight, class Cache>
 // Internal, the outputs (k, v) in their order. NOLINTBEGIN(bugprone-easily-swappable-parameters)
 void decompress_latent_cache(const MlaConfig& c, const MlaWeights<Weight>& w, const Cache& cache,
@@ -231,13 +232,14 @@ void decompress_latent_cache(const MlaConfig& c, const MlaWeights<Weight>& w, co
   v.resize(cache.batch() * len, h_kv * d_h);
   RowMatrix<Scalar> k_content;
   for (Index b = 0; b < cache.batch(); ++b) {
-    const auto c_kv = head_values<Scalar>(cache.latent(), b, 0);  // [len, d_kv]
+    const auto rows = head_values<Scalar>(cache.rows(), b, 0);  // [len, d_kv + H_kr·d_r]
+    const ConstRowRef<Scalar> c_kv = rows.leftCols(c.d_kv);
     k_content = matmul<Scalar>(c_kv, w.w_uk);
     matmul<Scalar>(c_kv, w.w_uv, v.middleRows(b * len, len));
     for (Index g = 0; g < h_kv; ++g) {
+      const Index rope_head = c.rope_key_heads() == 1 ? 0 : g;
       k.block(b * len, g * d_qk, len, d_h) = k_content.middleCols(g * d_h, d_h);
-      k.block(b * len, g * d_qk + d_h, len, d_r) =
-          head_values<Scalar>(cache.rope_keys(), b, c.rope_key_heads() == 1 ? 0 : g);
+      k.block(b * len, g * d_qk + d_h, len, d_r) = rows.middleCols(c.d_kv + rope_head * d_r, d_r);
     }
   }
 }

@@ -103,16 +103,22 @@ APEX_WIDEN_TARGET __m256 fp8_values(__m256i code) {
   return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
+/// dst[0, n) = the values of n fp8 codes of kind K times `scale` (n a multiple of 8).
+template <Fp8Kind K>
+APEX_WIDEN_TARGET void widen_fp8_codes_avx2(const std::uint8_t* code, float scale, float* dst,
+                                            Index n) {
+  const __m256 s = _mm256_set1_ps(scale);
+  for (Index j = 0; j < n; j += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(code + j));
+    _mm256_storeu_ps(dst + j, _mm256_mul_ps(fp8_values<K>(_mm256_cvtepu8_epi32(bytes)), s));
+  }
+}
+
 /// dst[0, B·count) = the values of `count` fp8 blocks of kind K: value(code_j)·scale.
 template <Fp8Kind K, class Block>
 APEX_WIDEN_TARGET void widen_fp8_avx2(const Block* src, float* dst, Index count) {
-  constexpr Index kValues = Block::kValues;
-  for (Index i = 0; i < count; ++i, dst += kValues) {
-    const __m256 scale = _mm256_set1_ps(src[i].scale);
-    for (Index j = 0; j < kValues; j += 8) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[i].code + j));
-      _mm256_storeu_ps(dst + j, _mm256_mul_ps(fp8_values<K>(_mm256_cvtepu8_epi32(bytes)), scale));
-    }
+  for (Index i = 0; i < count; ++i, dst += Block::kValues) {
+    widen_fp8_codes_avx2<K>(src[i].code, src[i].scale, dst, Block::kValues);
   }
 }
 
