@@ -103,30 +103,47 @@ HeadsView<const Scalar> buffer_rows(const Scalar* data, const HeadsShape& buffer
                                  {buffer.heads * buffer.seq * dim, buffer.seq * dim, dim});
 }
 
-/// K and V of a cache: two [B, H, slots, D] buffers of elements of format Storage, zeroed at
-/// construction, with their shape (D in values; a row holds D / kValuesPerElement elements);
-/// chunks of Scalar are rounded or quantized to Storage as they are written. Default-constructed
-/// or moved from, it is empty (every extent 0, no memory).
+/// K and V of a cache: a [B, H, slots, D] buffer of keys and a [B, H, slots, D_v] buffer of
+/// values, elements of format Storage, zeroed at construction, with their shape (D and D_v in
+/// values; a row holds D / kValuesPerElement elements); chunks of Scalar are rounded or quantized
+/// to Storage as they are written. Default-constructed or moved from, it is empty (every extent
+/// 0, no memory).
 template <class Scalar, class Storage>
 class KvBuffers {
  public:
   KvBuffers() = default;
-  /// Allocates both buffers; throws unless every extent is >= 1 (`slots_name` names the slots in
-  /// messages: capacity or window), D is a whole number of Storage's blocks and the bytes fit in
-  /// 64 bits.
-  KvBuffers(const HeadsShape& shape, const char* op, const char* slots_name) {
+  /// K and V of one width D = shape.dim (see the other constructor).
+  KvBuffers(const HeadsShape& shape, const char* op, const char* slots_name)
+      : KvBuffers(shape, shape.dim, op, slots_name) {}
+  /// Allocates both buffers, keys [B, H, slots, D] (`keys`) and values [B, H, slots, D_v];
+  /// throws unless every extent is >= 1 (`slots_name` names the slots in messages: capacity or
+  /// window), D (head_dim) and D_v (value_dim) are whole numbers of Storage's blocks and the
+  /// bytes fit in 64 bits.
+  KvBuffers(const HeadsShape& keys, Index value_dim, const char* op, const char* slots_name) {
     require_supported_scalar<Scalar>();
     require_kv_format<Storage>();
-    check_cache_dims(shape, op, slots_name);
-    check_row_values<Storage>(shape.dim, op, "head_dim");
-    const Index size = cache_buffer_size<Storage>(element_shape(shape), op);
-    k_ = zeroed_buffer<Storage>(size);
-    v_ = zeroed_buffer<Storage>(size);
-    shape_ = shape;
+    check_cache_dims(keys, op, slots_name);
+    APEX_CHECK(value_dim >= 1, "[" << op << "] value_dim (" << value_dim << ") must be >= 1");
+    check_row_values<Storage>(keys.dim, op, "head_dim");
+    check_row_values<Storage>(value_dim, op, "value_dim");
+    HeadsShape values = keys;
+    values.dim = value_dim;
+    const Index k_size = cache_buffer_size<Storage>(element_shape(keys), op);
+    const Index v_size = cache_buffer_size<Storage>(element_shape(values), op);
+    k_ = zeroed_buffer<Storage>(k_size);
+    v_ = zeroed_buffer<Storage>(v_size);
+    shape_ = keys;
+    value_dim_ = value_dim;
   }
 
-  /// [B, H, slots, D], D in values.
+  /// [B, H, slots, D] of the keys, D in values.
   const HeadsShape& shape() const { return shape_; }
+  /// [B, H, slots, D_v] of the values, D_v in values.
+  HeadsShape value_shape() const {
+    HeadsShape s = shape();
+    s.dim = value_dim_;
+    return s;
+  }
   /// Bytes of both buffers.
   std::int64_t bytes() const {
     return KvFormat<Storage>::bytes(static_cast<std::int64_t>(k_.size() + v_.size()));
@@ -136,7 +153,7 @@ class KvBuffers {
     return buffer_rows(k_.data(), element_shape(shape()), first, rows);
   }
   HeadsView<const Storage> values(Index first, Index rows) const {
-    return buffer_rows(v_.data(), element_shape(shape()), first, rows);
+    return buffer_rows(v_.data(), element_shape(value_shape()), first, rows);
   }
   /// Rows [src_row, src_row + count) of a chunk's k and v into rows [first, first + count).
   // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (k, v) and (row, count, first)
@@ -148,11 +165,12 @@ class KvBuffers {
   /// Grows to `slots` (> the current slots), keeping the first `kept` rows (one copy); throws,
   /// unchanged, if the new size does not fit in 64 bits.
   void grow(Index slots, Index kept, const char* op) {
-    HeadsShape grown = shape();
-    grown.seq = slots;
-    const Index size = cache_buffer_size<Storage>(element_shape(grown), op);
-    CacheBuffer<Storage> k = zeroed_buffer<Storage>(size);
-    CacheBuffer<Storage> v = zeroed_buffer<Storage>(size);
+    HeadsShape grown = shape(), grown_values = value_shape();
+    grown.seq = grown_values.seq = slots;
+    const Index k_size = cache_buffer_size<Storage>(element_shape(grown), op);
+    const Index v_size = cache_buffer_size<Storage>(element_shape(grown_values), op);
+    CacheBuffer<Storage> k = zeroed_buffer<Storage>(k_size);
+    CacheBuffer<Storage> v = zeroed_buffer<Storage>(v_size);
     write_rows(keys(0, kept), k.data(), slots, 0, kept, 0);
     write_rows(values(0, kept), v.data(), slots, 0, kept, 0);
     k_ = std::move(k);
@@ -166,8 +184,8 @@ class KvBuffers {
     s.dim = KvFormat<Storage>::elements(s.dim);
     return s;
   }
-
   ResetOnMove<HeadsShape> shape_;
+  ResetOnMove<Index> value_dim_;
   CacheBuffer<Storage> k_;  // Eigen and the standard library leave a moved-from buffer empty
   CacheBuffer<Storage> v_;
 };
