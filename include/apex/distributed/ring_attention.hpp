@@ -24,6 +24,8 @@
 
 #include <apex/distributed/communicator.hpp>
 #include <apex/distributed/sharding.hpp>
+#include <apex/kv_format.hpp>
+#include <apex/kv_quant.hpp>
 #include <apex/sdpa.hpp>
 
 #include <algorithm>
@@ -61,13 +63,32 @@ inline bool shards_interact(const SequenceSharding& sharding, const PositionMask
   return false;
 }
 
-/// A code for each storage type, so that ranks can check that they agree on it.
+/// The code of an fp8 block format of B values (type_code): 16·B + 7 for e4m3, + 8 for e5m2.
+template <Fp8Kind K, int B>
+constexpr std::int64_t fp8_block_code(const BlockFp8<K, B>* /*format*/) {
+  return 16 * static_cast<std::int64_t>(B) + (K == Fp8Kind::kE4m3 ? 7 : 8);
+}
+
+/// A code for each storage type and K/V format (kv_format.hpp), so that ranks can check that
+/// they agree on it: 1-4 float, double, half, bfloat16; 5 q8_0; 6 q4_0; fp8 blocks
+/// fp8_block_code. Any other type does not compile.
 template <class T>
 constexpr std::int64_t type_code() {
-  if constexpr (std::is_same_v<T, float>) return 1;
-  if constexpr (std::is_same_v<T, double>) return 2;
-  if constexpr (std::is_same_v<T, Eigen::half>) return 3;
-  return 4;  // Eigen::bfloat16, the only other storage type
+  if constexpr (std::is_same_v<T, float>) {
+    return 1;
+  } else if constexpr (std::is_same_v<T, double>) {
+    return 2;
+  } else if constexpr (std::is_same_v<T, Eigen::half>) {
+    return 3;
+  } else if constexpr (std::is_same_v<T, Eigen::bfloat16>) {
+    return 4;
+  } else if constexpr (std::is_same_v<T, BlockQ8_0>) {
+    return 5;
+  } else if constexpr (std::is_same_v<T, BlockQ4_0>) {
+    return 6;
+  } else {
+    return fp8_block_code(static_cast<const T*>(nullptr));
+  }
 }
 
 /// FNV-1a of `count` objects' bytes: lets ranks compare vectors (sinks, slopes, document ids)

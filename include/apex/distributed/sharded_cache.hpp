@@ -76,20 +76,19 @@ inline std::vector<Agreed> cache_shape_agreement(const ShardedCacheShape& shape,
           {"storage type", storage_type}};
 }
 
-/// Throws unless decode_block, each extent and the capacity of `shape` are >= 1. Returns d_v
-/// (value_dim, or head_dim when it is 0).
-inline Index checked_value_dim(const ShardedCacheShape& shape, const char* op) {
+/// One rank's K and V: the buffers of a KvCache (kv_cache.hpp), [B, H_kv, C, d_qk] and
+/// [B, H_kv, C, d_v] in Storage's format, zeroed. Throws unless decode_block and every extent
+/// are >= 1 and d_qk and d_v are whole blocks of the format (KvBuffers' checks, as KvCache's),
+/// d_v being value_dim, or head_dim when it is 0.
+template <class Scalar, class Storage>
+apex::detail::KvBuffers<Scalar, Storage> shard_buffers(const ShardedCacheShape& shape,
+                                                       const char* op) {
   APEX_CHECK(shape.decode_block >= 1,
              "[" << op << "] decode_block (" << shape.decode_block << ") must be >= 1");
   const Index d_v = shape.value_dim == 0 ? shape.head_dim : shape.value_dim;
-  for (const auto& [name, value] : {std::pair<const char*, Index>{"batch", shape.batch},
-                                    {"num_kv_heads", shape.num_kv_heads},
-                                    {"head_dim", shape.head_dim},
-                                    {"value_dim", d_v},
-                                    {"capacity_per_rank", shape.capacity_per_rank}}) {
-    APEX_CHECK(value >= 1, "[" << op << "] " << name << " (" << value << ") must be >= 1");
-  }
-  return d_v;
+  return apex::detail::KvBuffers<Scalar, Storage>(
+      {shape.batch, shape.num_kv_heads, shape.capacity_per_rank, shape.head_dim}, d_v, op,
+      "capacity_per_rank");
 }
 
 /// Throws unless k and v are chunks [B, H_kv, n, d_qk] and [B, H_kv, n, d_v] of a cache whose
@@ -194,9 +193,13 @@ void merge_records(const std::vector<double>& all, int ranks, const HeadsShape& 
 }  // namespace detail
 
 /// One attention layer's K/V cache, sharded by position over the ranks of a communicator (see
-/// WHO HOLDS WHAT above). Each rank holds K [B, H_kv, C, d_qk] and V [B, H_kv, C, d_v] of
-/// Storage, C = capacity_per_rank, allocated (zeroed) at construction; Scalar is the type of the
-/// chunks appended and of the attention, each element rounded once to Storage as it is stored.
+/// WHO HOLDS WHAT above). Each rank holds K [B, H_kv, C, d_qk] and V [B, H_kv, C, d_v] in the
+/// K/V format Storage (kv_format.hpp: float, double, half, bfloat16, or a block format of
+/// kv_quant.hpp), C = capacity_per_rank, allocated (zeroed) at construction; Scalar is the type
+/// of the chunks appended and of the attention. Each row is stored as a KvCache of Storage
+/// stores it: rounded once, or quantized once, block by block, when it is appended (a row is
+/// never sent between ranks: every rank is given the rows and keeps its own), and attend reads
+/// the stored rows as sdpa does, so its result is the float kernel's over the decoded values.
 /// Default-constructed or moved from, it is empty: no communicator, no memory, and every call
 /// but the accessors throws.
 template <class Scalar, class Storage = Scalar>
@@ -205,20 +208,16 @@ class ShardedKvCache {
   /// An empty cache.
   ShardedKvCache() = default;
 
-  /// Collective: every rank of comm constructs its shard with the same shape (agreed). Throws
-  /// std::invalid_argument on every rank unless each extent, the capacity and decode_block are
-  /// >= 1. comm must outlive the cache.
+  /// Collective: every rank of comm constructs its shard with the same shape and Storage
+  /// (agreed). Throws std::invalid_argument on every rank unless each extent, the capacity and
+  /// decode_block are >= 1 and head_dim and the value width are whole blocks of Storage's format
+  /// (`[sharded_kv_cache] head_dim (48) must be a multiple of the 32 values of a block of its
+  /// format`). comm must outlive the cache.
   ShardedKvCache(MPI_Comm comm, const ShardedCacheShape& shape) {
     constexpr const char* op = "sharded_kv_cache";
     const RankInfo me = detail::rank_info(comm, op);
-    detail::agree(
-        comm, me, op, detail::cache_shape_agreement(shape, detail::type_code<Storage>()), [&] {
-          const Index d_v = detail::checked_value_dim(shape, op);
-          keys_ = HeadsTensor<Storage>(
-              {shape.batch, shape.num_kv_heads, shape.capacity_per_rank, shape.head_dim});
-          values_ =
-              HeadsTensor<Storage>({shape.batch, shape.num_kv_heads, shape.capacity_per_rank, d_v});
-        });
+    detail::agree(comm, me, op, detail::cache_shape_agreement(shape, detail::type_code<Storage>()),
+                  [&] { buffers_ = detail::shard_buffers<Scalar, Storage>(shape, op); });
     comm_ = comm;
     me_ = me;
     decode_block_ = shape.decode_block;
@@ -234,7 +233,7 @@ class ShardedKvCache {
   /// Positions this rank holds.
   Index local_length() const { return local_size_; }
   /// Positions each rank can hold.
-  Index capacity() const { return keys_.seq(); }
+  Index capacity() const { return buffers_.shape().seq; }
   /// Positions rank r holds (every rank knows every rank's count). Throws on a rank outside
   /// [0, P).
   Index length_of(int r) const {
@@ -244,13 +243,16 @@ class ShardedKvCache {
   }
   /// The runs this rank holds, in increasing position order.
   const std::vector<CacheRun>& runs() const { return runs_; }
-  /// Exact bytes of this rank's K and V buffers.
-  std::int64_t bytes() const {
-    const auto elements = [](const HeadsTensor<Storage>& t) {
-      return static_cast<std::int64_t>(t.batch() * t.heads() * t.seq() * t.dim());
-    };
-    return KvFormat<Storage>::bytes(elements(keys_) + elements(values_));
-  }
+  /// Exact bytes of this rank's K and V buffers as stored, through Storage's format:
+  /// B·H_kv·C·(d_qk + d_v) values, in blocks for a block format (KvFormat::bytes).
+  std::int64_t bytes() const { return buffers_.bytes(); }
+  /// [B, H_kv, local_length(), d_qk] view of the keys this rank holds, as stored (elements of
+  /// Storage: blocks for a block format, row_values gives d_qk), in the order of runs(): after
+  /// load_prompt, this rank's K shard of the prompt as ring_attention takes it. No copy; it
+  /// holds local_length() as of the call.
+  HeadsView<const Storage> keys() const { return buffers_.keys(0, local_size_); }
+  /// [B, H_kv, local_length(), d_v] view of the values this rank holds; as keys().
+  HeadsView<const Storage> values() const { return buffers_.values(0, local_size_); }
   /// The rank that holds (or will hold) a position past the prompt: ⌊p / decode_block⌋ mod P.
   int owner_of(Index position) const {
     return detail::owner_rank(position, decode_block_, me_.get().size);
@@ -355,8 +357,8 @@ class ShardedKvCache {
     for (const detail::Agreed& a : detail::rule_agreement(rule, params)) agreed.push_back(a);
     detail::agree(comm_, me, op, agreed, [&] {
       apex::detail::check_constructed(!counts_.empty(), op, "cache");
-      apex::detail::check_sdpa(q, rows_of(keys_, 0, local_size_), rows_of(values_, 0, local_size_),
-                               AttentionMask<TO>{PositionMask{}, {}, {}}, params, out, lse, op);
+      apex::detail::check_sdpa(q, keys(), values(), AttentionMask<TO>{PositionMask{}, {}, {}},
+                               params, out, lse, op);
       apex::detail::check_outputs<TO>({out, lse}, op);
       apex::detail::check_position_mask(rule, q.seq(), length_, op);
       APEX_CHECK(rule.key_offset == 0, "[" << op << "] key_offset (" << rule.key_offset
@@ -364,7 +366,7 @@ class ShardedKvCache {
                                            << length_ - 1);
       // The records go to MPI as one message of doubles, whose count is an int.
       const std::int64_t count = apex::detail::checked_product(
-          {q.batch(), q.heads(), q.seq(), values_.dim() + 2}, op, "records B*H_q*S_q*(d_v + 2)");
+          {q.batch(), q.heads(), q.seq(), value_dim() + 2}, op, "records B*H_q*S_q*(d_v + 2)");
       APEX_CHECK(count <= std::numeric_limits<int>::max(),
                  "[" << op << "] the records of B*H_q*S_q*(d_v + 2) = " << count
                      << " doubles exceed one MPI message (2^31 - 1 elements): attend fewer "
@@ -372,7 +374,7 @@ class ShardedKvCache {
     });
 
     const Index rows = q.batch() * q.heads() * q.seq();
-    const Index d = values_.dim();
+    const Index d = value_dim();
     const Index width = d + 2;  // m, l, out
     std::vector<double> mine(static_cast<std::size_t>(rows * width));
     local_part(q, rule, params, mine.data());
@@ -391,20 +393,18 @@ class ShardedKvCache {
   /// [B, H_kv, n, d_v] of it.
   void check_chunk(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v) const {
     apex::detail::check_constructed(!counts_.empty(), "sharded_kv_cache", "cache");
-    detail::check_kv_chunk(k, v, keys_.shape(), values_.shape(), "sharded_kv_cache");
+    detail::check_kv_chunk(k, v, buffers_.shape(), buffers_.value_shape(), "sharded_kv_cache");
   }
 
-  /// Rows [first, first + count) of every head of a [B, H_kv, C, D] buffer.
-  static HeadsView<const Storage> rows_of(const HeadsTensor<Storage>& t, Index first, Index count) {
-    return apex::detail::buffer_rows(t.data(), t.shape(), first, count);
-  }
+  /// d_v, the values in a row of V.
+  Index value_dim() const { return buffers_.value_shape().dim; }
 
-  /// Appends rows [from, from + n) of the chunk k, v after this rank's rows, rounded to Storage.
+  /// Appends rows [from, from + n) of the chunk k, v after this rank's rows, stored through
+  /// Storage's format (KvBuffers::write: rounded, or quantized row by row).
   // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): private, (k, v) as everywhere in apex
   void store(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v, Index from,
              Index n) {
-    apex::detail::write_rows(k, keys_.data(), keys_.seq(), from, n, local_size_);
-    apex::detail::write_rows(v, values_.data(), values_.seq(), from, n, local_size_);
+    buffers_.write(k, v, from, n, local_size_);
     local_size_.get() += n;
   }
 
@@ -412,7 +412,7 @@ class ShardedKvCache {
   /// holding no key that the rule allows gives (-inf, 0, zeros).
   void local_part(const HeadsView<const Scalar>& q, const PositionMask& rule,
                   const SdpaParams& params, double* records) const {
-    const Index d = values_.dim();
+    const Index d = value_dim();
     const HeadsShape row_shape{q.batch(), q.heads(), q.seq(), 1};
     HeadsTensor<Scalar> part({q.batch(), q.heads(), q.seq(), d}), max(row_shape), sum(row_shape);
     std::vector<apex::detail::KeySegment<Storage, Storage>> segments;
@@ -423,7 +423,7 @@ class ShardedKvCache {
         continue;
       }
       segments.push_back(
-          {rows_of(keys_, run.row, run.count), rows_of(values_, run.row, run.count), run.position});
+          {buffers_.keys(run.row, run.count), buffers_.values(run.row, run.count), run.position});
     }
     for (Index i = 0; i < max.seq() * max.batch() * max.heads(); ++i) {
       max.data()[i] = -std::numeric_limits<Scalar>::infinity();
@@ -449,8 +449,8 @@ class ShardedKvCache {
   MPI_Comm comm_ = MPI_COMM_NULL;
   apex::detail::ResetOnMove<RankInfo> me_;
   Index decode_block_ = 1;
-  HeadsTensor<Storage> keys_, values_;           // [B, H_kv, C, d_qk], [B, H_kv, C, d_v]
-  apex::detail::ResetOnMove<Index> local_size_;  // rows this rank holds
+  apex::detail::KvBuffers<Scalar, Storage> buffers_;  // [B, H_kv, C, d_qk], [B, H_kv, C, d_v]
+  apex::detail::ResetOnMove<Index> local_size_;       // rows this rank holds
   std::vector<Index> counts_;   // positions held by each rank; empty: not constructed
   std::vector<CacheRun> runs_;  // this rank's runs
   apex::detail::ResetOnMove<Index> length_;
