@@ -17,13 +17,17 @@
 // to rank 0. ring_plan gives the hops; ring_bytes_sent the exact bytes each rank sends.
 //
 // BYTES. Rank r sends, at each step s < hops((r − s) mod P), the K and V shard it holds (two
-// messages): kv_row_bytes · S_o bytes with S_o that shard's rows and
-//   kv_row_bytes = B · H_kv · (d_qk · sizeof(TK) + d_v · sizeof(TV)).
+// messages) as stored: kv_row_bytes · S_o bytes with S_o that shard's rows and
+//   kv_row_bytes = B · H_kv · (bytes of a key row in TK + bytes of a value row in TV),
+// a row of d values taking d · sizeof(T) bytes in a scalar format and d / kValues blocks in a
+// block format of kv_quant.hpp (KvFormat::bytes: q8_0's 34 bytes per 32 values, ...): K and V
+// of a block format travel as their blocks, never widened.
 // docs/guide.md ("Context parallelism") turns this into a scaling model.
 #pragma once
 
 #include <apex/distributed/communicator.hpp>
 #include <apex/distributed/sharding.hpp>
+#include <apex/kv_cache.hpp>
 #include <apex/kv_format.hpp>
 #include <apex/kv_quant.hpp>
 #include <apex/sdpa.hpp>
@@ -135,7 +139,8 @@ inline std::vector<Agreed> rule_agreement(const PositionMask& rule, const SdpaPa
 }
 
 /// A K/V shard as it travels: [B, H_kv, rows, d_qk] keys and [B, H_kv, rows, d_v] values,
-/// contiguous, in their storage types.
+/// contiguous, as stored: elements of their formats TK and TV (the shapes count elements:
+/// blocks of a block format).
 template <class TK, class TV>
 struct KvShard {
   std::vector<TK> k;
@@ -152,23 +157,14 @@ struct KvShard {
   void hold(Index rows) { k_shape.seq = v_shape.seq = rows; }
   HeadsView<TK> keys() { return HeadsView<TK>::contiguous(k.data(), k_shape); }
   HeadsView<TV> values() { return HeadsView<TV>::contiguous(v.data(), v_shape); }
+  /// Bytes of the keys (values) held, as stored (KvFormat::bytes).
   std::int64_t key_bytes() const {
-    return k_shape.batch * k_shape.heads * k_shape.seq * k_shape.dim *
-           static_cast<std::int64_t>(sizeof(TK));
+    return KvFormat<TK>::bytes(k_shape.batch * k_shape.heads * k_shape.seq * k_shape.dim);
   }
   std::int64_t value_bytes() const {
-    return v_shape.batch * v_shape.heads * v_shape.seq * v_shape.dim *
-           static_cast<std::int64_t>(sizeof(TV));
+    return KvFormat<TV>::bytes(v_shape.batch * v_shape.heads * v_shape.seq * v_shape.dim);
   }
 };
-
-/// Copies every head of `from` into `to` (same shape).
-template <class From, class To>
-void copy_rows(const HeadsView<From>& from, const HeadsView<To>& to) {
-  for (Index b = 0; b < from.batch(); ++b) {
-    for (Index h = 0; h < from.heads(); ++h) to.head(b, h) = from.head(b, h);
-  }
-}
 
 /// The running result of one rank's query rows: the normalised output so far [B, H_q, S_r, d_v]
 /// in C and each row's statistics (m, l) in double, with the part a step adds beside it.
@@ -226,7 +222,8 @@ inline RingPlan ring_plan(const SequenceSharding& sharding, const PositionMask& 
 
 /// The bytes each rank sends in ring_attention, [P]: rank r sends, at each step s <
 /// hops((r − s) mod P), the shard it holds, kv_row_bytes · S_((r − s) mod P) bytes, where
-/// kv_row_bytes = B·H_kv·(d_qk·sizeof(TK) + d_v·sizeof(TV)) is what one position's K and V take.
+/// kv_row_bytes is what one position's K and V take as stored (BYTES above: for scalar formats
+/// B·H_kv·(d_qk·sizeof(TK) + d_v·sizeof(TV)), for block formats their blocks' bytes).
 /// Needs no MPI. Throws std::invalid_argument as ring_plan, for kv_row_bytes < 0, and when a
 /// rank's bytes do not fit in 64 bits. Allocates the result.
 inline std::vector<std::int64_t> ring_bytes_sent(const SequenceSharding& sharding,
@@ -306,23 +303,21 @@ void check_ring_inputs(const RankInfo& me, const SequenceSharding& sharding,
                  << "): ring attention is self-attention");
   using apex::detail::checked_product;
   const Index largest = sharding.chunk(0).end - sharding.chunk(0).begin;
-  const std::int64_t row_bytes =
-      std::max(checked_product(q.dim(), static_cast<std::int64_t>(sizeof(TK)), op,
-                               "a key row's bytes d_qk*sizeof(TK)"),
-               checked_product(v.dim(), static_cast<std::int64_t>(sizeof(TV)), op,
-                               "a value row's bytes d_v*sizeof(TV)"));
+  const std::int64_t row_bytes =  // a row of k.dim() elements of TK (v.dim() of TV), as stored
+      std::max(checked_product(k.dim(), KvFormat<TK>::bytes(1), op, "a key row's bytes"),
+               checked_product(v.dim(), KvFormat<TV>::bytes(1), op, "a value row's bytes"));
   const std::int64_t bytes = checked_product({q.batch(), k.heads(), largest, 2, row_bytes}, op,
                                              "a K or V shard's bytes B*H_kv*S_chunk*2*row bytes");
   APEX_CHECK(bytes <= std::numeric_limits<int>::max(),
              "[" << op << "] a K or V shard of up to " << bytes
                  << " bytes exceeds one MPI message (2^31 − 1 bytes): use more ranks");
-  checked_product(
-      {q.batch(), q.heads(), rows, v.dim() + 1, static_cast<std::int64_t>(2 * sizeof(double))}, op,
-      "the running rows' bytes B*H_q*S_r*(d_v + 1)*16");
+  checked_product({q.batch(), q.heads(), rows, row_values(v) + 1,
+                   static_cast<std::int64_t>(2 * sizeof(double))},
+                  op, "the running rows' bytes B*H_q*S_r*(d_v + 1)*16");
 }
 
 /// The two K/V shard buffers of the ring, each with room for the largest shard; the first holds
-/// this rank's own K and V.
+/// this rank's own K and V, copied as they are stored (write_rows of kv_cache.hpp).
 template <class TK, class TV>
 std::array<KvShard<TK, TV>, 2> ring_shards(const SequenceSharding& sharding,
                                            const HeadsView<const TK>& k,
@@ -335,8 +330,8 @@ std::array<KvShard<TK, TV>, 2> ring_shards(const SequenceSharding& sharding,
     s.v_shape = v.shape();
     s.reserve(k.shape(), v.shape(), room);
   }
-  copy_rows(k, shards[0].keys());
-  copy_rows(v, shards[0].values());
+  apex::detail::write_rows(k, shards[0].k.data(), k.seq(), 0, k.seq(), 0);
+  apex::detail::write_rows(v, shards[0].v.data(), v.seq(), 0, v.seq(), 0);
   return shards;
 }
 
@@ -485,6 +480,10 @@ void finish_ring_rows(const RunningRows<C>& run, const std::vector<double>& sink
 ///   q: [B, H_q, S_r, d_qk], k: [B, H_kv, S_r, d_qk], v: [B, H_kv, S_r, d_v] on rank r, S_r =
 ///   sharding.local_length(r), rows in the order of sharding.chunks(r)
 ///   -> out: [B, H_q, S_r, d_v], lse (optional): [B, H_q, S_r, 1].
+/// K and V may be of any K/V format (kv_format.hpp), as sdpa reads them: a storage type, or the
+/// blocks of a quantized format (kv_quant.hpp), whose views count blocks (row_values gives d);
+/// the shards travel around the ring as stored, and the result is the float kernel's over the
+/// decoded values.
 /// Every rank must pass the same sharding (with P = the size of comm), B, heads, widths, storage
 /// types, rule and parameters, and the same choice of lse; any rank's bad input throws
 /// std::invalid_argument on every rank (the agreement of communicator.hpp) before a byte of
@@ -517,8 +516,8 @@ Traffic ring_attention(MPI_Comm comm, const SequenceSharding& sharding, const He
   const HeadsView<const TK> ck(k);
   const HeadsView<const TV> cv(v);
   detail::agree(comm, me, op,
-                detail::ring_agreement<TQ, TK, TV, TO>(sharding, q.shape(), k.shape(), v.dim(),
-                                                       !lse.empty(), positions, params),
+                detail::ring_agreement<TQ, TK, TV, TO>(
+                    sharding, q.shape(), k.shape(), row_values(v), !lse.empty(), positions, params),
                 [&] {
                   detail::check_ring_inputs(me, sharding, cq, ck, cv, positions, params, out, lse,
                                             op);
@@ -527,8 +526,8 @@ Traffic ring_attention(MPI_Comm comm, const SequenceSharding& sharding, const He
   const int p = me.size;
   const RingPlan plan = ring_plan(sharding, positions);
   std::array<detail::KvShard<TK, TV>, 2> shards = detail::ring_shards(sharding, ck, cv);
-  detail::RunningRows<C> run =
-      detail::running_rows<C>({q.batch(), q.heads(), sharding.local_length(me.rank), 1}, v.dim());
+  detail::RunningRows<C> run = detail::running_rows<C>(
+      {q.batch(), q.heads(), sharding.local_length(me.rank), 1}, row_values(v));
   SdpaParams part_params = params;
   part_params.sinks.clear();  // the sink joins once, at the end
 
