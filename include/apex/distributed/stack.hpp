@@ -20,7 +20,11 @@
 // (every position, not only the window: positions are dealt to ranks, and a rank keeps what it
 // was dealt); global layers the decompressed K_final (d_h + d_r) and V (d_h) of H_kv heads, not
 // the latent rows, so the naive MLA path is the one run here. ShardedStackCache::bytes() is
-// this rank's share. Batch 1: one sequence.
+// this rank's share. Batch 1: one sequence. The caches store any K/V format (Storage of
+// make_sharded_cache: a storage type, or q8_0, q4_0 or fp8 blocks, every head width then whole
+// blocks): the prefill stores each layer's K and V first, and its ring attends to and sends
+// the stored rows, so that every token is attended to with the values the cache keeps of it, in
+// the prefill as when decoding (as the single-process stack does).
 #pragma once
 
 #include <apex/attention_layer.hpp>
@@ -150,8 +154,10 @@ void put_rows(const HeadsView<const Scalar>& from, HeadsTensor<Scalar>& to, Inde
 }  // namespace detail
 
 /// The sharded caches of `stack` on every rank of comm (collective): one ShardedKvCache per layer
-/// of capacity_per_rank positions, decoded tokens dealt in blocks of decode_block. Throws on
-/// every rank as ShardedKvCache's constructor does. Allocates every layer's K and V.
+/// of capacity_per_rank positions storing Storage (Scalar by default; any K/V format),
+/// decoded tokens dealt in blocks of decode_block. Throws on every rank as ShardedKvCache's
+/// constructor does (a layer's head width that is not whole blocks of Storage's format).
+/// Allocates every layer's K and V.
 template <class Storage = void, class Scalar, class Weight>
 auto make_sharded_cache(MPI_Comm comm, const AttentionStack<Scalar, Weight>& stack,
                         Index capacity_per_rank, Index decode_block = 64) {
@@ -279,14 +285,17 @@ RowMatrix<Scalar> context_parallel_prefill(MPI_Comm comm,
     HeadsTensor<Scalar> k({1, heads.num_kv_heads, rows, heads.qk_dim});
     HeadsTensor<Scalar> v({1, heads.num_kv_heads, rows, heads.v_dim});
     const SdpaParams attention = detail::project_local_rows(stack, l, normed, chunks, q, k, v);
+    // K and V stored first (rounded or quantized once), so that the ring attends to and sends
+    // what the cache keeps of the prompt, as decoding will read it.
+    ShardedKvCache<Scalar, Storage>& kv = layers[static_cast<std::size_t>(l)];
+    kv.load_prompt(sharding, k.view(), v.view());
     RowMatrix<Scalar> concat(rows, heads.num_q_heads * heads.v_dim);
     const Traffic t = ring_attention(
-        comm, sharding, q.view(), k.view(), v.view(), stack.mask_for_layer(l, prefix).positions,
+        comm, sharding, q.view(), kv.keys(), kv.values(), stack.mask_for_layer(l, prefix).positions,
         attention,
         HeadsView<Scalar>::token_major(concat.data(), {1, heads.num_q_heads, rows, heads.v_dim}));
     if (traffic != nullptr) *traffic += t;
     detail::output_projection<Scalar, Weight>(layer, concat, attended);
-    layers[static_cast<std::size_t>(l)].load_prompt(sharding, k.view(), v.view());
   });
   detail::ShardedStackCacheAccess::set_prefix(cache, prefix);
   detail::ShardedStackCacheAccess::advance(cache, sharding.length());
