@@ -4,8 +4,9 @@
 // token by token against its caches (sliding-window rings on the local layers, c_kv + K_rope on
 // the global ones). Prints the decoding speed, the cache memory by layer kind, and the speed-up
 // over recomputing the whole sequence at every step, which it also checks gives the same logits;
-// then decodes the same tokens with caches, and then caches and weights, in half and bfloat16
-// and prints their speed, their bytes and how far their logits are from the float run's.
+// then decodes the same tokens with caches in half, bfloat16, q8_0, q4_0 and fp8 e4m3, and with
+// caches and weights in half and bfloat16, and prints their speed, their bytes and how far their
+// logits are from the float run's.
 #include <apex/apex.hpp>
 
 #ifdef _OPENMP
@@ -53,38 +54,58 @@ void print_padded(const std::string& text, std::size_t width) {
 
 double kib(std::int64_t bytes) { return static_cast<double>(bytes) / 1024.0; }
 
+/// The float run that the other storage types replay: its tokens (the prompt, whose first
+/// `prefix` are bidirectional, then what it generated) and its logits (row t: at position t).
+struct FloatRun {
+  const apex::TokenMatrix& tokens;
+  apex::Index prompt_len;
+  apex::Index prefix;
+  const apex::RowMatrix<float>& logits;
+};
+
 /// What decoding a sequence with caches of one storage type gave.
 struct CachedRun {
   double seconds = 0.0;           ///< decode steps only
   std::int64_t cache_bytes = 0;   ///< what the StackCache owns
   std::int64_t weight_bytes = 0;  ///< what the stack's weights take
-  double worst_difference = 0.0;  ///< largest relative logit difference from `reference`
+  double worst_difference = 0.0;  ///< largest relative logit difference from the float run
 };
 
-/// Prefills tokens [0, prompt_len) and decodes the rest of `tokens` one at a time (teacher-forced:
-/// the tokens are given) with caches that store Storage; compares each step's logits with row t
-/// of `reference` (the float run's logits at position t).
+/// Prefills the float run's prompt and decodes the rest of its tokens one at a time
+/// (teacher-forced: the tokens are given, so that every step can be compared) with caches that
+/// store Storage, comparing each step's logits with the float run's at that position.
 template <class Storage, class Weight>
-CachedRun decode_with(const apex::AttentionStack<float, Weight>& stack,
-                      const apex::TokenMatrix& tokens, apex::Index prompt_len, apex::Index prefix,
-                      const apex::RowMatrix<float>& reference) {
-  const apex::Index total = tokens.cols();
+CachedRun decode_with(const apex::AttentionStack<float, Weight>& stack, const FloatRun& floats) {
+  const apex::Index total = floats.tokens.cols();
   auto cache = stack.template make_cache<Storage>(1, total);
   apex::DecodeOptions last_only;
   last_only.logits = apex::LogitRows::kLast;
-  stack.prefill(tokens.leftCols(prompt_len), prefix, last_only, cache);
+  stack.prefill(floats.tokens.leftCols(floats.prompt_len), floats.prefix, last_only, cache);
   CachedRun run;
-  for (apex::Index t = prompt_len; t < total; ++t) {
+  for (apex::Index t = floats.prompt_len; t < total; ++t) {
     const auto start = Clock::now();
-    const apex::RowMatrix<float> logits = stack.decode_step({tokens(0, t)}, last_only, cache);
+    const apex::RowMatrix<float> logits =
+        stack.decode_step({floats.tokens(0, t)}, last_only, cache);
     run.seconds += seconds_since(start);
-    const double difference = (logits.row(0) - reference.row(t)).cwiseAbs().maxCoeff() /
-                              reference.row(t).cwiseAbs().maxCoeff();
+    const auto reference = floats.logits.row(t);
+    const double difference =
+        (logits.row(0) - reference).cwiseAbs().maxCoeff() / reference.cwiseAbs().maxCoeff();
     run.worst_difference = std::max(run.worst_difference, difference);
   }
   run.cache_bytes = cache.bytes();
   run.weight_bytes = stack.weight_bytes();
   return run;
+}
+
+/// Decodes the float run's tokens with caches of Storage and prints the row of the table.
+template <class Storage, class Weight>
+void print_row(const char* caches, const char* weights,
+               const apex::AttentionStack<float, Weight>& stack, const FloatRun& floats) {
+  const CachedRun run = decode_with<Storage>(stack, floats);
+  const apex::Index steps = floats.tokens.cols() - floats.prompt_len;
+  std::printf("  %-10s %-10s %8.0f %10.1f %11.1f %26.2e\n", caches, weights,
+              static_cast<double>(steps) / run.seconds, kib(run.cache_bytes), kib(run.weight_bytes),
+              run.worst_difference);
 }
 
 int run() {
@@ -202,29 +223,25 @@ int run() {
   std::printf("Largest relative difference between cached and recomputed logits: %.2e\n",
               worst_difference);
 
-  // The same tokens decoded with 16-bit caches, then 16-bit caches and weights (float
-  // arithmetic throughout).
-  std::printf("\nCaches and weights in 16 bits (the same %lld tokens, one thread):\n",
-              static_cast<long long>(new_tokens));
+  // The same tokens decoded with 16-, 8- and 4-bit caches, then 16-bit caches and weights
+  // (float arithmetic throughout). The fp8 blocks hold 32 values: d_r = 32 is one block.
+  std::printf(
+      "\nCaches in 16, 8 and 4 bits, and weights in 16 bits (the same %lld tokens, one "
+      "thread):\n",
+      static_cast<long long>(new_tokens));
   std::printf("  %-10s %-10s %8s %10s %11s %26s\n", "caches", "weights", "tokens/s", "cache KiB",
               "weight KiB", "largest logit difference");
   std::printf("  %-10s %-10s %8.0f %10.1f %11.1f %26s\n", "float", "float",
               static_cast<double>(new_tokens) / decode_seconds, kib(cache.bytes()),
               kib(stack.weight_bytes()), "-");
-  const auto report = [&](const char* caches, const char* weights, const CachedRun& run) {
-    std::printf("  %-10s %-10s %8.0f %10.1f %11.1f %26.2e\n", caches, weights,
-                static_cast<double>(new_tokens) / run.seconds, kib(run.cache_bytes),
-                kib(run.weight_bytes), run.worst_difference);
-  };
-  report("half", "float", decode_with<Eigen::half>(stack, tokens, prompt_len, prefix, step_logits));
-  report("bfloat16", "float",
-         decode_with<Eigen::bfloat16>(stack, tokens, prompt_len, prefix, step_logits));
-  report("half", "half",
-         decode_with<Eigen::half>(stack.with_weights<Eigen::half>(), tokens, prompt_len, prefix,
-                                  step_logits));
-  report("bfloat16", "bfloat16",
-         decode_with<Eigen::bfloat16>(stack.with_weights<Eigen::bfloat16>(), tokens, prompt_len,
-                                      prefix, step_logits));
+  const FloatRun floats{tokens, prompt_len, prefix, step_logits};
+  print_row<Eigen::half>("half", "float", stack, floats);
+  print_row<Eigen::bfloat16>("bfloat16", "float", stack, floats);
+  print_row<apex::BlockQ8_0>("q8_0", "float", stack, floats);
+  print_row<apex::BlockQ4_0>("q4_0", "float", stack, floats);
+  print_row<apex::BlockFp8E4m3<32>>("fp8 e4m3", "float", stack, floats);
+  print_row<Eigen::half>("half", "half", stack.with_weights<Eigen::half>(), floats);
+  print_row<Eigen::bfloat16>("bfloat16", "bfloat16", stack.with_weights<Eigen::bfloat16>(), floats);
 
   // The summary of §7.4 / §8.3 / §9.4 / §10.3 for APEX-1 Large (FP16, 128K, d_r = 64 assumed).
   apex::CacheComparisonParams large;
