@@ -140,9 +140,41 @@ std::vector<float> widened(const std::vector<T>& x) {
   return out;
 }
 
+/// q · k as the streaming scores (dots) form it with vectors of L lanes, written out in scalar
+/// float: two accumulators over alternating chunks of L values (fused multiply-adds; the lanes
+/// past d of a last, masked chunk multiply zeros), added lane by lane, then summed across lanes
+/// in pairs (l, l + L/2), (l, l + L/4), ..., (l, l + 1).
+float modelled_dot(const float* q, const float* k, Index d, Index lanes) {
+  std::vector<float> even(static_cast<std::size_t>(lanes)), odd(even);
+  const auto chunk = [&](std::vector<float>& acc, Index c) {
+    for (Index l = 0; l < lanes; ++l) {
+      const bool in = c + l < d;
+      acc[static_cast<std::size_t>(l)] =
+          std::fma(in ? q[c + l] : 0.0f, in ? k[c + l] : 0.0f, acc[static_cast<std::size_t>(l)]);
+    }
+  };
+  Index c = 0;
+  for (; c + 2 * lanes <= d; c += 2 * lanes) {
+    chunk(even, c);
+    chunk(odd, c + lanes);
+  }
+  if (c + lanes <= d) {
+    chunk(even, c);
+    c += lanes;
+  }
+  if (c < d) chunk(odd, c);
+  std::vector<float> v(even.size());
+  for (std::size_t l = 0; l < v.size(); ++l) v[l] = even[l] + odd[l];
+  for (std::size_t width = v.size() / 2; width >= 1; width /= 2) {
+    for (std::size_t l = 0; l < width; ++l) v[l] = v[l] + v[l + width];
+  }
+  return v[0];
+}
+
 /// The streaming products on rows stored as T: gemm with a 16-bit b (the values of a decoding
-/// step) and dots (its scores), against the double loops on the widened values, and the same
-/// bits for a row whatever the rows beside it.
+/// step) and dots (its scores), against the double loops on the widened values and, for the
+/// scores, bit for bit against their order of operations written out (modelled_dot), and the
+/// same bits for a row whatever the rows beside it.
 template <class T>
 void check_streaming_products(const char* type) {
   for (const KernelIsa isa : levels()) {
@@ -172,6 +204,11 @@ void check_streaming_products(const char* type) {
             }
             ASSERT_LE(std::abs(s.data()[i * n + j] - dot), double(d + 1) * kEps * size)
                 << type << " " << apex::to_string(isa) << " dots rows " << rows << " d " << d;
+            const float modelled = modelled_dot(q.data() + i * d, keys_f.data() + j * stride, d,
+                                                isa == KernelIsa::kAvx2 ? 8 : 16);
+            ASSERT_EQ(std::memcmp(&modelled, s.data() + i * n + j, sizeof modelled), 0)
+                << type << " " << apex::to_string(isa) << " dots rows " << rows << " d " << d
+                << " key " << j << ": " << s.data()[i * n + j] << " vs " << modelled;
           }
           for (Index c = 0; c < d; ++c) {
             double sum = acc0.data()[i * d + c], size = std::abs(sum);

@@ -282,6 +282,26 @@ inline float reduce_add(V v) {
   const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
+// reduce_add for kLanes vectors at once, in two steps: pair_sums(v[2i], v[2i + 1]) as the keys
+// of a group come, then reduce_pairs over the kLanes / 2 results; lane j of the result is
+// reduce_add(v[j]), formed with the same pairs of lanes ((l, l + 4), then (l, l + 2), then
+// (l, l + 1)), so the same bits.
+/// The first step for two vectors: [x's lanes l + (l + 4) | y's], l < 4.
+inline V pair_sums(V x, V y) {
+  return add(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+/// The rest, over the pair_sums p[0, 4) of v[0, 8): lane j = reduce_add(v[j]).
+inline V reduce_pairs(const V* p) {
+  V b[2];
+  for (int i = 0; i < 2; ++i) {
+    b[i] = add(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+               _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const V sums = add(_mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                     _mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // sums holds v[0], v[2], v[4], v[6], v[1], v[3], v[5], v[7]'s: put them in order.
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 inline V load(const Bf16Bits* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
@@ -401,6 +421,35 @@ inline float reduce_add(V v) {
   return simd_avx2::reduce_add(_mm256_add_ps(_mm512_maskz_extractf32x8_ps(0xFF, v, 0),
                                              _mm512_maskz_extractf32x8_ps(0xFF, v, 1)));
 }
+/// Two 128-bit blocks of x, then two of y, as kPick selects them (_mm512_shuffle_f32x4).
+template <int kPick>
+inline V blocks(V x, V y) {
+  return _mm512_maskz_shuffle_f32x4(kAll, x, y, kPick);
+}
+// reduce_add for kLanes vectors at once, as AVX2's pair_sums and reduce_pairs: the same pairs of
+// lanes, (l, l + 8), (l, l + 4), (l, l + 2), then (l, l + 1), so the same bits.
+/// The first step for two vectors: [x's lanes l + (l + 8) | y's], l < 8.
+inline V pair_sums(V x, V y) {
+  return add(blocks<_MM_SHUFFLE(1, 0, 1, 0)>(x, y), blocks<_MM_SHUFFLE(3, 2, 3, 2)>(x, y));
+}
+/// The rest, over the pair_sums p[0, 8) of v[0, 16): lane j = reduce_add(v[j]).
+inline V reduce_pairs(const V* p) {
+  V b[4];
+  for (int i = 0; i < 4; ++i) {
+    b[i] = add(blocks<_MM_SHUFFLE(2, 0, 2, 0)>(p[2 * i], p[2 * i + 1]),
+               blocks<_MM_SHUFFLE(3, 1, 3, 1)>(p[2 * i], p[2 * i + 1]));
+  }
+  V c[2];
+  for (int i = 0; i < 2; ++i) {
+    c[i] = add(_mm512_maskz_shuffle_ps(kAll, b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+               _mm512_maskz_shuffle_ps(kAll, b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const V sums = add(_mm512_maskz_shuffle_ps(kAll, c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                     _mm512_maskz_shuffle_ps(kAll, c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // sums holds v[0], v[4], v[8], v[12], v[1], v[5], ...'s (a 4 × 4 transpose): put them in order.
+  return _mm512_maskz_permutexvar_ps(
+      kAll, _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
 inline float reduce_max(V v) {
   return simd_avx2::reduce_max(_mm256_max_ps(_mm512_maskz_extractf32x8_ps(0xFF, v, 0),
                                              _mm512_maskz_extractf32x8_ps(0xFF, v, 1)));
@@ -461,9 +510,11 @@ using simd_avx512::mask_or;
 using simd_avx512::max;
 using simd_avx512::mul;
 using simd_avx512::no_lanes;
+using simd_avx512::pair_sums;
 using simd_avx512::pow2;
 using simd_avx512::reduce_add;
 using simd_avx512::reduce_max;
+using simd_avx512::reduce_pairs;
 using simd_avx512::round_nearest;
 using simd_avx512::select;
 using simd_avx512::set1;

@@ -231,11 +231,12 @@ void stream_update(float* acc, Index ld_acc, const float* p, Index ld_p, Index r
   }
 }
 
-/// s(i, 0) = q_i · key for R query rows q (row i at q + i·d), one key row of d elements widened
-/// in registers: two vector accumulators over alternating chunks of d (the last chunk masked),
-/// added, then summed across lanes; the same operations for every row, whatever R.
+/// sums[i] = the vector whose lanes add up to q_i · key, for R query rows q (row i at
+/// q + i·d) and one key row of d elements widened in registers: two vector accumulators over
+/// alternating chunks of d (the last chunk masked), added; the same operations for every row,
+/// whatever R.
 template <int R, class P>
-APEX_ALWAYS_INLINE void dot_rows(float* s, Index ld_s, const float* q, Index d, P key) {
+APEX_ALWAYS_INLINE void dot_sums(V* sums, const float* q, Index d, P key) {
   V even[R];
   V odd[R];
 #pragma GCC unroll 4
@@ -263,22 +264,49 @@ APEX_ALWAYS_INLINE void dot_rows(float* s, Index ld_s, const float* q, Index d, 
     for (int i = 0; i < R; ++i) odd[i] = fmadd(load(q + i * d + c, lanes), k1, odd[i]);
   }
 #pragma GCC unroll 4
-  for (int i = 0; i < R; ++i) s[i * ld_s] = reduce_add(add(even[i], odd[i]));
+  for (int i = 0; i < R; ++i) sums[i] = add(even[i], odd[i]);
+}
+
+/// s(i, j) = q_i · k_j for R query rows and m <= kLanes key rows (row j at k + j·k_stride),
+/// stored at s + i·ld_s + j: each pair of keys' sums (dot_sums) folded once (pair_sums) as they
+/// come, then summed across lanes for all m keys at once (reduce_pairs). Each score is
+/// reduce_add's sum of its own lanes: its bits do not depend on the keys beside it.
+template <int R, class P>
+void dot_keys(float* s, Index ld_s, const float* q, Index d, P k, Index k_stride, Index m) {
+  constexpr Index kPairs = kLanes / 2;
+  V pairs[R * kPairs];
+  for (Index j = 0; j < kLanes; j += 2) {
+    V first[R], second[R];
+    for (int i = 0; i < R; ++i) first[i] = second[i] = zero();
+    if (j < m) dot_sums<R>(first, q, d, k + j * k_stride);
+    if (j + 1 < m) dot_sums<R>(second, q, d, k + (j + 1) * k_stride);
+    for (int i = 0; i < R; ++i) pairs[i * kPairs + j / 2] = pair_sums(first[i], second[i]);
+  }
+  for (int i = 0; i < R; ++i) {
+    const V total = reduce_pairs(pairs + i * kPairs);
+    if (m == kLanes) {
+      store(s + i * ld_s, total);
+    } else {
+      store(s + i * ld_s, total, first_lanes(m));
+    }
+  }
 }
 
 /// s(r, j) = q_r · k_j for `rows` query rows q (contiguous, rows × d) and n key rows (row j at
 /// k + j·k_stride): the streaming product of the scores (a few rows, bound by reading the keys).
-/// Each key row is read once, in memory order, widened in registers, and used at once by four
-/// query rows (dot_rows); 16-bit and block rows are prefetched 16 rows ahead (prefetch_values).
-/// k as stream_update's v. Allocates nothing.
+/// Groups of kLanes keys, each read in memory order, widened in registers, used by four query
+/// rows at a time and summed across lanes together (dot_keys); 16-bit and block rows are
+/// prefetched 16 rows ahead (prefetch_values). k as stream_update's v. Allocates nothing.
 template <class P>
 void dots(float* s, Index ld_s, const float* q, Index rows, P k, Index k_stride, Index n, Index d) {
-  for (Index j = 0; j < n; ++j) {
-    const P key = k + j * k_stride;
-    prefetch_values(key + 16 * k_stride, d);
+  for (Index j0 = 0; j0 < n; j0 += kLanes) {
+    const Index m = std::min(kLanes, n - j0);
+    const P keys = k + j0 * k_stride;
+    for (Index j = 16; j < 16 + m; ++j) prefetch_values(keys + j * k_stride, d);
     Index r = 0;
-    for (; r + 4 <= rows; r += 4) dot_rows<4>(s + r * ld_s + j, ld_s, q + r * d, d, key);
-    for (; r < rows; ++r) dot_rows<1>(s + r * ld_s + j, ld_s, q + r * d, d, key);
+    for (; r + 4 <= rows; r += 4)
+      dot_keys<4>(s + r * ld_s + j0, ld_s, q + r * d, d, keys, k_stride, m);
+    for (; r < rows; ++r) dot_keys<1>(s + r * ld_s + j0, ld_s, q + r * d, d, keys, k_stride, m);
   }
 }
 
