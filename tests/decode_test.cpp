@@ -464,6 +464,16 @@ TEST(Decode, MlaNaiveAndAbsorbedMatchForwardOneTokenAtATime) {
   }
 }
 
+/// max over rows r of max |a_r − b_r| / max |b_r|: the largest normwise row difference.
+double largest_normwise_difference(const RowMatrix<float>& a, const RowMatrix<float>& b) {
+  double worst = 0.0;
+  for (Index r = 0; r < b.rows(); ++r) {
+    worst = std::max(worst, static_cast<double>((a.row(r) - b.row(r)).cwiseAbs().maxCoeff() /
+                                                b.row(r).cwiseAbs().maxCoeff()));
+  }
+  return worst;
+}
+
 // A 16-bit latent cache: naive and absorbed decoding read the same rounded c_kv and K_rope, so
 // they agree as closely as on a float cache (kAbsorbedMla), and both stay within the bound of
 // rounding c_kv and K_rope of the forward pass: the largest normwise row difference,
@@ -494,12 +504,7 @@ TYPED_TEST(Decode16Bit, MlaNaiveAndAbsorbedReadTheSameRoundedLatents) {
       });
   expect_rows_close(decoded, naive, apex::testing::Tolerances<float>::kAbsorbedMla,
                     "absorbed against naive, 16-bit cache");
-  double worst = 0.0;
-  for (Index r = 0; r < exact.rows(); ++r) {
-    worst =
-        std::max(worst, static_cast<double>((naive.row(r) - exact.row(r)).cwiseAbs().maxCoeff() /
-                                            exact.row(r).cwiseAbs().maxCoeff()));
-  }
+  const double worst = largest_normwise_difference(naive, exact);
   std::cout << "largest normwise row difference of MLA on a 16-bit cache: " << worst << "\n";
   EXPECT_LE(worst, bound);
   EXPECT_GT(worst, 0.0);
@@ -539,12 +544,7 @@ TEST(Decode, MlaNaiveAndAbsorbedReadTheSameFlashMlaRows) {
       });
   expect_rows_close(decoded, naive, apex::testing::Tolerances<float>::kAbsorbedMla,
                     "absorbed against naive, FlashMLA rows");
-  double worst = 0.0;
-  for (Index r = 0; r < exact.rows(); ++r) {
-    worst =
-        std::max(worst, static_cast<double>((naive.row(r) - exact.row(r)).cwiseAbs().maxCoeff() /
-                                            exact.row(r).cwiseAbs().maxCoeff()));
-  }
+  const double worst = largest_normwise_difference(naive, exact);
   std::cout << "largest normwise row difference of MLA on FlashMLA rows: " << worst << "\n";
   EXPECT_LE(worst, 2.6e-1);
   EXPECT_GT(worst, 0.0);

@@ -18,31 +18,14 @@
 #include <random>
 
 #include "test_util.hpp"
+#include "whole_block_stack.hpp"
 
 namespace {
 
 using apex::Index;
 
-/// A small stack whose head widths are whole blocks of 32: layers 0-4 and 6 local (GQA, W = 64),
-/// layer 5 global (MLA with one shared K_rope head).
-apex::StackConfig whole_block_config() {
-  apex::StackConfig c;
-  c.vocab_size = 50;
-  c.d_model = 64;
-  c.num_layers = 7;
-  c.window = 64;
-  c.local = apex::GqaConfig{64, 4, 2, 32};
-  c.global.d_model = 64;
-  c.global.d_q = 32;
-  c.global.d_kv = 64;
-  c.global.num_q_heads = 4;
-  c.global.num_kv_heads = 2;
-  c.global.head_dim = 32;
-  c.global.rope_dim = 32;
-  c.global.num_rope_key_heads = 1;
-  c.max_positions = 1024;
-  return c;
-}
+/// The stack of whole_block_stack.hpp: layers 0-4 and 6 local (W = 64), layer 5 global.
+apex::StackConfig whole_block_config() { return apex::testing::whole_block_config(7, 6, 64, 1024); }
 
 /// The largest normwise logit difference of a row over a prompt of 9 tokens and 991 decoded
 /// ones, with every cache in F against float caches (2 sequences).

@@ -13,6 +13,7 @@
 #include "mpi_test_util.hpp"
 #include "test_util.hpp"
 #include "tolerances.hpp"
+#include "whole_block_stack.hpp"
 
 #include <apex/cached_attention.hpp>
 #include <apex/distributed/ring_attention.hpp>
@@ -282,27 +283,8 @@ TYPED_TEST(QuantizedShards, RingAttentionSendsBlocksAndAttendsOverTheirValues) {
 // The distributed stack
 // ---------------------------------------------------------------------------------------------
 
-/// A small stack whose head widths are whole blocks of 32: layers 0, 1 local (GQA, W = 8),
-/// layer 2 global (MLA: K_final 32 + 32 wide, V 32).
-apex::StackConfig whole_block_config() {
-  apex::StackConfig c;
-  c.vocab_size = 50;
-  c.d_model = 64;
-  c.num_layers = 3;
-  c.global_every = 3;
-  c.window = 8;
-  c.local = apex::GqaConfig{64, 4, 2, 32};
-  c.global.d_model = 64;
-  c.global.d_q = 32;
-  c.global.d_kv = 64;
-  c.global.num_q_heads = 4;
-  c.global.num_kv_heads = 2;
-  c.global.head_dim = 32;
-  c.global.rope_dim = 32;
-  c.global.num_rope_key_heads = 1;
-  c.max_positions = 64;
-  return c;
-}
+/// The stack of whole_block_stack.hpp: layers 0, 1 local (W = 8), layer 2 global.
+apex::StackConfig whole_block_config() { return apex::testing::whole_block_config(3, 3, 8, 64); }
 
 constexpr Index kStackPrompt = 23, kStackSteps = 5, kStackPrefix = 4;
 
