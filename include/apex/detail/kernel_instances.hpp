@@ -6,20 +6,26 @@
 // APEX_KERNEL_INSTANCES(X) calls X(TQ, TKV, TB, TO) for each: queries TQ, keys and values TKV,
 // bias TB, outputs TO, no user rules. They are what sdpa, sdpa_varlen, the window and paged
 // caches and the layers run for float and double models, with float, double, half and bfloat16
-// caches. Any other combination (user rules, mixed key and value types) is compiled where it is
-// used, as without the macro.
+// caches, and for float models with q8_0, q4_0 and fp8 caches (fp8 in blocks of the default
+// 128 values). Any other combination (user rules, mixed key and value types, other fp8 block
+// sizes) is compiled where it is used, as without the macro. The kernels' row tables that these
+// read are compiled once as well (APEX_ROW_TABLE_ELEMENTS, simd_kernels.hpp).
 #pragma once
 
 #include <apex/detail/flash_attention.hpp>
 
 // NOLINTBEGIN(cppcoreguidelines-macro-usage): an X-macro list, the one place it is spelled
-#define APEX_KERNEL_INSTANCES(X)                        \
-  X(float, float, float, float)                         \
-  X(double, double, double, double)                     \
-  X(float, Eigen::half, float, float)                   \
-  X(float, Eigen::bfloat16, float, float)               \
-  X(Eigen::half, Eigen::half, Eigen::half, Eigen::half) \
-  X(Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16)
+#define APEX_KERNEL_INSTANCES(X)                                        \
+  X(float, float, float, float)                                         \
+  X(double, double, double, double)                                     \
+  X(float, Eigen::half, float, float)                                   \
+  X(float, Eigen::bfloat16, float, float)                               \
+  X(Eigen::half, Eigen::half, Eigen::half, Eigen::half)                 \
+  X(Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16) \
+  X(float, apex::BlockQ8_0, float, float)                               \
+  X(float, apex::BlockQ4_0, float, float)                               \
+  X(float, apex::BlockFp8E4m3<>, float, float)                          \
+  X(float, apex::BlockFp8E5m2<>, float, float)
 
 // `extern template` (a declaration) or `template` (the definition) of one instance.
 #define APEX_KERNEL_INSTANCE(KIND, TQ, TKV, TB, TO)                                            \

@@ -81,6 +81,17 @@ using SimdElement = std::conditional_t<
         std::conditional_t<std::is_same_v<T, Eigen::bfloat16>, Bf16Bits,
                            std::conditional_t<std::is_same_v<T, Eigen::half>, HalfBits, void>>>>;
 
+// NOLINTBEGIN(cppcoreguidelines-macro-usage): X-macro lists, each spelled once
+/// The row elements whose kernel tables (each level's row_table<E>, with every kernel they point
+/// to) apex::precompiled_kernels compiles once (apex/precompiled_kernels.hpp; the attention
+/// problems it compiles are in kernel_instances.hpp): float, the 16-bit formats, and the block
+/// formats with their default block sizes. APEX_ROW_TABLE_ELEMENTS(X) calls X(E) for each.
+#define APEX_ROW_TABLE_ELEMENTS(X) \
+  X(float) X(HalfBits) X(Bf16Bits) X(BlockQ8_0) X(BlockQ4_0) X(BlockFp8E4m3<>) X(BlockFp8E5m2<>)
+#define APEX_ROW_TABLE_DECLARE(E) extern template const RowKernels<E>& row_table<E>();
+#define APEX_ROW_TABLE_DEFINE(E) template const RowKernels<E>& row_table<E>();
+// NOLINTEND(cppcoreguidelines-macro-usage)
+
 /// The values of a run of blocks of a quantized format, as the streaming kernels read a row of
 /// them: value v is value v mod kValues of block v / kValues, and p + n is n values on (the way
 /// a pointer to a row of scalars moves). A load of a vector of values at p dequantizes them in
@@ -657,6 +668,21 @@ inline void pack_values(Bf16Pair* packed, const float* v, Index ld_v, Index n, I
   }
 }
 
+#if defined(APEX_PRECOMPILED_KERNELS)
+// The bfloat16 gemm is compiled once, in apex::precompiled_kernels (as the row tables are).
+// NOLINTBEGIN(cppcoreguidelines-macro-usage)
+#define APEX_BF16_GEMM_INSTANCE(KIND)                                                             \
+  KIND template void gemm<Bf16Pair, Bf16Pair>(float*, Index, const Bf16Pair*, Index,              \
+                                              const Bf16Pair*, Index, Index, Index, Index, Index, \
+                                              bool, const float*);
+// NOLINTEND(cppcoreguidelines-macro-usage)
+APEX_BF16_GEMM_INSTANCE(extern)
+#if defined(APEX_INSTANTIATE_KERNELS)
+APEX_BF16_GEMM_INSTANCE()
+#endif
+#undef APEX_BF16_GEMM_INSTANCE
+#endif
+
 /// This level's bfloat16 kernels, as a table (simd_kernels.hpp's float_kernels).
 inline const Bf16Kernels& bf16_table() {
   static const Bf16Kernels table{
@@ -817,6 +843,9 @@ APEX_KERNEL_TARGET_POP()
 
 // NOLINTEND
 
+#undef APEX_ROW_TABLE_DEFINE
+#undef APEX_ROW_TABLE_DECLARE
+#undef APEX_ROW_TABLE_ELEMENTS
 #undef APEX_KERNEL_TARGET_POP
 #undef APEX_KERNEL_TARGET_PUSH
 #undef APEX_KERNEL_PRAGMA

@@ -416,6 +416,16 @@ const RowKernels<E>& row_table() {
   }
 }
 
+// The row tables of APEX_ROW_TABLE_ELEMENTS (simd_kernels.hpp) are compiled once, in
+// apex::precompiled_kernels: declared here, defined in its translation unit. The bfloat16 level
+// reads rows through AVX-512's tables and has none of its own.
+#if defined(APEX_PRECOMPILED_KERNELS) && !defined(APEX_SIMD_LOADS_OF_AVX512)
+APEX_ROW_TABLE_ELEMENTS(APEX_ROW_TABLE_DECLARE)
+#if defined(APEX_INSTANTIATE_KERNELS)
+APEX_ROW_TABLE_ELEMENTS(APEX_ROW_TABLE_DEFINE)
+#endif
+#endif
+
 /// This level's float kernels, as a table (simd_kernels.hpp's float_kernels).
 inline const FloatKernels& float_table() {
   static const FloatKernels table{
