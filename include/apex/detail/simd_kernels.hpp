@@ -357,7 +357,7 @@ inline V block_scale(const BlockQ4_0& b) { return half_scale(b.d); }
 /// The values of the 8 fp8 codes of kind K at p.
 template <Fp8Kind K>
 V fp8_lanes(const std::uint8_t* p) {
-  return fp8_values<K>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  return fp8_values<K>(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 template <Fp8Kind K, int B>
 V block_codes(const BlockFp8<K, B>& b, Index at) {
@@ -486,9 +486,9 @@ inline V block_codes(const BlockQ4_0& b, Index at) {
 inline V block_scale(const BlockQ4_0& b) { return half_scale(b.d); }
 template <Fp8Kind K, int B>
 V block_codes(const BlockFp8<K, B>& b, Index at) {
-  const std::uint8_t* code = b.code + at;
-  return _mm512_insertf32x8(_mm512_castps256_ps512(simd_avx2::fp8_lanes<K>(code)),
-                            simd_avx2::fp8_lanes<K>(code + 8), 1);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.code + at));
+  const V value = _mm512_maskz_cvtph_ps(kAll, fp8_halves<K>(_mm256_cvtepu8_epi16(bytes)));
+  return K == Fp8Kind::kE4m3 ? mul(value, set1(fp8_half_unit<K>())) : value;
 }
 template <Fp8Kind K, int B>
 V block_scale(const BlockFp8<K, B>& b) {

@@ -8,10 +8,11 @@
 //   q8_0, q4_0   code · d: the integer code converted exactly, times the half scale widened
 //                exactly; the product is exact in float (at most 8 + 11 significant bits);
 //   fp8          the code's value (exact) times the float scale, rounded once.
-// An fp8 code is decoded with integer operations into the bits of its float value (a normal
-// code's exponent re-biased, a subnormal one's mantissa converted and scaled by its unit, the
-// sign put back, NaN and e5m2's ±inf selected by compare): no subnormal float is formed, so a
-// program that flushes them to zero decodes alike.
+// An fp8 code is decoded through an IEEE half (fp8_halves: its fields moved into a half's
+// places with integer operations, then F16C's exact conversion): e5m2 is the upper byte of a half,
+// and e4m3's fields in a half's places read as its value times 2^-8 (fp8_half_unit). Every fp8
+// value, subnormal codes included, is a normal float, and so is every half they become: no
+// subnormal float is formed, so a program that flushes them to zero decodes alike.
 // The functions are templates over the block types (their fields d and q, or scale and code),
 // defined in kv_quant.hpp, which calls them. Nothing here allocates.
 #pragma once
@@ -74,33 +75,37 @@ APEX_WIDEN_TARGET void widen_q4_0_avx2(const Block* src, float* dst, Index count
   }
 }
 
-/// The values of 8 fp8 codes of kind K (zero-extended to 32-bit lanes), exactly (header).
+/// The IEEE half bits of 16 fp8 codes of kind K (bytes zero-extended to 16-bit lanes): e5m2's
+/// sign, exponent and mantissa are a half's upper byte (the same bias, ±inf and NaN alike), so its
+/// half has the code's value; e4m3's moved into a half's places (exponent bias 7 against 15) give
+/// the code's value times 2^-8, normal and subnormal codes alike, and its NaN (magnitude 0x7f,
+/// which would read 1.875) is made a half NaN.
 template <Fp8Kind K>
-APEX_WIDEN_TARGET __m256 fp8_values(__m256i code) {
-  constexpr int kMantissa = K == Fp8Kind::kE4m3 ? 3 : 2;
-  constexpr int kBias = K == Fp8Kind::kE4m3 ? 7 : 15;
-  constexpr float kUnit = K == Fp8Kind::kE4m3 ? 0x1p-9f : 0x1p-16f;  // of a subnormal code
-  const __m256i magnitude = _mm256_and_si256(code, _mm256_set1_epi32(0x7f));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(0x80)), 24);
-  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(magnitude, 23 - kMantissa),
-                                          _mm256_set1_epi32((127 - kBias) << 23));
-  const __m256 subnormal =
-      _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(kUnit));  // exact
-  const __m256i is_subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << kMantissa), magnitude);
-  __m256 value =
-      _mm256_blendv_ps(_mm256_castsi256_ps(normal), subnormal, _mm256_castsi256_ps(is_subnormal));
-  const __m256 nan = _mm256_set1_ps(__builtin_nanf(""));
-  if constexpr (K == Fp8Kind::kE4m3) {
-    const __m256i is_nan = _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7f));
-    value = _mm256_blendv_ps(value, nan, _mm256_castsi256_ps(is_nan));
+APEX_WIDEN_TARGET __m256i fp8_halves(__m256i code) {
+  if constexpr (K == Fp8Kind::kE5m2) {
+    return _mm256_slli_epi16(code, 8);
   } else {
-    const __m256i is_special = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7b));
-    const __m256i is_inf = _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7c));
-    const __m256 special =
-        _mm256_blendv_ps(nan, _mm256_set1_ps(__builtin_inff()), _mm256_castsi256_ps(is_inf));
-    value = _mm256_blendv_ps(value, special, _mm256_castsi256_ps(is_special));
+    const __m256i shifted = _mm256_slli_epi16(code, 7);  // the sign on bit 14, a half's is 15
+    const __m256i half =
+        _mm256_add_epi16(shifted, _mm256_and_si256(shifted, _mm256_set1_epi16(0x4000)));
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(half, _mm256_set1_epi16(0x7fff)),
+                                           _mm256_set1_epi16(0x3f80));
+    return _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
   }
-  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
+}
+
+/// The factor from the half of fp8_halves to the code's value: 2^8 for e4m3, 1 for e5m2.
+template <Fp8Kind K>
+constexpr float fp8_half_unit() {
+  return K == Fp8Kind::kE4m3 ? 0x1p8f : 1.0f;
+}
+
+/// The values of the fp8 codes of kind K in the 8 low bytes of `bytes`, exactly.
+template <Fp8Kind K>
+APEX_WIDEN_TARGET __m256 fp8_values(__m128i bytes) {
+  const __m256i half = fp8_halves<K>(_mm256_cvtepu8_epi16(bytes));
+  const __m256 value = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+  return K == Fp8Kind::kE4m3 ? _mm256_mul_ps(value, _mm256_set1_ps(fp8_half_unit<K>())) : value;
 }
 
 /// dst[0, n) = the values of n fp8 codes of kind K times `scale` (n a multiple of 8).
@@ -110,7 +115,7 @@ APEX_WIDEN_TARGET void widen_fp8_codes_avx2(const std::uint8_t* code, float scal
   const __m256 s = _mm256_set1_ps(scale);
   for (Index j = 0; j < n; j += 8) {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(code + j));
-    _mm256_storeu_ps(dst + j, _mm256_mul_ps(fp8_values<K>(_mm256_cvtepu8_epi32(bytes)), s));
+    _mm256_storeu_ps(dst + j, _mm256_mul_ps(fp8_values<K>(bytes), s));
   }
 }
 
