@@ -240,6 +240,41 @@ TEST(SimdKernels, StreamingProductsReadFloatBfloat16AndHalfRows) {
   check_streaming_products<Eigen::half>("half");
 }
 
+/// Every fp8 code of kind K through each level's streaming scores, which decode the codes in
+/// registers: key j is a block of 128 copies of code j (scale 0.5) and the query is 1/128 in every
+/// lane, so that score j is exactly value(j)·0.5 (128 equal terms of at most 4 significant bits
+/// sum without rounding), NaN for a NaN code and ±inf for e5m2's infinities.
+template <apex::Fp8Kind K>
+void check_every_fp8_code(const char* kind) {
+  using Block = apex::BlockFp8<K>;
+  constexpr Index kCodes = 256, kValues = Block::kValues;
+  std::vector<Block> keys(kCodes);
+  for (Index j = 0; j < kCodes; ++j) {
+    Block& key = keys[static_cast<std::size_t>(j)];
+    key.scale = 0.5f;
+    std::fill(std::begin(key.code), std::end(key.code), static_cast<std::uint8_t>(j));
+  }
+  const std::vector<float> q(kValues, 1.0f / kValues);
+  for (const KernelIsa isa : levels()) {
+    const auto& kernels = apex::detail::float_kernels(isa)->rows<Block>();
+    std::vector<float> s(kCodes);
+    kernels.dots(s.data(), kCodes, q.data(), 1, keys.data(), 1, kCodes, kValues);
+    for (Index j = 0; j < kCodes; ++j) {
+      const float expected = apex::fp8_decode<K>(static_cast<std::uint8_t>(j)) * 0.5f;
+      const float got = s[static_cast<std::size_t>(j)];
+      ASSERT_TRUE(got == expected || (std::isnan(got) && std::isnan(expected)))
+          << kind << " " << apex::to_string(isa) << " code " << j << ": " << got << " vs "
+          << expected;
+    }
+  }
+}
+
+TEST(SimdKernels, StreamingScoresDecodeEveryFp8Code) {
+  if (levels().empty()) GTEST_SKIP() << "this CPU runs neither AVX2 nor AVX-512 kernels";
+  check_every_fp8_code<apex::Fp8Kind::kE4m3>("e4m3");
+  check_every_fp8_code<apex::Fp8Kind::kE5m2>("e5m2");
+}
+
 TEST(SimdKernels, GemmScalesEachRowAsScalingFirstWould) {
   if (levels().empty()) GTEST_SKIP() << "this CPU runs neither AVX2 nor AVX-512 kernels";
   for (const KernelIsa isa : levels()) {
