@@ -296,7 +296,9 @@ std::pair<std::size_t, long> stated_tile(bool streaming, Index d) {
         std::is_same_v<C, float> ? apex::detail::float_kernels() : nullptr;
     if (simd != nullptr) {
       scalars += (bk + simd->panel - 1) / simd->panel * simd->panel * d;  // kKPacked
-      buffers += 1;
+      // kQPacked: Qsᵀ of the keys-major scores, d·pad(min(M, max(panel, d − 1)))
+      scalars += d * ((std::min(m, std::max(simd->panel, d - 1)) + 15) / 16 * 16);
+      buffers += 2;
     } else if (apex::detail::TileGemm<C>::kPacks) {
       scalars += m * d + bk * d + m * bk + bk * d;  // kQPacked, kKPacked, kPPacked, kVPacked
       buffers += 4;

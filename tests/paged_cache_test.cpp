@@ -313,24 +313,29 @@ TEST(PagedLatentCache, AttentionEqualsContiguousRows) {
   const SequenceId b = cache.fork(a);
   cache.append(a, rows.bottomRows(100));
   cache.append(b, rows.bottomRows(5));
-  const Index q_heads = 4;
-  Heads<float> q(1, q_heads, 2, width), out(1, q_heads, 2, d_kv);
-  q.randomize(rng);
-  apex::sdpa_paged(q.view(), {0, 1, 2}, cache, {a, b}, {apex::causal_mask()}, apex::SdpaParams{},
-                   out.view());
-  for (const auto& [id, n, row] :
-       {std::tuple{a, Index(300), Index(0)}, std::tuple{b, Index(205), Index(1)}}) {
-    RowMatrix<float> held(n, width);
-    held << rows.topRows(200), (id == a ? rows.bottomRows(100) : rows.bottomRows(5));
-    const auto k = apex::HeadsView<const float>(held.data(), {1, 1, n, width}, {0, 0, width});
-    const auto v = apex::HeadsView<const float>(held.data(), {1, 1, n, d_kv}, {0, 0, width});
-    Heads<float> one(1, q_heads, 1, d_kv);
-    apex::sdpa(q.view().middle_rows(row, 1), k, v,
-               apex::AttentionMask<float>{apex::causal_mask(), {}, {}}, apex::SdpaParams{},
-               one.view());
-    for (Index h = 0; h < q_heads; ++h) {
-      SCOPED_TRACE("sequence " + std::to_string(id.value));
-      expect_paged_equals_contiguous(out.view().head(0, h).row(row), one.view().head(0, h).row(0));
+  // 4 query heads stream the rows; 16 take the GEMM path keys-major, 40 in panels (both read
+  // each block of rows once for keys and values).
+  for (const Index q_heads : {Index{4}, Index{16}, Index{40}}) {
+    Heads<float> q(1, q_heads, 2, width), out(1, q_heads, 2, d_kv);
+    q.randomize(rng);
+    apex::sdpa_paged(q.view(), {0, 1, 2}, cache, {a, b}, {apex::causal_mask()}, apex::SdpaParams{},
+                     out.view());
+    for (const auto& [id, n, row] :
+         {std::tuple{a, Index(300), Index(0)}, std::tuple{b, Index(205), Index(1)}}) {
+      RowMatrix<float> held(n, width);
+      held << rows.topRows(200), (id == a ? rows.bottomRows(100) : rows.bottomRows(5));
+      const auto k = apex::HeadsView<const float>(held.data(), {1, 1, n, width}, {0, 0, width});
+      const auto v = apex::HeadsView<const float>(held.data(), {1, 1, n, d_kv}, {0, 0, width});
+      Heads<float> one(1, q_heads, 1, d_kv);
+      apex::sdpa(q.view().middle_rows(row, 1), k, v,
+                 apex::AttentionMask<float>{apex::causal_mask(), {}, {}}, apex::SdpaParams{},
+                 one.view());
+      for (Index h = 0; h < q_heads; ++h) {
+        SCOPED_TRACE("sequence " + std::to_string(id.value) + ", " + std::to_string(q_heads) +
+                     " query heads");
+        expect_paged_equals_contiguous(out.view().head(0, h).row(row),
+                                       one.view().head(0, h).row(0));
+      }
     }
   }
 }

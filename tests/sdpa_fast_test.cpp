@@ -21,6 +21,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -547,6 +548,12 @@ TYPED_TEST(SdpaFast, ThreadCountDoesNotChangeResults) {
       {"prefill", {1, 8, 2, 300, 300, 64, 64}, causal(), Dense::kNone, 0.0, Layout::kContiguous},
       {"one_task", {1, 4, 1, 40, 500, 64, 64}, causal(), Dense::kNone, 0.0, Layout::kContiguous},
       {"decode", {1, 8, 2, 1, 5000, 64, 64}, causal(), Dense::kNone, 0.0, Layout::kContiguous},
+      {"decode_keys_major",
+       {1, 16, 1, 1, 5000, 192, 64},
+       causal(),
+       Dense::kNone,
+       0.0,
+       Layout::kContiguous},
   };
   for (const Case& c : runs) {
     Problem<Scalar> p(c.shape, c.layout, 11, Values::kNormal);
@@ -564,6 +571,115 @@ TYPED_TEST(SdpaFast, ThreadCountDoesNotChangeResults) {
         << c.name;
   }
 #endif
+}
+
+// ---- tiles of few rows, and values inside the keys ----------------------------------------------
+// A GEMM-path tile of at most one panel of rows computes its scores keys-major on apex's float
+// kernels (tile_products.hpp, KEYS-MAJOR SCORES), and values that are the first columns of the
+// key rows are read from the key block that the scores read (VALUES INSIDE THE KEYS). Neither
+// may change a bit: each score and each output is the same chain of multiply-adds as on the
+// panel path, and the same values are read.
+
+/// out and lse of the fast kernel in float over K and V stored as T, with `blocking`.
+template <class T>
+std::pair<apex::HeadsTensor<float>, apex::HeadsTensor<float>> fast_float(
+    const apex::HeadsTensor<float>& q, const HeadsView<const T>& k, const HeadsView<const T>& v,
+    const apex::AttentionMask<float>& mask, const apex::SdpaParams& params,
+    const apex::detail::FlashBlocking& blocking) {
+  apex::HeadsTensor<float> out({q.batch(), q.heads(), q.seq(), v.dim()});
+  apex::HeadsTensor<float> lse({q.batch(), q.heads(), q.seq(), 1});
+  apex::detail::flash_sdpa<float, T, T, float, float>(q.view(), k, v, mask, params, out.view(),
+                                                      lse.view(), {}, blocking);
+  return {std::move(out), std::move(lse)};
+}
+
+/// Elements of a tensor.
+Index elements(const apex::HeadsTensor<float>& t) {
+  return t.batch() * t.heads() * t.seq() * t.dim();
+}
+
+/// Whether two results hold the same bits.
+void expect_same_bits(const apex::HeadsTensor<float>& a, const apex::HeadsTensor<float>& b,
+                      const std::string& what) {
+  ASSERT_EQ(elements(a), elements(b)) << what;
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), sizeof(float) * std::size_t(elements(a))), 0) << what;
+}
+
+/// Tiles of 16 and of 10 rows (keys-major: apex's float kernels have panels of 16 or 32 rows)
+/// against tiles of 48 and 40 rows (the panel path) of the same problem: the same bits, for
+/// float and half K/V (read in place and widened), under a window, soft-capping and a causal
+/// diagonal that cut key blocks, d_qk = 80 and d_v = 48.
+template <class T>
+void expect_keys_major_bits(std::uint32_t seed) {
+  struct Tiles {
+    Index q_heads, kv_heads, s_q, few_rows;
+  };
+  for (const Tiles& t : {Tiles{16, 1, 3, 16}, Tiles{2, 2, 40, 10}}) {
+    const Index s_k = 300, d_qk = 80, d_v = 48;
+    const auto q = apex::testing::random_heads<float>(1, t.q_heads, t.s_q, d_qk, seed, -2.0, 2.0);
+    const auto k = apex::testing::random_heads<T>(1, t.kv_heads, s_k, d_qk, seed + 1, -2.0, 2.0);
+    const auto v = apex::testing::random_heads<T>(1, t.kv_heads, s_k, d_v, seed + 2);
+    apex::AttentionMask<float> mask;
+    mask.positions = apex::sliding_window_mask(100);
+    apex::SdpaParams params;
+    params.softcap = 2.0;
+    apex::detail::FlashBlocking few;
+    few.stacked_rows = t.few_rows;  // G·Bq = few_rows
+    const auto [out_few, lse_few] = fast_float<T>(q, k.view(), v.view(), mask, params, few);
+    const auto [out_many, lse_many] = fast_float<T>(q, k.view(), v.view(), mask, params, {});
+    const std::string what = std::to_string(t.q_heads) +
+                             " query heads, S_q = " + std::to_string(t.s_q) + ", " +
+                             apex::testing::ScalarName::GetName<T>(0);
+    expect_same_bits(out_few, out_many, "out, " + what);
+    expect_same_bits(lse_few, lse_many, "lse, " + what);
+  }
+}
+
+TEST(SdpaFastTiles, KeysMajorTilesKeepThePanelPathsBits) {
+  const apex::detail::FloatKernels* simd = apex::detail::float_kernels();
+  if (simd == nullptr) GTEST_SKIP() << "keys-major scores run on apex's float kernels only";
+  ASSERT_GE(simd->panel, 16);  // a tile of 16 rows is keys-major
+  ASSERT_LE(simd->panel, 32);  // a tile of 40 rows is not
+  expect_keys_major_bits<float>(31);
+  expect_keys_major_bits<Eigen::half>(32);
+}
+
+/// Absorbed MLA's shape: keys are whole rows [c_kv ‖ K_rope], values the first d_kv columns of
+/// the same rows. Read once for both products, they give the bits of values stored apart, on
+/// every path (streaming: 4 rows; keys-major: 16; panels: 16·3 rows; keys split in chunks at
+/// S_q = 1), for float and half rows; and a key that no query may see keeps its NaN to itself.
+template <class T>
+void expect_values_inside_keys_bits(std::uint32_t seed) {
+  const Index s_k = 1100, d_kv = 48, width = 64;
+  apex::HeadsTensor<T> rows = apex::testing::random_heads<T>(1, 1, s_k, width, seed);
+  rows.data()[(s_k - 3) * width + 5] = T(std::numeric_limits<float>::quiet_NaN());
+  apex::HeadsTensor<T> apart({1, 1, s_k, d_kv});
+  for (Index j = 0; j < s_k; ++j) {
+    std::copy_n(rows.data() + j * width, d_kv, apart.data() + j * d_kv);
+  }
+  const HeadsView<const T> keys = rows.view();
+  const HeadsView<const T> inside(rows.data(), {1, 1, s_k, d_kv}, {0, 0, width});
+  for (const auto& [q_heads, s_q] : {std::pair{Index{4}, Index{1}}, std::pair{Index{16}, Index{1}},
+                                     std::pair{Index{16}, Index{3}}}) {
+    const auto q = apex::testing::random_heads<float>(1, q_heads, s_q, width, seed + 1);
+    apex::AttentionMask<float> mask;  // the last 3 keys lie in every query's future
+    mask.positions = apex::causal_mask();
+    mask.positions.query_offset = s_k - 3 - s_q;
+    const auto [out_in, lse_in] = fast_float<T>(q, keys, inside, mask, {}, {});
+    const auto [out_apart, lse_apart] = fast_float<T>(q, keys, apart.view(), mask, {}, {});
+    const std::string what = std::to_string(q_heads) +
+                             " query heads, S_q = " + std::to_string(s_q) + ", " +
+                             apex::testing::ScalarName::GetName<T>(0);
+    expect_same_bits(out_in, out_apart, "out, " + what);
+    expect_same_bits(lse_in, lse_apart, "lse, " + what);
+    EXPECT_TRUE(Eigen::Map<const Eigen::ArrayXf>(out_in.data(), elements(out_in)).allFinite())
+        << what;
+  }
+}
+
+TEST(SdpaFastTiles, ValuesInsideTheKeysKeepTheirBits) {
+  expect_values_inside_keys_bits<float>(41);
+  expect_values_inside_keys_bits<Eigen::half>(42);
 }
 
 // ---- errors -------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@
 //   score       S = Qs·K_jᵀ                       K_j read through kv_read.hpp
 //   mask        the score terms (score_terms.hpp), forbidden keys → -inf
 //   softmax     m, l and P = exp(S − m) per row    softmax_update (online_softmax.hpp)
-//   accumulate  acc = diag(α)·acc + P·V_j          V_j read through kv_read.hpp
+//   accumulate  acc = diag(α)·acc + P·V_j          V_j read through kv_read.hpp (or, where the
+//                                                  values are the keys' first columns, the
+//                                                  key block the scores read: absorbed MLA)
 // and finish_row() ends each row with softmax_finish: out = acc / l, lse = m + log l (with the
 // sink, which joins there once: THE SINK in online_softmax.hpp). Q is widened and scaled once
 // per task (load_queries).
@@ -81,7 +83,7 @@ class AttentionTile {
                 bool streaming, const FlashBlocking& blocking)
       : p_(p),
         terms_(p),
-        path_(tile_path<C>(p, streaming)),
+        path_(tile_path<C>(p, streaming, p.group * bq)),
         b_(b),
         kv_head_(kv_head),
         q0_(q0),
@@ -174,7 +176,7 @@ class AttentionTile {
                   });
       });
     } else {
-      products().scores(k_head, keys.row, keys.n);
+      key_rows_ = products().scores(k_head, keys.row, keys.n);
     }
     if constexpr (std::is_same_v<C, float>) {
       if (masked && !non_finite_score_) {
@@ -233,8 +235,10 @@ class AttentionTile {
     const auto v_head = value_head(*keys.segment, b_, kv_head_);
     if (!path_.streaming) {
       const C* scale = rescale_ ? buf_.alpha : nullptr;
+      const bool inside =
+          values_lead_keys(key_head(*keys.segment, b_, kv_head_), v_head, keys.row, keys.n);
       products().read_values(
-          v_head, keys.row, keys.n, scale,
+          v_head, keys.row, keys.n, scale, inside ? key_rows_ : ConstRows<C>{nullptr, 0},
           [&](const auto& v, const auto& update) { add_values(v, 0, keys.n, hidden, update); });
       return;
     }
@@ -294,6 +298,7 @@ class AttentionTile {
   ScoreTerms<C, P> terms_;
   TilePath path_;
   bool rescale_ = false;  // some α of the last softmax is not 1 and acc is not rescaled yet
+  ConstRows<C> key_rows_{nullptr, 0};  // the GEMM path's block of keys as C, where scores kept it
   bool non_finite_score_ = false;
   Index b_, kv_head_, q0_, bq_;
   TileBuffers<C> buf_;  // in the thread's scratch (tile_scratch.hpp)

@@ -17,7 +17,11 @@
 //               kernels, for the 16-bit formats and most block formats too; on Eigen's where
 //               the build targets AVX, for the 16-bit formats), else a panel of kStreamPanel
 //               rows widened by load_rows just before it is used;
-//   stored_rows rows as they are stored (the bfloat16 products pack them directly).
+//   stored_rows rows as they are stored (the bfloat16 products pack them directly);
+//   rows_as     rows as C, in place where they are stored as C (the GEMM path's keys-major
+//               scores read them so), else widened by load_rows.
+// Where a problem's values are the first columns of its keys' rows (values_lead_keys: absorbed
+// MLA), the GEMM path reads each key block once, as C, for both products.
 // The streaming products themselves (streamed_scores, streamed_update) pick apex's float kernels
 // or Eigen's for the row type they are given.
 //
@@ -157,6 +161,38 @@ ConstRows<T> stored_rows(const SegmentHead<T>& head, Index row, Index n, T* buff
     done += m;
   }
   return {buffer, cols};
+}
+
+/// Rows [row, row + n) of one head as rows of C: in place where they are stored as C in one run,
+/// else copied (stored_rows) or widened (load_rows) into `buffer` (n rows of the head's values).
+template <class C, class T>
+ConstRows<C> rows_as(const SegmentHead<T>& head, Index row, Index n, C* buffer) {
+  if constexpr (std::is_same_v<T, C>) {
+    return stored_rows(head, row, n, buffer);
+  } else {
+    load_rows(head, row, n, buffer);
+    return {buffer, head.cols() * KvFormat<T>::kValuesPerElement};
+  }
+}
+
+/// Whether rows [row, row + n) of the value head v are, row for row, the first columns of the
+/// same rows of the key head k (the same memory): MLA's values c_kv inside its keys
+/// [c_kv ‖ K_rope] (mla_absorbed.hpp), which a tile then reads once for both products.
+template <class TK, class TV>
+bool values_lead_keys(const SegmentHead<TK>& k, const SegmentHead<TV>& v, Index row, Index n) {
+  if constexpr (!std::is_same_v<TK, TV>) {
+    return false;
+  } else {
+    if (v.cols() > k.cols()) return false;
+    for (Index done = 0; done < n;) {
+      const Index at = row + done;
+      const Index m = std::min(n - done, k.run(at));
+      const ConstRows<TK> keys = k.rows(at), values = v.rows(at);
+      if (v.run(at) < m || keys.data != values.data || keys.stride != values.stride) return false;
+      done += m;
+    }
+    return true;
+  }
 }
 
 /// Whether the streaming products read rows of T in place for compute type C: Eigen's when

@@ -56,7 +56,8 @@ namespace apex::detail {
 /// partials never share a slot, as both live on the calling thread.
 enum class ScratchSlot : int {
   kQStacked,  ///< M·d_qk: Qs, the stacked query rows
-  kQPacked,   ///< M·d_qk: Qs packed for Eigen's products; bf16: M·⌈d_qk/2⌉ pairs
+  kQPacked,   ///< M·d_qk: Qs packed for Eigen's products; apex's float: Qsᵀ, <= M·d_qk;
+              ///< bf16: M·⌈d_qk/2⌉ pairs
   kKCopy,     ///< Bk·d_qk: K_j copied (GEMM), 32·d_qk if widened (streaming)
   kKPacked,   ///< Bk·d_qk (Eigen's), ⌈Bk/panel⌉·panel·d_qk (apex's float), bf16: in pairs
   kScores,    ///< M·pad(Bk): S, then P

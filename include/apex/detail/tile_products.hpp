@@ -20,6 +20,20 @@
 // product over threads (its thread-dependent blocking would make results depend on the number of
 // threads). Each K_j, V_j block is first copied to contiguous scratch: a sequential read the
 // prefetcher follows, whereas packing straight from DRAM waits on every cache line.
+//
+// KEYS-MAJOR SCORES. Transposing K_j into panels moves Bk·d_qk values a block, which a tile of
+// few rows (the query heads of absorbed MLA or of a wide GQA group decoding a token or a few)
+// cannot repay: each key then meets only M rows. On apex's float kernels a tile of M <= one panel
+// (32 rows on AVX-512, 16 on AVX2) or M < d_qk rows computes Sᵀ = K_j·Qsᵀ instead: K_j's rows
+// are gemm's a, read as they are stored where they are float (rows_as), Qsᵀ, transposed once per
+// task, is its b, in panels of M's columns, and Sᵀ [Bk × M], which is then transposed into S,
+// moves Bk·M values. Each score is the same chain of multiply-adds over d_qk as on the other
+// kernels (a multiply-add's product commutes exactly), so the results keep their bits.
+//
+// VALUES INSIDE THE KEYS. Where the value rows are the first columns of the key rows
+// (values_lead_keys, kv_read.hpp: absorbed MLA reads c_kv inside [c_kv ‖ K_rope]), the block's
+// keys as float rows, which the scores read (scores() returns them), are P·V_j's b as well: the
+// block is read or widened once for both products.
 #pragma once
 
 #include <apex/config.hpp>
@@ -49,6 +63,8 @@ class TileProducts {
     if (path_.simd == nullptr) {
       TileGemm<C>::pack_queries(buf_.q_packed, buf_.q_stacked, buf_.rows, buf_.d_qk);
     }
+    if (path_.keys_major)
+      transpose(buf_.q_t, buf_.ld_t, buf_.q_stacked, buf_.d_qk, buf_.rows, buf_.d_qk);
     if constexpr (std::is_same_v<C, float>) {
       if (path_.bf16 != nullptr) {
         const Index d = buf_.d_qk;
@@ -59,13 +75,19 @@ class TileProducts {
   }
 
   /// S [rows × n] (ld_s) = Qs·K_jᵀ for the n keys from `row` of k_head: on the bfloat16 dot
-  /// products where allowed (paired_scores), else K_j copied to k_copy (widened) and on apex's
-  /// float kernels (K transposed into their panels) or on Eigen's.
+  /// products where allowed (paired_scores); keys-major (KEYS-MAJOR SCORES); else K_j copied to
+  /// k_copy (widened) and on apex's float kernels (K transposed into their panels) or on
+  /// Eigen's. Returns K_j as the rows of C that apex's float kernels read (in place or in
+  /// k_copy, valid until the next block) for P·V_j to reuse (read_values), else null rows.
   template <class TK>
-  void scores(const SegmentHead<TK>& k_head, Index row, Index n) const {
+  ConstRows<C> scores(const SegmentHead<TK>& k_head, Index row, Index n) const {
     const Index d = buf_.d_qk;
     if constexpr (std::is_same_v<C, float>) {
-      if (path_.bf16 != nullptr) return paired_scores(k_head, row, n);
+      if (path_.bf16 != nullptr) {
+        paired_scores(k_head, row, n);
+        return {nullptr, 0};
+      }
+      if (path_.keys_major) return keys_major_scores(k_head, row, n);
     }
     load_rows<C>(k_head, row, n, buf_.k_copy);
     if constexpr (std::is_same_v<C, float>) {
@@ -73,11 +95,12 @@ class TileProducts {
         simd->pack_transposed(buf_.k_packed, buf_.k_copy, d, n, d);
         simd->f32.gemm(buf_.scores, buf_.ld_s, buf_.q_stacked, d, buf_.k_packed, simd->panel,
                        d * simd->panel, buf_.rows, n, d, false, nullptr);
-        return;
+        return {buf_.k_copy, d};
       }
     }
     TileGemm<C>::scores(buf_.scores, buf_.ld_s, buf_.k_copy, buf_.k_packed, buf_.q_packed,
                         buf_.q_stacked, buf_.rows, n, d);
+    return {nullptr, 0};
   }
 
   /// Row r of P (its n weights) rounded into pairs along the keys for the bfloat16 P·V, while
@@ -102,11 +125,18 @@ class TileProducts {
   }
 
   /// Reads the n values from `row` of v_head as the update reads them and calls f(v, update):
-  /// v their ConstRows (stored bfloat16 rows where the bfloat16 products pack them as they are,
-  /// else widened to C in v_copy), update() the product acc = diag(scale)·acc + P·V of them
-  /// (scale: α, or nullptr where no row needs it).
+  /// v their ConstRows (the first d_v columns of `keys` where those are the same rows read by
+  /// the scores, VALUES INSIDE THE KEYS; stored bfloat16 rows where the bfloat16 products pack
+  /// them as they are; else widened to C in v_copy), update() the product acc = diag(scale)·acc
+  /// + P·V of them (scale: α, or nullptr where no row needs it).
   template <class TV, class F>
-  void read_values(const SegmentHead<TV>& v_head, Index row, Index n, const C* scale, F&& f) const {
+  void read_values(const SegmentHead<TV>& v_head, Index row, Index n, const C* scale,
+                   const ConstRows<C>& keys, F&& f) const {
+    if constexpr (std::is_same_v<C, float>) {
+      if (keys.data != nullptr) {
+        return f(keys, [&] { float_update(keys, n, scale); });
+      }
+    }
     if constexpr (std::is_same_v<C, float> && std::is_same_v<TV, Eigen::bfloat16>) {
       if (path_.bf16 != nullptr) {  // packed from the stored rows
         const ConstRows<TV> v = stored_rows(v_head, row, n, stored_copy<TV>(buf_.v_copy));
@@ -149,15 +179,39 @@ class TileProducts {
         path_.bf16->pack_values(buf_.v_pairs, buf_.v_copy, d_v, n, d_v);
         return paired_update(n, scale);
       }
-      if (const FloatKernels* simd = path_.simd; simd != nullptr) {
-        simd->f32.gemm(buf_.acc, buf_.ld_acc, buf_.scores, buf_.ld_s, buf_.v_copy, d_v, simd->panel,
-                       buf_.rows, d_v, n, true, scale);
-        return;
-      }
+      if (path_.simd != nullptr) return float_update({buf_.v_copy, d_v}, n, scale);
     }
     if (scale != nullptr) scale_acc();
     TileGemm<C>::update(buf_.acc, buf_.ld_acc, buf_.scores, buf_.ld_s, buf_.p_packed, buf_.v_copy,
                         buf_.v_packed, buf_.rows, n, d_v);
+  }
+
+  /// acc = diag(scale)·acc + P·V on apex's float kernels, V's n rows (the first d_v columns of
+  /// each) in v, read as they are.
+  void float_update(const ConstRows<float>& v, Index n, const float* scale) const {
+    const FloatKernels& simd = *path_.simd;
+    simd.f32.gemm(buf_.acc, buf_.ld_acc, buf_.scores, buf_.ld_s, v.data, v.stride, simd.panel,
+                  buf_.rows, buf_.d_v, n, true, scale);
+  }
+
+  /// KEYS-MAJOR SCORES: Sᵀ [n × rows] = K_j·Qsᵀ on apex's float kernels, K_j's rows read as
+  /// float (in place where stored so, else widened into k_copy), then transposed into S.
+  /// Returns those rows.
+  template <class TK>
+  ConstRows<float> keys_major_scores(const SegmentHead<TK>& k_head, Index row, Index n) const {
+    const FloatKernels& simd = *path_.simd;
+    const ConstRows<float> k = rows_as(k_head, row, n, buf_.k_copy);
+    simd.f32.gemm(buf_.scores_t, buf_.ld_t, k.data, k.stride, buf_.q_t, buf_.ld_t, simd.panel, n,
+                  buf_.rows, buf_.d_qk, false, nullptr);
+    transpose(buf_.scores, buf_.ld_s, buf_.scores_t, buf_.ld_t, n, buf_.rows);
+    return k;
+  }
+
+  /// dst [cols × rows] (row stride ld_dst) = srcᵀ, src [rows × cols] (row stride ld_src).
+  static void transpose(C* dst, Index ld_dst, const C* src, Index ld_src, Index rows, Index cols) {
+    for (Index i = 0; i < rows; ++i) {
+      for (Index j = 0; j < cols; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
+    }
   }
 
   /// acc = diag(scale)·acc + P·V on the bfloat16 dot products, V_j's n values in v_pairs and

@@ -13,8 +13,10 @@
 //   Streaming path (M = 8, Bk = 512): M·d_qk + 2·M·Bk + M·d_v + 3·M, plus 32·(d_qk + d_v)
 //   when K and V are widened before they are streamed (a panel of kStreamPanel = 32 keys at a time:
 //   a storage type the streaming products do not widen in registers themselves, streams_in_place).
-//   On apex's float kernels the GEMM path needs less: no packed Q, P or V, and the transposed
-//   K is ⌈Bk / panel⌉·panel·d_qk (panel = 16 or 32 keys).
+//   On apex's float kernels the GEMM path needs less: no packed P or V, the transposed K is
+//   ⌈Bk / panel⌉·panel·d_qk (panel = 16 or 32 keys), and the packed Q is Qsᵀ for keys-major
+//   scores, d_qk·pad(min(M, max(panel, d_qk − 1))) (whose Sᵀ, Bk·pad(M), borrows the position
+//   tile).
 //   With bfloat16 products the GEMM path adds, in 32-bit pairs, M·⌈d_qk/2⌉ (Qs), ⌈Bk/32⌉·32·
 //   ⌈d_qk/2⌉ (K_j), M·⌈Bk/2⌉ (P) and ⌈Bk/2⌉·d_v (V_j): no more than the packed buffers of
 //   Eigen's path above. On AMX tiles Bk = amx_key_block = 256: for M = 256, d_qk = d_v = 128
@@ -51,18 +53,37 @@ struct TilePath {
   const FloatKernels* simd;
   /// The GEMM path's products on bfloat16 dot products where a call allows them, else nullptr.
   const Bf16Kernels* bf16;
+  /// The GEMM path's scores computed keys-major (tile_products.hpp, KEYS-MAJOR SCORES): on
+  /// apex's float kernels, without bfloat16 products, for a tile of at most one panel of rows
+  /// or of fewer rows than d_qk.
+  bool keys_major;
   /// Whether the streaming products read K, and V, in place (streams_in_place).
   bool k_in_place, v_in_place;
 };
 
-/// The path of a tile of problem p computing in C: `streaming` as the plan chose, on apex's
-/// float kernels for float, on the bfloat16 ones where p allows them on the GEMM path.
+/// The path of a tile of `rows` stacked rows of problem p computing in C: `streaming` as the
+/// plan chose, on apex's float kernels for float, on the bfloat16 ones where p allows them on
+/// the GEMM path, keys-major where the rows fit one panel of those kernels or are fewer than
+/// d_qk (KEYS-MAJOR SCORES).
 template <class C, class P>
-TilePath tile_path(const P& p, bool streaming) {
+TilePath tile_path(const P& p, bool streaming, Index rows) {
   const FloatKernels* simd = std::is_same_v<C, float> ? float_kernels() : nullptr;
   const Bf16Kernels* bf16 = simd != nullptr && p.bf16_products && !streaming ? simd->bf16 : nullptr;
-  return {streaming, simd, bf16, streams_in_place<C, typename P::Key>(simd),
+  const bool keys_major =
+      simd != nullptr && bf16 == nullptr && !streaming && (rows <= simd->panel || rows < p.d_qk);
+  return {streaming,
+          simd,
+          bf16,
+          keys_major,
+          streams_in_place<C, typename P::Key>(simd),
           streams_in_place<C, typename P::Value>(simd)};
+}
+
+/// The most rows of a keys-major tile of problem p whose tiles have at most m rows, on kernels
+/// whose panels have `panel` columns.
+template <class P>
+Index keys_major_rows(const P& p, Index panel, Index m) {
+  return std::min(m, std::max(panel, p.d_qk - 1));
 }
 
 /// One tile's buffers (MEMORY) and their layout: `rows` stacked query rows, rows of d_qk and
@@ -72,10 +93,12 @@ template <class C>
 struct TileBuffers {
   /// Stacked rows M, and the widths of a query and of a value row.
   Index rows = 0, d_qk = 0, d_v = 0;
-  /// padded(key block), padded(d_v).
-  Index ld_s = 0, ld_acc = 0;
+  /// padded(key block), padded(d_v), padded(M) (keys-major scores).
+  Index ld_s = 0, ld_acc = 0, ld_t = 0;
   C* q_stacked = nullptr;       ///< [M × d_qk]: Qs
   C* q_packed = nullptr;        ///< Qs packed for Eigen's products (TileGemm)
+  C* q_t = nullptr;             ///< [d_qk × ld_t]: Qsᵀ, for the keys-major scores
+  C* scores_t = nullptr;        ///< [Bk × ld_t]: Sᵀ of the keys-major scores (position tile's)
   C* k_copy = nullptr;          ///< K_j copied (GEMM), or a widened panel of it (streaming)
   C* k_packed = nullptr;        ///< K_j packed for apex's float kernels or Eigen's
   Bf16Pair* q_pairs = nullptr;  ///< Qs rounded, for the bfloat16 products
@@ -142,6 +165,8 @@ TileBuffers<C> tile_buffers(const P& p, const TilePath& path, Index rows, Index 
     t.v_pairs = pairs(ScratchSlot::kVPacked, Bf16Kernels::pairs(keys) * p.d_v);
   } else if (gemm && path.simd != nullptr) {
     t.k_packed = get(ScratchSlot::kKPacked, path.simd->packed_size(keys, p.d_qk));
+    // Asked for by every tile of the path, keys-major or not (see the top of this function).
+    t.q_t = get(ScratchSlot::kQPacked, p.d_qk * padded(keys_major_rows(p, path.simd->panel, m)));
   } else if (gemm && TileGemm<C>::kPacks) {
     t.q_packed = get(ScratchSlot::kQPacked, m * p.d_qk);
     t.k_packed = get(ScratchSlot::kKPacked, keys * p.d_qk);
@@ -150,7 +175,11 @@ TileBuffers<C> tile_buffers(const P& p, const TilePath& path, Index rows, Index 
   }
   t.scores = get(ScratchSlot::kScores, m * ld_s);
   t.acc = get(ScratchSlot::kAcc, m * t.ld_acc);
-  t.position_tile = get(ScratchSlot::kPositionTile, m * ld_s);  // Bq <= rows of t.ld_s
+  // Bq <= m rows of ld_s; and Sᵀ of keys-major scores, keys × ld_t (ld_t <= padded(m)), done
+  // with before mask() fills the position tile.
+  t.position_tile = get(ScratchSlot::kPositionTile, (gemm ? padded(m) : m) * ld_s);
+  t.ld_t = padded(rows);
+  if (path.keys_major) t.scores_t = t.position_tile;
   if (p.alibi_slopes != nullptr) t.alibi = get(ScratchSlot::kAlibi, ld_s);
   t.stats = scratch.get<SoftmaxStats<C>>(ScratchSlot::kRowStats, m);
   t.alpha = get(ScratchSlot::kRowScale, m);
