@@ -15,6 +15,14 @@
 //   BM_DecodeStep/local_window  the gqa layer with a SlidingWindowCache of W = 4096 (APEX-1
 //                               Large's window): constant work and memory past W   (§10)
 //
+//   BM_LatentAttention/<shape>  the attention of an absorbed MLA step alone (the sdpa call of
+//                               forward_absorbed: all H_q query heads against the one key/value
+//                               head [c_kv ‖ K_rope] / c_kv of a LatentCache), shape apex1 as
+//                               the layer above (H_q = 16, d_kv = 512, H_kr = 2, d_r = 64) or
+//                               deepseek (H_q = 128, d_kv = 512, one K_rope head of d_r = 64, as
+//                               DeepSeek-V2/V3); GFLOPS counts 2·H_q·(2·d_kv + H_kr·d_r) flops
+//                               per cached token: compare with BM_FmaPeak   (§9)
+//
 // cache_len is the number of cached tokens once the step is done (the step attends to all of
 // them, or to the last W). Counters: cache_bytes is what the cache object owns (exactly
 // cache_len tokens, or W for the ring); GBps is the cached keys and values (or latent rows) the
@@ -38,6 +46,7 @@
 #include <apex/mha.hpp>
 #include <apex/mla.hpp>
 #include <apex/rope.hpp>
+#include <apex/sdpa.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
@@ -204,6 +213,39 @@ void BM_DecodeStep(benchmark::State& state, Kind kind) {
   state.counters["GBps"] = apex::bench::gbps(state, bytes_read);
 }
 
+/// The shapes of BM_LatentAttention: query heads, d_kv, K_rope heads, d_r.
+struct LatentShape {
+  Index heads, latent, rope_heads, rope_dim;
+};
+
+/// One decoding step's latent attention (absorbed queries of width d_kv + H_kr·d_r for every
+/// query head, one token) over cache_len random rows of a LatentCache stored as Format.
+template <class Format>
+void BM_LatentAttention(benchmark::State& state, LatentShape shape) {
+  const Index cache_len = state.range(0);
+  apex::LatentCache<float, Format> cache(
+      {1, shape.latent, shape.rope_heads, shape.rope_dim, cache_len});
+  fill_latent(cache, cache_len);
+  const Index width = cache.row_width();
+  const RowMatrix<float> q = apex::bench::random_matrix<float>(1, shape.heads * width, 10);
+  RowMatrix<float> out(1, shape.heads * shape.latent);
+  const apex::SdpaParams params;  // scale 1/√(d_kv + H_kr·d_r)
+  const auto queries =
+      apex::HeadsView<const float>::token_major(q.data(), {1, shape.heads, 1, width});
+  const auto target =
+      apex::HeadsView<float>::token_major(out.data(), {1, shape.heads, 1, shape.latent});
+  for (auto _ : state) {
+    apex::sdpa(queries, cache.rows(), cache.latent(), apex::AttentionMask<float>{}, params, target);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const double macs_per_token =
+      static_cast<double>(shape.heads * (2 * shape.latent + shape.rope_heads * shape.rope_dim));
+  state.counters["GFLOPS"] =
+      apex::bench::gflops(state, 2.0 * macs_per_token * static_cast<double>(cache_len));
+  state.counters["GBps"] = apex::bench::gbps(state, static_cast<double>(cache.bytes()));
+}
+
 void decode_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"cache_len"})
       ->Arg(1024)
@@ -239,6 +281,23 @@ const bool kRegistered = [] {
     add(std::string(name) + "/q8_0", kind, Eigen::bfloat16{}, apex::BlockQ8_0{});
     add(std::string(name) + "/q4_0", kind, Eigen::bfloat16{}, apex::BlockQ4_0{});
     add(std::string(name) + "/fp8_e4m3", kind, Eigen::bfloat16{}, apex::BlockFp8E4m3<128>{});
+  }
+  const std::pair<const char*, LatentShape> shapes[] = {{"apex1", {kQueryHeads, 512, 2, 64}},
+                                                        {"deepseek", {128, 512, 1, 64}}};
+  for (const auto& [shape_name, latent_shape] : shapes) {
+    const std::string prefix = "BM_LatentAttention/" + std::string(shape_name) + "/";
+    const LatentShape shape = latent_shape;
+    const auto add_latent = [&](const std::string& format, auto stored) {
+      benchmark::RegisterBenchmark(
+          (prefix + format).c_str(),
+          [shape](benchmark::State& state) { BM_LatentAttention<decltype(stored)>(state, shape); })
+          ->ArgNames({"cache_len"})
+          ->Arg(32768)
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+    };
+    add_latent("f32", float{});
+    add_latent("bf16", Eigen::bfloat16{});
   }
   return true;
 }();
