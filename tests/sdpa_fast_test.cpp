@@ -606,16 +606,17 @@ void expect_same_bits(const apex::HeadsTensor<float>& a, const apex::HeadsTensor
 }
 
 /// Tiles of 16 and of 10 rows (keys-major: apex's float kernels have panels of 16 or 32 rows)
-/// against tiles of 48 and 40 rows (the panel path) of the same problem: the same bits, for
-/// float and half K/V (read in place and widened), under a window, soft-capping and a causal
-/// diagonal that cut key blocks, d_qk = 80 and d_v = 48.
+/// against tiles of 48 and 40 rows of the same problem, which take the panel path where d_qk =
+/// 40 and are keys-major too, over two or three panels of rows, where d_qk = 80: the same bits,
+/// for float and half K/V (read in place and widened), under a window, soft-capping and a causal
+/// diagonal that cut key blocks, d_v = 48.
 template <class T>
-void expect_keys_major_bits(std::uint32_t seed) {
+void expect_keys_major_bits(std::uint32_t seed, Index d_qk) {
   struct Tiles {
     Index q_heads, kv_heads, s_q, few_rows;
   };
   for (const Tiles& t : {Tiles{16, 1, 3, 16}, Tiles{2, 2, 40, 10}}) {
-    const Index s_k = 300, d_qk = 80, d_v = 48;
+    const Index s_k = 300, d_v = 48;
     const auto q = apex::testing::random_heads<float>(1, t.q_heads, t.s_q, d_qk, seed, -2.0, 2.0);
     const auto k = apex::testing::random_heads<T>(1, t.kv_heads, s_k, d_qk, seed + 1, -2.0, 2.0);
     const auto v = apex::testing::random_heads<T>(1, t.kv_heads, s_k, d_v, seed + 2);
@@ -627,9 +628,9 @@ void expect_keys_major_bits(std::uint32_t seed) {
     few.stacked_rows = t.few_rows;  // G·Bq = few_rows
     const auto [out_few, lse_few] = fast_float<T>(q, k.view(), v.view(), mask, params, few);
     const auto [out_many, lse_many] = fast_float<T>(q, k.view(), v.view(), mask, params, {});
-    const std::string what = std::to_string(t.q_heads) +
-                             " query heads, S_q = " + std::to_string(t.s_q) + ", " +
-                             apex::testing::ScalarName::GetName<T>(0);
+    const std::string what =
+        std::to_string(t.q_heads) + " query heads, S_q = " + std::to_string(t.s_q) +
+        ", d_qk = " + std::to_string(d_qk) + ", " + apex::testing::ScalarName::GetName<T>(0);
     expect_same_bits(out_few, out_many, "out, " + what);
     expect_same_bits(lse_few, lse_many, "lse, " + what);
   }
@@ -639,15 +640,18 @@ TEST(SdpaFastTiles, KeysMajorTilesKeepThePanelPathsBits) {
   const apex::detail::FloatKernels* simd = apex::detail::float_kernels();
   if (simd == nullptr) GTEST_SKIP() << "keys-major scores run on apex's float kernels only";
   ASSERT_GE(simd->panel, 16);  // a tile of 16 rows is keys-major
-  ASSERT_LE(simd->panel, 32);  // a tile of 40 rows is not
-  expect_keys_major_bits<float>(31);
-  expect_keys_major_bits<Eigen::half>(32);
+  ASSERT_LE(simd->panel, 32);  // a tile of 40 rows is not, unless d_qk > 40
+  for (const Index d_qk : {Index{40}, Index{80}}) {
+    expect_keys_major_bits<float>(31, d_qk);
+    expect_keys_major_bits<Eigen::half>(32, d_qk);
+  }
 }
 
 /// Absorbed MLA's shape: keys are whole rows [c_kv ‖ K_rope], values the first d_kv columns of
 /// the same rows. Read once for both products, they give the bits of values stored apart, on
-/// every path (streaming: 4 rows; keys-major: 16; panels: 16·3 rows; keys split in chunks at
-/// S_q = 1), for float and half rows; and a key that no query may see keeps its NaN to itself.
+/// every path (streaming: 4 rows; keys-major: 16 and 16·3 rows; panels: 16·4 rows, as many as
+/// d_qk; keys split in chunks at S_q = 1), for float and half rows; and a key that no query may
+/// see keeps its NaN to itself.
 template <class T>
 void expect_values_inside_keys_bits(std::uint32_t seed) {
   const Index s_k = 1100, d_kv = 48, width = 64;
@@ -659,8 +663,9 @@ void expect_values_inside_keys_bits(std::uint32_t seed) {
   }
   const HeadsView<const T> keys = rows.view();
   const HeadsView<const T> inside(rows.data(), {1, 1, s_k, d_kv}, {0, 0, width});
-  for (const auto& [q_heads, s_q] : {std::pair{Index{4}, Index{1}}, std::pair{Index{16}, Index{1}},
-                                     std::pair{Index{16}, Index{3}}}) {
+  for (const auto& [q_heads, s_q] :
+       {std::pair{Index{4}, Index{1}}, std::pair{Index{16}, Index{1}},
+        std::pair{Index{16}, Index{3}}, std::pair{Index{16}, Index{4}}}) {
     const auto q = apex::testing::random_heads<float>(1, q_heads, s_q, width, seed + 1);
     apex::AttentionMask<float> mask;  // the last 3 keys lie in every query's future
     mask.positions = apex::causal_mask();
