@@ -8,10 +8,14 @@
 //     each sequence's decoded values stored contiguously; sdpa_block_tables over its pools too;
 //   - a head_dim (d_kv, d_r) that is not whole blocks throws at construction, naming it; a failed
 //     append changes nothing; bytes() counts blocks;
-//   - PagedLatentCache: c_kv and K_rope quantized part by part, absorbed attention over the rows.
+//   - PagedLatentCache: c_kv and K_rope quantized part by part, absorbed attention over the rows;
+//     and FlashMLA's whole fp8 rows, through sdpa_paged and an MLA layer's forward_paged.
+#include <apex/kv_cache.hpp>
 #include <apex/kv_quant.hpp>
 #include <apex/mask.hpp>
+#include <apex/mla.hpp>
 #include <apex/paged_cache.hpp>
+#include <apex/rope.hpp>
 #include <apex/sdpa.hpp>
 
 #include <gtest/gtest.h>
@@ -73,6 +77,19 @@ void expect_paged_equals_contiguous(float paged, float contiguous) {
 #else
   ASSERT_NEAR(paged, contiguous, apex::testing::Tolerances<float>::kAttention);
 #endif
+}
+
+/// Query rows [first, first + n) of every head of a paged call's output `out` against the same
+/// rows computed alone over contiguous keys (`mine`, n rows a head), value by value.
+template <class View>
+void expect_rows_equal_contiguous(const View& out, Index first, const View& mine) {
+  for (Index h = 0; h < mine.heads(); ++h) {
+    for (Index s = 0; s < mine.seq(); ++s) {
+      for (Index c = 0; c < mine.dim(); ++c) {
+        expect_paged_equals_contiguous(out.head(0, h)(first + s, c), mine.head(0, h)(s, c));
+      }
+    }
+  }
 }
 
 /// The decoded K and V a sequence holds, token-major: row (t, h) at (t·H_kv + h)·d.
@@ -192,14 +209,7 @@ void expect_attention_matches(const QuantizedAndDecoded<F>& caches, std::mt19937
                apex::AttentionMask<float>{apex::causal_mask(), {}, {}}, apex::SdpaParams{},
                mine.view());
     SCOPED_TRACE("sequence " + std::to_string(ids[i].value));
-    for (Index h = 0; h < kQHeads; ++h) {
-      for (Index s = 0; s < nq; ++s) {
-        for (Index c = 0; c < d; ++c) {
-          expect_paged_equals_contiguous(out.view().head(0, h)(cu[i] + s, c),
-                                         mine.view().head(0, h)(s, c));
-        }
-      }
-    }
+    expect_rows_equal_contiguous(out.view(), cu[i], mine.view());
   }
 }
 
@@ -375,14 +385,128 @@ TYPED_TEST(PagedQuant, LatentCacheStoresEachPartAndAbsorbedAttentionReadsIt) {
     apex::sdpa(q.view().middle_rows(cu[i], nq), k, v,
                apex::AttentionMask<float>{apex::causal_mask(), {}, {}}, apex::SdpaParams{},
                mine.view());
-    for (Index h = 0; h < kQHeads; ++h) {
-      for (Index s = 0; s < nq; ++s) {
-        for (Index col = 0; col < kLatent; ++col) {
-          expect_paged_equals_contiguous(out.view().head(0, h)(cu[i] + s, col),
-                                         mine.view().head(0, h)(s, col));
+    expect_rows_equal_contiguous(out.view(), cu[i], mine.view());
+  }
+}
+
+// ---- FlashMLA's fp8 latent rows ---------------------------------------------------------------
+using FlashRow = apex::FlashMlaFp8Row<128, 64>;
+
+// Each held row is its row quantized alone (the bytes of quantize_flashmla_row), through a fork
+// and copy on write; attention over them (keys and values the whole rows, value_dim() = 192),
+// for 16 query heads (the keys-major path), equals attention over the same rows in a
+// LatentCache bit for bit; widths that are not the row's throw, naming them.
+TEST(PagedFlashMlaRows, HoldWholeRowsAndAttendAsTheContiguousCache) {
+  constexpr Index kWidth = FlashRow::kValues;
+  apex::PagedLatentCache<float, FlashRow> cache({128, 2, 32, 4, 16});
+  EXPECT_EQ(cache.bytes(), 16 * 4 * static_cast<std::int64_t>(sizeof(FlashRow)));
+  EXPECT_EQ(cache.value_dim(), kWidth);
+  std::mt19937 rng(61);
+  std::map<SequenceId, apex::RowMatrix<float>> shadow;  // the rows appended
+  const auto append = [&](SequenceId id, Index n) {
+    const apex::RowMatrix<float> rows = apex::testing::random_matrix<float>(n, kWidth, rng, -3, 3);
+    cache.append(id, rows);
+    apex::RowMatrix<float>& all = shadow[id];
+    all.conservativeResize(all.rows() + n, kWidth);
+    all.bottomRows(n) = rows;
+  };
+  const SequenceId a = cache.add();
+  append(a, 7);
+  const SequenceId b = cache.fork(a);  // shares a's pages, the last one 3 of 4 full
+  shadow[b] = shadow[a];
+  append(a, 2);
+  append(b, 5);
+  const SequenceId c = cache.add();
+  append(c, 3);
+  for (const auto& [id, rows] : shadow) {
+    const auto segment = cache.segment(id);
+    for (Index t = 0; t < rows.rows(); ++t) {
+      const FlashRow expected = apex::quantize_flashmla_row<128, 64>(rows.row(t).data());
+      ASSERT_EQ(std::memcmp(apex::detail::row_data(segment.k, segment.pages[t / 4], 0, t % 4),
+                            &expected, sizeof expected),
+                0)
+          << "sequence " << id.value << ", token " << t;
+    }
+  }
+  const std::vector<SequenceId> ids{a, b, c};
+  const std::vector<Index> cu{0, 1, 3, 4};
+  constexpr Index kHeads = 16;
+  Heads<float> q(1, kHeads, 4, kWidth), out(1, kHeads, 4, kWidth);
+  q.randomize(rng, apex::testing::Values::kNormal);
+  apex::sdpa_paged(q.view(), cu, cache, ids, {apex::causal_mask()}, apex::SdpaParams{}, out.view());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const apex::RowMatrix<float>& rows = shadow.at(ids[i]);
+    const Index n = rows.rows(), nq = cu[i + 1] - cu[i];
+    apex::LatentCache<float, FlashRow> contiguous({1, 128, 2, 32, n});
+    contiguous.append(rows, 0);
+    Heads<float> mine(1, kHeads, nq, kWidth);
+    apex::sdpa(q.view().middle_rows(cu[i], nq), contiguous.rows(), contiguous.rows(),
+               apex::AttentionMask<float>{apex::causal_mask(), {}, {}}, apex::SdpaParams{},
+               mine.view());
+    expect_rows_equal_contiguous(out.view(), cu[i], mine.view());
+  }
+  apex::testing::expect_invalid(
+      [] {
+        apex::PagedLatentCache<float, FlashRow> bad({256, 2, 32, 4, 16});
+      },
+      "[paged_latent_cache] latent_dim d_kv (256) and H_kr*d_r (64) must be the row format's 128 "
+      "and 64");
+}
+
+// An MLA layer decoding two sequences over FlashMLA rows in pages (forward_paged, the K_rope
+// columns of the attention's output dropped) gives what forward_absorbed gives over a
+// LatentCache of the format, sequence by sequence, within the attention tolerance (the
+// projections of the rows of both sequences run as one product there).
+TEST(PagedFlashMlaRows, MlaForwardPagedEqualsTheContiguousCache) {
+  apex::MlaConfig config;
+  config.d_model = 16;
+  config.d_q = 10;
+  config.d_kv = 128;
+  config.num_q_heads = 4;
+  config.num_kv_heads = 2;
+  config.head_dim = 6;
+  config.rope_dim = 64;
+  config.num_rope_key_heads = 1;
+  const auto layer = apex::MultiHeadLatentAttention<float>::random(config, 62);
+  const auto absorbed = apex::absorb_mla_weights(layer);
+  const apex::RopeTable<float> rope(16, config.rope_dim);
+  const apex::RowMatrix<float> x = apex::testing::random_matrix<float>(14, 16, 63);
+  // Sequence 0 is x's rows [0, 9) in chunks of 6 and 3, sequence 1 rows [9, 14) in 3 and 2.
+  const Index first[2] = {0, 9};
+  const Index chunks[2][2] = {{6, 3}, {3, 2}};
+  apex::PagedLatentCache<float, FlashRow> paged({128, 1, 64, 4, 16});
+  const std::vector<SequenceId> ids{paged.add(), paged.add()};
+  apex::AttentionLayerParams<float> params;
+  params.rope = &rope;
+  apex::RowMatrix<float> paged_out(14, 16);
+  for (Index step = 0, done0 = 0, done1 = 0; step < 2; ++step) {
+    const Index n0 = chunks[0][step], n1 = chunks[1][step];
+    apex::RowMatrix<float> rows(n0 + n1, 16), out(n0 + n1, 16);
+    rows << x.middleRows(first[0] + done0, n0), x.middleRows(first[1] + done1, n1);
+    layer.forward_paged(rows, {0, n0, n0 + n1}, ids, {apex::causal_mask()}, params, absorbed, paged,
+                        out);
+    paged_out.middleRows(first[0] + done0, n0) = out.topRows(n0);
+    paged_out.middleRows(first[1] + done1, n1) = out.bottomRows(n1);
+    done0 += n0;
+    done1 += n1;
+  }
+  for (Index seq = 0; seq < 2; ++seq) {
+    apex::LatentCache<float, FlashRow> cache = layer.make_cache<FlashRow>(1, 9);
+    for (Index step = 0, done = 0; step < 2; ++step) {
+      const Index n = chunks[seq][step];
+      params.position_offset = done;
+      const apex::RowMatrix<float> out = layer.forward_absorbed(
+          x.middleRows(first[seq] + done, n), apex::causal_mask(), params, absorbed, cache);
+      for (Index r = 0; r < n; ++r) {
+        for (Index col = 0; col < 16; ++col) {
+          EXPECT_NEAR(paged_out(first[seq] + done + r, col), out(r, col),
+                      apex::testing::Tolerances<float>::kAttention)
+              << "sequence " << seq << ", token " << done + r << ", column " << col;
         }
       }
+      done += n;
     }
+    params.position_offset = 0;
   }
 }
 

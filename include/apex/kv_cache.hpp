@@ -622,16 +622,7 @@ class LatentCache {
   /// Throws unless c_kv and K_rope are whole elements of Storage each, or, for a whole-row
   /// format, exactly the widths of its row.
   static void check_part_widths(const LatentCacheShape& s) {
-    if constexpr (is_latent_row_format_v<Storage>) {
-      APEX_CHECK(s.latent_dim == Storage::kLatent && s.rope_heads * s.rope_dim == Storage::kRope,
-                 "[latent_cache] latent_dim d_kv ("
-                     << s.latent_dim << ") and H_kr*d_r (" << s.rope_heads * s.rope_dim
-                     << ") must be the row format's " << Storage::kLatent << " and "
-                     << Storage::kRope);
-    } else {
-      detail::check_row_values<Storage>(s.latent_dim, "latent_cache", "latent_dim d_kv");
-      detail::check_row_values<Storage>(s.rope_dim, "latent_cache", "rope_dim d_r");
-    }
+    detail::check_latent_parts<Storage>(s, "latent_cache");
   }
 
   /// Stores one token's c_kv (d_kv values) and K_rope (H_kr·d_r) into `row`: part by part, so

@@ -148,6 +148,22 @@ void check_row_values(Index values, const char* op, const char* name) {
                  << KvFormat<F>::kValuesPerElement << " values of a block of its format");
 }
 
+/// Throws unless the latent rows of `shape` (a LatentCacheShape or PagedLatentCacheShape: d_kv
+/// values, H_kr heads of d_r) are stored by format F: c_kv and each K_rope head whole elements
+/// (no block straddles them), or, for a whole-row format, exactly its d_kv and H_kr·d_r.
+template <class F, class Shape>
+void check_latent_parts(const Shape& shape, const char* op) {
+  if constexpr (is_latent_row_format_v<F>) {
+    const std::int64_t rope = checked_product(shape.rope_heads, shape.rope_dim, op, "H_kr*d_r");
+    APEX_CHECK(shape.latent_dim == F::kLatent && rope == F::kRope,
+               "[" << op << "] latent_dim d_kv (" << shape.latent_dim << ") and H_kr*d_r (" << rope
+                   << ") must be the row format's " << F::kLatent << " and " << F::kRope);
+  } else {
+    check_row_values<F>(shape.latent_dim, op, "latent_dim d_kv");
+    check_row_values<F>(shape.rope_dim, op, "rope_dim d_r");
+  }
+}
+
 }  // namespace detail
 
 }  // namespace apex

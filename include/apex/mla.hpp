@@ -245,7 +245,7 @@ class MultiHeadLatentAttention {
   ///   position, position_offset 0; absorbed: absorb_mla_weights(*this) -> out: [T, d].
   /// Every check runs before the cache or out is written. out may be x itself. Allocates the
   /// projections, the positions, the [T, H_q·(d_kv + H_kr·d_r)] queries and the [T, H_q·d_kv]
-  /// attention output.
+  /// attention output (a whole-row format, FlashMlaFp8Row: see detail::latent_outputs).
   template <class Derived, class Storage>
   void forward_paged(const Eigen::MatrixBase<Derived>& x, const std::vector<Index>& cu_seqlens,
                      const std::vector<SequenceId>& ids, const std::vector<PositionMask>& masks,
@@ -273,10 +273,11 @@ class MultiHeadLatentAttention {
       const Index first = cu_seqlens[i];
       cache.append(ids[i], latent.middleRows(first, cu_seqlens[i + 1] - first));
     }
-    RowMatrix<Scalar> o_latent(rows, h_q * d_kv);
-    sdpa_paged(HeadsView<const Scalar>::token_major(q.data(), {1, h_q, rows, width}), cu_seqlens,
-               cache, ids, masks, attention,
-               HeadsView<Scalar>::token_major(o_latent.data(), {1, h_q, rows, d_kv}));
+    const RowMatrix<Scalar> o_latent = detail::latent_outputs<Scalar>(
+        {1, h_q, rows, width}, d_kv, cache.value_dim(), [&](const HeadsView<Scalar>& o) {
+          sdpa_paged(HeadsView<const Scalar>::token_major(q.data(), {1, h_q, rows, width}),
+                     cu_seqlens, cache, ids, masks, attention, o);
+        });
     detail::absorbed_output(config(), weights_, o_latent, absorbed, out);
   }
 

@@ -243,31 +243,47 @@ void absorbed_output(const MlaConfig& c, const MlaWeights<Weight>& w,
   matmul<Scalar>(concat, w.w_o, out);
 }
 
+/// o_latent [B*n, H_q·d_kv] (token-major) of an attention whose values are `value_dim` wide,
+/// which attend(out) writes to the token-major view `out` [B, H_q, n, value_dim]: directly where
+/// value_dim = d_kv, else (a whole-row format, whose values are the whole rows: no view of c_kv
+/// alone) into a [B*n, H_q·value_dim] buffer first, of which each head's first d_kv columns are
+/// kept. A whole-row format costs H_kr·d_r / d_kv more multiply-adds in the update.
+template <class Scalar, class Attend>
+RowMatrix<Scalar> latent_outputs(const HeadsShape& q, Index d_kv, Index value_dim,
+                                 const Attend& attend) {
+  const Index rows = q.batch * q.seq;
+  RowMatrix<Scalar> o_latent(rows, q.heads * d_kv);
+  if (value_dim == d_kv) {
+    attend(HeadsView<Scalar>::token_major(o_latent.data(), {q.batch, q.heads, q.seq, d_kv}));
+    return o_latent;
+  }
+  RowMatrix<Scalar> o_rows(rows, q.heads * value_dim);
+  attend(HeadsView<Scalar>::token_major(o_rows.data(), {q.batch, q.heads, q.seq, value_dim}));
+  for (Index h = 0; h < q.heads; ++h) {
+    o_latent.middleCols(h * d_kv, d_kv) = o_rows.middleCols(h * value_dim, d_kv);
+  }
+  return o_latent;
+}
+
 /// The attention of absorbed queries q [B, H_q, n, d_kv + H_kr·d_r] over every row a latent
 /// cache holds, one key/value head shared by all H_q heads: keys [c_kv ‖ K_rope] (rows()),
 /// values c_kv -> o_latent [B*n, H_q·d_kv] (token-major). A whole-row format
-/// (is_latent_row_format_v: FlashMlaFp8Row) has no view of c_kv alone: its values are the whole
-/// rows and the K_rope columns of that output are dropped, which costs H_kr·d_r / d_kv more
-/// multiply-adds in the update and allocates the [B*n, H_q·(d_kv + H_kr·d_r)] output first.
+/// (is_latent_row_format_v: FlashMlaFp8Row) attends with the whole rows as values
+/// (latent_outputs), and allocates the [B*n, H_q·(d_kv + H_kr·d_r)] output first.
 template <class Scalar, class Storage>
 RowMatrix<Scalar> attend_latent_rows(const HeadsView<const Scalar>& q,
                                      const LatentCache<Scalar, Storage>& cache,
                                      const AttentionMask<Scalar>& mask, const SdpaParams& params) {
-  const Index batch = q.batch(), h_q = q.heads(), n = q.seq(), d_kv = cache.latent_dim();
-  RowMatrix<Scalar> o_latent(batch * n, h_q * d_kv);
-  if constexpr (is_latent_row_format_v<Storage>) {
-    const Index width = cache.row_width();
-    RowMatrix<Scalar> o_rows(batch * n, h_q * width);
-    sdpa(q, cache.rows(), cache.rows(), mask, params,
-         HeadsView<Scalar>::token_major(o_rows.data(), {batch, h_q, n, width}));
-    for (Index h = 0; h < h_q; ++h) {
-      o_latent.middleCols(h * d_kv, d_kv) = o_rows.middleCols(h * width, d_kv);
-    }
-  } else {
-    sdpa(q, cache.rows(), cache.latent(), mask, params,
-         HeadsView<Scalar>::token_major(o_latent.data(), {batch, h_q, n, d_kv}));
-  }
-  return o_latent;
+  constexpr bool kWhole = is_latent_row_format_v<Storage>;
+  return latent_outputs<Scalar>(q.shape(), cache.latent_dim(),
+                                kWhole ? cache.row_width() : cache.latent_dim(),
+                                [&](const HeadsView<Scalar>& out) {
+                                  if constexpr (kWhole) {
+                                    sdpa(q, cache.rows(), cache.rows(), mask, params, out);
+                                  } else {
+                                    sdpa(q, cache.rows(), cache.latent(), mask, params, out);
+                                  }
+                                });
 }
 
 }  // namespace detail

@@ -609,12 +609,13 @@ class PagedKvCache : public PagedSequences<Storage> {
 /// absorbed MLA does (mla.hpp): the keys are whole rows, the values their first d_kv columns, one
 /// key/value head. Scalar and Storage as for PagedKvCache; a block format stores the c_kv and
 /// K_rope parts of a row each quantized alone, as LatentCache does (d_kv and d_r whole blocks, so
-/// that no block straddles them). Memory: num_pages·page_size·(d_kv + H_kr·d_r) values in
-/// Storage's format, allocated (zeroed) at construction, plus a block table per sequence.
+/// that no block straddles them), and a whole-row format (FlashMlaFp8Row) stores each row as one
+/// element, its values then being the whole rows (value_dim(); absorbed MLA drops the K_rope
+/// columns of the output, as over a LatentCache of it). Memory: num_pages·page_size·(d_kv +
+/// H_kr·d_r) values in Storage's format, allocated (zeroed) at construction, plus a block table per
+/// sequence.
 template <class Scalar, class Storage = Scalar>
 class PagedLatentCache : public PagedSequences<Storage> {
-  static_assert(!is_latent_row_format_v<Storage>,
-                "a whole-row latent format (FlashMlaFp8Row) is stored by LatentCache only");
   using Base = PagedSequences<Storage>;
   using Base::pool_;
 
@@ -642,32 +643,30 @@ class PagedLatentCache : public PagedSequences<Storage> {
   Index num_kv_heads() const { return pool_.num_pages() == 0 ? 0 : 1; }
   /// Width of a key as attention reads it: d_kv + H_kr·d_r.
   Index key_dim() const { return row_dim(); }
-  /// Width of a value as attention reads it: d_kv.
-  Index value_dim() const { return latent_dim(); }
+  /// Width of a value as attention reads it: d_kv, or d_kv + H_kr·d_r for a whole-row format.
+  Index value_dim() const { return is_latent_row_format_v<Storage> ? row_dim() : latent_dim(); }
   /// Appends n tokens from their rows [n, d_kv + H_kr·d_r] = [c_kv ‖ K_rope] (the layout of
   /// LatentCache::rows()), the c_kv and K_rope parts of each stored through Storage's format
-  /// alone. Checks everything first and changes nothing when one fails.
+  /// alone (or the whole row, for a whole-row format). Checks everything first and changes
+  /// nothing when one fails.
   void append(SequenceId id, const ConstRowRef<Scalar>& rows) {
     pool_.sequence(id, kOp);
     APEX_CHECK(rows.cols() == row_dim(),
                "[" << kOp << "] rows have " << rows.cols()
                    << " columns; expected d_kv + H_kr·d_r = " << row_dim());
     pool_.check_grow(id, rows.rows(), kOp);
-    const Index rope_values = row_dim() - latent_dim();
     // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): append_tokens's (token, page, row)
     this->append_tokens(id, rows.rows(), [&](Index t, Index page, Index row) {
-      const Scalar* from = rows.row(t).data();
-      Storage* to = detail::row_data(pool_.plane(0), page, 0, row);
-      KvFormat<Storage>::store_row(from, latent_dim(), to);
-      KvFormat<Storage>::store_row(from + latent_dim(), rope_values,
-                                   to + KvFormat<Storage>::elements(latent_dim()));
+      store(rows.row(t).data(), detail::row_data(pool_.plane(0), page, 0, row));
     });
   }
 
   /// The rows of sequence id as a paged key segment of the kernel: keys the whole rows, values
-  /// their first d_kv columns. Valid until the sequence changes.
+  /// their first d_kv columns (the whole rows for a whole-row format). Valid until the sequence
+  /// changes.
   detail::KeySegment<Storage, Storage> segment(SequenceId id) const {
     const HeadsView<const Storage> rows = pool_.plane(0);
+    if constexpr (is_latent_row_format_v<Storage>) return this->held_segment(id, rows, rows);
     HeadsShape latent = rows.shape();
     latent.dim = KvFormat<Storage>::elements(latent_dim_);
     return this->held_segment(id, rows,
@@ -677,18 +676,29 @@ class PagedLatentCache : public PagedSequences<Storage> {
  private:
   static constexpr const char* kOp = "paged_latent_cache";
 
+  /// Stores one row [c_kv ‖ K_rope] (row_dim() values) at `to`: part by part, or whole.
+  void store(const Scalar* from, Storage* to) const {
+    if constexpr (is_latent_row_format_v<Storage>) {
+      KvFormat<Storage>::store_row(from, row_dim(), to);
+    } else {
+      KvFormat<Storage>::store_row(from, latent_dim(), to);
+      KvFormat<Storage>::store_row(from + latent_dim(), row_dim() - latent_dim(),
+                                   to + KvFormat<Storage>::elements(latent_dim()));
+    }
+  }
+
   static Index row_width(const PagedLatentCacheShape& shape) {
     APEX_CHECK(shape.latent_dim >= 1 && shape.rope_heads >= 1 && shape.rope_dim >= 1 &&
                    shape.rope_dim % 2 == 0,
                "[" << kOp << "] latent_dim (" << shape.latent_dim << ") and rope_heads ("
                    << shape.rope_heads << ") must be >= 1 and rope_dim (" << shape.rope_dim
                    << ") even and >= 2");
-    detail::check_row_values<Storage>(shape.latent_dim, kOp, "latent_dim d_kv");
-    detail::check_row_values<Storage>(shape.rope_dim, kOp, "rope_dim d_r");
-    return detail::checked_sum(
+    const Index width = detail::checked_sum(
         shape.latent_dim,
         detail::checked_product(shape.rope_heads, shape.rope_dim, kOp, "H_kr·d_r"), kOp,
         "d_kv + H_kr·d_r");
+    detail::check_latent_parts<Storage>(shape, kOp);
+    return width;
   }
 
   detail::ResetOnMove<Index> latent_dim_;
