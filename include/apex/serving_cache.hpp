@@ -35,12 +35,14 @@ struct ServingCacheAccess;  // stack_serving.hpp: make_serving_cache and serve
 /// make_serving_cache and advanced only by serve() of that stack (stack_serving.hpp; the stack's
 /// members of those names call them). Memory: the pools, allocated (zeroed) at construction
 /// (bytes()), and a block table per sequence and layer.
+/// The local layers' pages store format Storage and the global layers' format Global (as
+/// StackCache's, stack_cache.hpp; Global is Storage unless given).
 /// Default-constructed or moved from, it is empty (no layers; the stacks reject it).
-template <class Scalar, class Storage = Scalar>
+template <class Scalar, class Storage = Scalar, class Global = Storage>
 class ServingCache {
  public:
   /// The cache of one layer: a PagedKvCache (local) or a PagedLatentCache (global).
-  using LayerCache = std::variant<PagedKvCache<Scalar, Storage>, PagedLatentCache<Scalar, Storage>>;
+  using LayerCache = std::variant<PagedKvCache<Scalar, Storage>, PagedLatentCache<Scalar, Global>>;
 
   ServingCache() = default;
 

@@ -73,10 +73,10 @@ namespace detail {
 // -------------------------------------------------------------------------------------------
 
 /// AttentionStack::make_cache: a SlidingWindowCache of W tokens per local layer and a
-/// LatentCache of `capacity` tokens per global layer, storing Storage.
-template <class Storage, class Scalar, class Weight>
-StackCache<Scalar, Storage> make_stack_cache(const AttentionStack<Scalar, Weight>& stack,
-                                             Index batch, Index capacity) {
+/// LatentCache of `capacity` tokens per global layer, storing Storage and Global.
+template <class Storage, class Global, class Scalar, class Weight>
+StackCache<Scalar, Storage, Global> make_stack_cache(const AttentionStack<Scalar, Weight>& stack,
+                                                     Index batch, Index capacity) {
   using Stack = AttentionStack<Scalar, Weight>;
   const auto& config = stack.config();
   check_stack_constructed(config);
@@ -84,27 +84,27 @@ StackCache<Scalar, Storage> make_stack_cache(const AttentionStack<Scalar, Weight
   APEX_CHECK(capacity >= 1 && capacity <= config.max_positions,
              "[stack] capacity (" << capacity << ") must lie in [1, max_positions = "
                                   << config.max_positions << "]");
-  std::vector<typename StackCache<Scalar, Storage>::LayerCache> caches;
+  std::vector<typename StackCache<Scalar, Storage, Global>::LayerCache> caches;
   caches.reserve(static_cast<std::size_t>(config.num_layers));
   for (Index l = 0; l < config.num_layers; ++l) {
     if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
-      caches.emplace_back(mla->template make_cache<Storage>(batch, capacity));
+      caches.emplace_back(mla->template make_cache<Global>(batch, capacity));
     } else {
       caches.emplace_back(std::get<typename Stack::Gqa>(stack.layer(l))
                               .template make_window_cache<Storage>(batch, config.window));
     }
   }
-  return StackCacheAccess::make<Scalar, Storage>(batch, capacity, std::move(caches));
+  return StackCacheAccess::make<Scalar, Storage, Global>(batch, capacity, std::move(caches));
 }
 
 /// One layer of the cached calls: attended [B*n, d] = Attention_l(normed [B*n, d]) under layer
 /// l's mask for the prefix, at positions from cache.next_position(), appending the rows' K/V (or
 /// latents) to the layer's cache. The global layers take the MLA path options.mla names (kAuto:
 /// the cheaper one for n).
-template <class Scalar, class Weight, class Storage>
+template <class Scalar, class Weight, class Storage, class Global>
 void cached_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
                   const RowMatrix<Scalar>& normed, Index prefix, const DecodeOptions& options,
-                  StackCache<Scalar, Storage>& cache, RowMatrix<Scalar>& attended) {
+                  StackCache<Scalar, Storage, Global>& cache, RowMatrix<Scalar>& attended) {
   using Stack = AttentionStack<Scalar, Weight>;
   const auto& config = stack.config();
   const PositionMask mask =
@@ -113,7 +113,7 @@ void cached_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
   params.position_offset = cache.next_position();
   auto& layer_cache = StackCacheAccess::layer(cache, l);
   if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
-    auto& latent = std::get<LatentCache<Scalar, Storage>>(layer_cache);
+    auto& latent = std::get<LatentCache<Scalar, Global>>(layer_cache);
     const Index n = normed.rows() / cache.batch();
     const MlaPath path =
         options.mla == MlaPath::kAuto ? mla_cheaper_path(config.global, n) : options.mla;
@@ -133,10 +133,11 @@ void cached_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
 /// [p, p + n), the stack's block loop with each layer on its cache (cached_layer). Every check
 /// (the ids included, through embed) runs before the first cache is written, so that an error
 /// leaves every layer's cache as it was.
-template <class TokensDerived, class Scalar, class Weight, class Storage>
+template <class TokensDerived, class Scalar, class Weight, class Storage, class Global>
 RowMatrix<Scalar> run_cached(const AttentionStack<Scalar, Weight>& stack,
                              const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
-                             const DecodeOptions& options, StackCache<Scalar, Storage>& cache) {
+                             const DecodeOptions& options,
+                             StackCache<Scalar, Storage, Global>& cache) {
   const auto& config = stack.config();
   check_stack_constructed(config);
   // Layers l with l mod F_g = F_g − 1 exist iff L >= F_g (the stack holds them by that rule).
@@ -342,12 +343,15 @@ class AttentionStack {
 
   /// An empty StackCache for `batch` sequences of up to `capacity` tokens (1 <= capacity <=
   /// max_positions): a SlidingWindowCache of W tokens per local layer and a LatentCache of
-  /// `capacity` tokens per global layer, every one storing Storage (Scalar by default;
-  /// stack.make_cache<Eigen::bfloat16>(batch, capacity) for 16-bit caches). Allocates
-  /// stack_cache_memory<Storage>(config, batch, capacity).total_bytes.
-  template <class Storage = Scalar>
-  StackCache<Scalar, Storage> make_cache(Index batch, Index capacity) const {
-    return detail::make_stack_cache<Storage>(*this, batch, capacity);
+  /// `capacity` tokens per global layer, the local ones storing Storage and the global ones
+  /// Global (Scalar by default, Global = Storage unless given: stack.make_cache<Eigen::bfloat16>
+  /// (batch, capacity) for 16-bit caches, make_cache<BlockQ8_0, FlashMlaFp8Row> for q8_0 windows
+  /// and FlashMLA's fp8 latent rows). Throws where a layer's widths are not whole elements of
+  /// its format (kv_format.hpp). Allocates
+  /// stack_cache_memory<Storage, Global>(config, batch, capacity).total_bytes.
+  template <class Storage = Scalar, class Global = Storage>
+  StackCache<Scalar, Storage, Global> make_cache(Index batch, Index capacity) const {
+    return detail::make_stack_cache<Storage, Global>(*this, batch, capacity);
   }
 
   /// Prefill: runs a prompt through the stack in one call and fills the (empty) cache with it.
@@ -358,18 +362,18 @@ class AttentionStack {
   /// Throws (cache unchanged) if the cache is not empty or not made by this stack's make_cache,
   /// on a batch mismatch, a bad id, or S beyond the cache's capacity or max_positions.
   /// Allocates the [B*S, d] residual stream and what each layer's cached forward allocates.
-  template <class TokensDerived, class Storage>
+  template <class TokensDerived, class Storage, class Global>
   RowMatrix<Scalar> prefill(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
                             const DecodeOptions& options,
-                            StackCache<Scalar, Storage>& cache) const {
+                            StackCache<Scalar, Storage, Global>& cache) const {
     detail::check_prefill(cache, prefix, tokens.cols());
     return detail::run_cached(*this, tokens, prefix, options, cache);
   }
 
   /// prefill with the default options (all logits, MLA path chosen by chunk length).
-  template <class TokensDerived, class Storage>
+  template <class TokensDerived, class Storage, class Global>
   RowMatrix<Scalar> prefill(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
-                            StackCache<Scalar, Storage>& cache) const {
+                            StackCache<Scalar, Storage, Global>& cache) const {
     return prefill(tokens, prefix, DecodeOptions{}, cache);
   }
 
@@ -379,35 +383,36 @@ class AttentionStack {
   /// LogitRows::kLast), equal to the rows p … p + n − 1 of forward() on the whole sequence.
   /// Throws (cache unchanged) on a batch mismatch, a bad id, or p + n beyond the cache's
   /// capacity or max_positions (a full cache does not grow by itself: StackCache::reserve).
-  template <class TokensDerived, class Storage>
+  template <class TokensDerived, class Storage, class Global>
   RowMatrix<Scalar> extend(const Eigen::MatrixBase<TokensDerived>& tokens,
-                           const DecodeOptions& options, StackCache<Scalar, Storage>& cache) const {
+                           const DecodeOptions& options,
+                           StackCache<Scalar, Storage, Global>& cache) const {
     return detail::run_cached(*this, tokens, cache.prefix(), options, cache);
   }
 
   /// extend with the default options.
-  template <class TokensDerived, class Storage>
+  template <class TokensDerived, class Storage, class Global>
   RowMatrix<Scalar> extend(const Eigen::MatrixBase<TokensDerived>& tokens,
-                           StackCache<Scalar, Storage>& cache) const {
+                           StackCache<Scalar, Storage, Global>& cache) const {
     return extend(tokens, DecodeOptions{}, cache);
   }
 
   /// Decode step: one new token per sequence (next_tokens[b] for sequence b), at position
   /// p = cache.next_position() -> logits [B, V] of that position. The global layers take the
   /// absorbed MLA path unless options.mla says otherwise. Checks and errors as for extend.
-  template <class Storage>
+  template <class Storage, class Global>
   RowMatrix<Scalar> decode_step(const std::vector<std::int64_t>& next_tokens,
                                 const DecodeOptions& options,
-                                StackCache<Scalar, Storage>& cache) const {
+                                StackCache<Scalar, Storage, Global>& cache) const {
     const Eigen::Map<const TokenMatrix> column(next_tokens.data(),
                                                static_cast<Index>(next_tokens.size()), 1);
     return detail::run_cached(*this, column, cache.prefix(), options, cache);
   }
 
   /// decode_step with the default options.
-  template <class Storage>
+  template <class Storage, class Global>
   RowMatrix<Scalar> decode_step(const std::vector<std::int64_t>& next_tokens,
-                                StackCache<Scalar, Storage>& cache) const {
+                                StackCache<Scalar, Storage, Global>& cache) const {
     return decode_step(next_tokens, DecodeOptions{}, cache);
   }
 
@@ -416,18 +421,19 @@ class AttentionStack {
   // -------------------------------------------------------------------------------------------
 
   /// make_serving_cache(*this, shape) (stack_serving.hpp): an empty ServingCache of this stack's
-  /// paged caches, storing Storage.
-  template <class Storage = Scalar>
-  ServingCache<Scalar, Storage> make_serving_cache(const ServingCacheShape& shape) const {
-    return apex::make_serving_cache<Storage>(*this, shape);
+  /// paged caches, the local layers' storing Storage and the global layers' Global (Global =
+  /// Storage unless given).
+  template <class Storage = Scalar, class Global = Storage>
+  ServingCache<Scalar, Storage, Global> make_serving_cache(const ServingCacheShape& shape) const {
+    return apex::make_serving_cache<Storage, Global>(*this, shape);
   }
 
   /// serve(*this, ids, tokens, cache) (stack_serving.hpp): one pass of many sequences of a
   /// ServingCache through the stack -> logits [N, V] of each sequence's last token.
-  template <class Storage>
+  template <class Storage, class Global>
   RowMatrix<Scalar> serve(const std::vector<SequenceId>& ids,
                           const std::vector<std::vector<std::int64_t>>& tokens,
-                          ServingCache<Scalar, Storage>& cache) const {
+                          ServingCache<Scalar, Storage, Global>& cache) const {
     return apex::serve(*this, ids, tokens, cache);
   }
 
@@ -521,11 +527,11 @@ class AttentionStack {
   }
 
   /// The cache memory of this stack for `batch` sequences of `context` tokens in this scalar
-  /// type, or for caches storing format Storage (stack_cache_memory<Storage>): the bytes
-  /// make_cache<Storage> allocates.
-  template <class Storage = Scalar>
+  /// type, or for caches storing formats Storage and Global (stack_cache_memory<Storage,
+  /// Global>): the bytes make_cache<Storage, Global> allocates.
+  template <class Storage = Scalar, class Global = Storage>
   StackCacheMemory cache_memory(Index batch, Index context) const {
-    return stack_cache_memory<Storage>(config(), batch, context);
+    return stack_cache_memory<Storage, Global>(config(), batch, context);
   }
 
  private:

@@ -25,20 +25,21 @@ struct StackCacheAccess;  // the cached calls of AttentionStack, below StackCach
 /// tokens for each local layer, a LatentCache of `capacity` tokens for each global layer), the
 /// batch, the prefix and the next absolute position. Made by AttentionStack::make_cache and
 /// advanced only by that stack's prefill / extend / decode_step, which check that it matches.
-/// Every layer's cache stores Storage (Scalar, or Eigen::half / Eigen::bfloat16 for half the
-/// bytes): AttentionStack::make_cache<Storage>.
-/// Memory: bytes() = stack_cache_memory<Storage>(config, batch, capacity).total_bytes,
+/// The local layers' caches store format Storage and the global layers' latent caches format
+/// Global (kv_format.hpp: Scalar, a 16-bit type, a block format of kv_quant.hpp, or for the
+/// latent rows a whole-row format such as FlashMlaFp8Row; Global is Storage unless given):
+/// AttentionStack::make_cache<Storage, Global>.
+/// Memory: bytes() = stack_cache_memory<Storage, Global>(config, batch, capacity).total_bytes,
 /// allocated at construction; the local layers' share never grows, the global layers' grows
 /// only through reserve().
-template <class Scalar, class Storage = Scalar>
+template <class Scalar, class Storage = Scalar, class Global = Storage>
 class StackCache {
  public:
   /// An empty cache of no layers (as a moved-from one is); the stacks reject it.
   StackCache() = default;
   /// The cache of one layer: a SlidingWindowCache for a local layer, a LatentCache for a
   /// global one.
-  using LayerCache =
-      std::variant<SlidingWindowCache<Scalar, Storage>, LatentCache<Scalar, Storage>>;
+  using LayerCache = std::variant<SlidingWindowCache<Scalar, Storage>, LatentCache<Scalar, Global>>;
 
   /// Number of sequences B decoded side by side.
   Index batch() const { return batch_; }
@@ -64,7 +65,7 @@ class StackCache {
   std::int64_t local_bytes() const { return bytes_of<SlidingWindowCache<Scalar, Storage>>(); }
   /// Bytes of the global layers' latent caches: proportional to capacity(), so it grows with
   /// reserve().
-  std::int64_t global_bytes() const { return bytes_of<LatentCache<Scalar, Storage>>(); }
+  std::int64_t global_bytes() const { return bytes_of<LatentCache<Scalar, Global>>(); }
 
   /// Grows the global layers' capacity to at least `capacity` (one copy of each latent cache;
   /// see LatentCache::reserve). Never shrinks.
@@ -72,7 +73,7 @@ class StackCache {
     detail::check_constructed(batch() >= 1, "stack", "cache");
     if (capacity <= capacity_) return;
     for (LayerCache& cache : layers_) {
-      if (auto* latent = std::get_if<LatentCache<Scalar, Storage>>(&cache)) {
+      if (auto* latent = std::get_if<LatentCache<Scalar, Global>>(&cache)) {
         latent->reserve(capacity);
       }
     }
@@ -114,21 +115,20 @@ namespace detail {
 /// The one door into a StackCache's layers and position: only the cached calls of AttentionStack
 /// (stack.hpp) make a cache and advance it.
 struct StackCacheAccess {
-  template <class Scalar, class Storage>
-  static StackCache<Scalar, Storage> make(
+  template <class Scalar, class Storage, class Global>
+  static StackCache<Scalar, Storage, Global> make(
       Index batch, Index capacity,
-      std::vector<typename StackCache<Scalar, Storage>::LayerCache> layers) {
-    return StackCache<Scalar, Storage>(batch, capacity, std::move(layers));
+      std::vector<typename StackCache<Scalar, Storage, Global>::LayerCache> layers) {
+    return StackCache<Scalar, Storage, Global>(batch, capacity, std::move(layers));
   }
-  template <class Scalar, class Storage>
-  static typename StackCache<Scalar, Storage>::LayerCache& layer(StackCache<Scalar, Storage>& cache,
-                                                                 Index l) {
+  template <class Cache>
+  static typename Cache::LayerCache& layer(Cache& cache, Index l) {
     return cache.layers_[static_cast<std::size_t>(l)];
   }
   /// After n tokens from position `first`: the next position, and the prefix of a first call.
-  template <class Scalar, class Storage>
+  template <class Cache>
   // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, (first, n, prefix) positions
-  static void advance(StackCache<Scalar, Storage>& cache, Index first, Index n, Index prefix) {
+  static void advance(Cache& cache, Index first, Index n, Index prefix) {
     cache.next_ = first + n;
     if (first == 0) cache.prefix_ = prefix;
   }

@@ -9,6 +9,7 @@
 #include <apex/cache_memory.hpp>
 #include <apex/config.hpp>
 #include <apex/gqa.hpp>
+#include <apex/kv_cache.hpp>
 #include <apex/kv_format.hpp>
 #include <apex/mla.hpp>
 #include <apex/rope.hpp>
@@ -16,6 +17,7 @@
 #include <apex/rope_scaling.hpp>
 #include <apex/yarn.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -154,48 +156,44 @@ inline StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, In
   return m;
 }
 
-/// The cache memory of a stack with this config whose caches store format F (kv_format.hpp:
-/// float, double, a 16-bit type, or a block format of kv_quant.hpp): what
-/// StackCache<Scalar, F>::bytes() reports for a cache of capacity `context`. A local layer holds
-/// 2·H_kv rows of d_h values per token for min(S, W) tokens, a global one a row of d_kv values
-/// and H_kr rows of d_r; each row costs the bytes of its elements. For a scalar format this is
-/// stack_cache_memory(c, batch, context, sizeof(F)). Throws as that does, and unless d_h, d_kv
-/// and d_r are whole blocks of F.
-template <class F>
+/// The cache memory of a stack with this config whose local layers store format F and whose
+/// global layers store format G (kv_format.hpp: float, double, a 16-bit type, a block format of
+/// kv_quant.hpp, or for G a whole-row latent format such as FlashMlaFp8Row; G = F unless given):
+/// what StackCache<Scalar, F, G>::bytes() reports for a cache of capacity `context`. A local
+/// layer holds 2·H_kv rows of d_h values per token for min(S, W) tokens, a global one a latent
+/// row [c_kv ‖ K_rope] of d_kv + H_kr·d_r values; each row costs the bytes of its elements. For
+/// one scalar format this is stack_cache_memory(c, batch, context, sizeof(F)). Throws as that
+/// does, and unless d_h is whole blocks of F and the latent row's parts are stored by G
+/// (detail::check_latent_parts).
+template <class F, class G = F>
 StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, Index context) {
-  if constexpr (is_storage_v<F>) {
-    return stack_cache_memory(c, batch, context, static_cast<Index>(sizeof(F)));
-  } else {
-    StackCacheMemory m = stack_cache_memory(c, batch, context, 1);  // the checks and layer counts
-    const char* op = "stack";
-    const auto row_bytes = [&](Index values, const char* name) {
-      detail::check_row_values<F>(values, op, name);
-      return KvFormat<F>::bytes(KvFormat<F>::elements(values));
-    };
-    if (m.local_layers > 0) {
-      m.local_bytes_per_token = detail::checked_product(
-          {2, c.local.num_kv_heads, row_bytes(c.local.head_dim, "local head_dim")}, op,
-          "2*H_kv*row bytes");
-      m.local_bytes_per_layer = detail::checked_product(
-          {batch, std::min<Index>(context, c.window), m.local_bytes_per_token}, op,
-          "B*min(S, W)*bytes/token");
-    }
-    if (m.global_layers > 0) {
-      m.global_bytes_per_token = detail::checked_sum(
-          row_bytes(c.global.d_kv, "global d_kv"),
-          detail::checked_product(c.global.rope_key_heads(),
-                                  row_bytes(c.global.rope_dim, "global rope_dim"), op,
-                                  "H_kr*row bytes"),
-          op, "bytes/token");
-      m.global_bytes_per_layer = detail::checked_product({batch, context, m.global_bytes_per_token},
-                                                         op, "B*S*bytes/token");
-    }
-    m.total_bytes = detail::checked_sum(
-        detail::checked_product(m.local_layers, m.local_bytes_per_layer, op, "local bytes"),
-        detail::checked_product(m.global_layers, m.global_bytes_per_layer, op, "global bytes"), op,
-        "total bytes");
-    return m;
+  StackCacheMemory m = stack_cache_memory(c, batch, context, 1);  // the checks and layer counts
+  const char* op = "stack";
+  if (m.local_layers > 0) {
+    detail::check_row_values<F>(c.local.head_dim, op, "local head_dim");
+    const std::int64_t row = KvFormat<F>::bytes(KvFormat<F>::elements(c.local.head_dim));
+    m.local_bytes_per_token =
+        detail::checked_product({2, c.local.num_kv_heads, row}, op, "2*H_kv*row bytes");
+    m.local_bytes_per_layer = detail::checked_product(
+        {batch, std::min<Index>(context, c.window), m.local_bytes_per_token}, op,
+        "B*min(S, W)*bytes/token");
   }
+  if (m.global_layers > 0) {
+    LatentCacheShape latent;
+    latent.latent_dim = c.global.d_kv;
+    latent.rope_heads = c.global.rope_key_heads();
+    latent.rope_dim = c.global.rope_dim;
+    detail::check_latent_parts<G>(latent, op);
+    const Index values = latent.latent_dim + latent.rope_heads * latent.rope_dim;  // checked
+    m.global_bytes_per_token = KvFormat<G>::bytes(KvFormat<G>::elements(values));
+    m.global_bytes_per_layer =
+        detail::checked_product({batch, context, m.global_bytes_per_token}, op, "B*S*bytes/token");
+  }
+  m.total_bytes = detail::checked_sum(
+      detail::checked_product(m.local_layers, m.local_bytes_per_layer, op, "local bytes"),
+      detail::checked_product(m.global_layers, m.global_bytes_per_layer, op, "global bytes"), op,
+      "total bytes");
+  return m;
 }
 
 }  // namespace apex

@@ -35,28 +35,26 @@ namespace detail {
 
 /// The one door into a ServingCache's layers: only this header builds a cache and writes it.
 struct ServingCacheAccess {
-  template <class Scalar, class Storage>
-  static ServingCache<Scalar, Storage> make(
-      std::vector<typename ServingCache<Scalar, Storage>::LayerCache> layers) {
-    return ServingCache<Scalar, Storage>(std::move(layers));
+  template <class Cache>
+  static Cache make(std::vector<typename Cache::LayerCache> layers) {
+    return Cache(std::move(layers));
   }
-  template <class Scalar, class Storage>
-  static typename ServingCache<Scalar, Storage>::LayerCache& layer(
-      ServingCache<Scalar, Storage>& cache, Index l) {
+  template <class Cache>
+  static typename Cache::LayerCache& layer(Cache& cache, Index l) {
     return cache.layers_[static_cast<std::size_t>(l)];
   }
 };
 
 /// Throws unless `cache` has the layers make_serving_cache gives `stack` (message naming serve).
-template <class Scalar, class Weight, class Storage>
+template <class Scalar, class Weight, class Storage, class Global>
 void check_serving_layers(const AttentionStack<Scalar, Weight>& stack,
-                          const ServingCache<Scalar, Storage>& cache) {
+                          const ServingCache<Scalar, Storage, Global>& cache) {
   const auto& config = stack.config();
   bool matches = cache.num_layers() == config.num_layers;
   for (Index l = 0; matches && l < config.num_layers; ++l) {
     const auto& c = cache.layer(l);
     if (is_global_layer(l, config.global_every)) {
-      const auto* latent = std::get_if<PagedLatentCache<Scalar, Storage>>(&c);
+      const auto* latent = std::get_if<PagedLatentCache<Scalar, Global>>(&c);
       matches = latent != nullptr && latent->latent_dim() == config.global.d_kv &&
                 latent->row_dim() ==
                     config.global.d_kv + config.global.rope_key_heads() * config.global.rope_dim;
@@ -76,11 +74,11 @@ void check_serving_layers(const AttentionStack<Scalar, Weight>& stack,
 /// is the stack's, the ids are live and distinct, every sequence gets tokens in [0, V), its
 /// prefix lies inside its first call, and its positions stay below max_positions. Returns the
 /// row offsets cu of the sequences' tokens ([N + 1], cu[0] = 0, cu[N] = T).
-template <class Scalar, class Weight, class Storage>
+template <class Scalar, class Weight, class Storage, class Global>
 std::vector<Index> check_serve(const AttentionStack<Scalar, Weight>& stack,
                                const std::vector<SequenceId>& ids,
                                const std::vector<std::vector<std::int64_t>>& tokens,
-                               const ServingCache<Scalar, Storage>& cache) {
+                               const ServingCache<Scalar, Storage, Global>& cache) {
   const auto& config = stack.config();
   check_constructed(config.vocab_size >= 1, "stack", "stack");
   check_serving_layers(stack, cache);
@@ -114,9 +112,9 @@ std::vector<Index> check_serve(const AttentionStack<Scalar, Weight>& stack,
 }
 
 /// Throws unless every layer's pool has room for the new tokens of every sequence.
-template <class Scalar, class Storage>
+template <class Scalar, class Storage, class Global>
 void check_serve_room(const std::vector<SequenceId>& ids, const std::vector<Index>& cu,
-                      const ServingCache<Scalar, Storage>& cache) {
+                      const ServingCache<Scalar, Storage, Global>& cache) {
   std::vector<std::pair<SequenceId, Index>> appends;
   for (std::size_t i = 0; i < ids.size(); ++i) appends.emplace_back(ids[i], cu[i + 1] - cu[i]);
   for (Index l = 0; l < cache.num_layers(); ++l) {
@@ -126,10 +124,10 @@ void check_serve_room(const std::vector<SequenceId>& ids, const std::vector<Inde
 
 /// One layer of serve(): attended [T, d] = Attention_l(normed [T, d]) over the layer's paged
 /// cache, each sequence under its own mask; a local layer then frees the pages its window left.
-template <class Scalar, class Weight, class Storage>
+template <class Scalar, class Weight, class Storage, class Global>
 void serve_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
                  const RowMatrix<Scalar>& normed, const std::vector<Index>& cu,
-                 const std::vector<SequenceId>& ids, ServingCache<Scalar, Storage>& cache,
+                 const std::vector<SequenceId>& ids, ServingCache<Scalar, Storage, Global>& cache,
                  RowMatrix<Scalar>& attended) {
   using Stack = AttentionStack<Scalar, Weight>;
   const auto& config = stack.config();
@@ -142,7 +140,7 @@ void serve_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
   auto& layer_cache = ServingCacheAccess::layer(cache, l);
   if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
     mla->forward_paged(normed, cu, ids, masks, stack.block_params(l), stack.absorbed_weights(l),
-                       std::get<PagedLatentCache<Scalar, Storage>>(layer_cache), attended);
+                       std::get<PagedLatentCache<Scalar, Global>>(layer_cache), attended);
     return;
   }
   const auto& gqa = std::get<typename Stack::Gqa>(stack.layer(l));
@@ -158,20 +156,24 @@ void serve_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
 
 /// An empty ServingCache for `stack`: a PagedKvCache of shape.local_pages pages for each local
 /// layer and a PagedLatentCache of shape.global_pages pages for each global layer, pages of
-/// shape.page_size tokens, storing Storage (void: the stack's Scalar). Throws unless the pools of
-/// the layers the stack has are >= 1 page of >= 1 token. Allocates the pools.
-template <class Storage = void, class Scalar, class Weight>
-ServingCache<Scalar, std::conditional_t<std::is_void_v<Storage>, Scalar, Storage>>
-make_serving_cache(const AttentionStack<Scalar, Weight>& stack, const ServingCacheShape& shape) {
+/// shape.page_size tokens, the local ones storing Storage (void: the stack's Scalar) and the
+/// global ones Global (void: as the local ones). Throws unless the pools of the layers the stack
+/// has are >= 1 page of >= 1 token, and where a layer's widths are not whole elements of its
+/// format (kv_format.hpp). Allocates the pools.
+template <class Storage = void, class Global = void, class Scalar, class Weight>
+auto make_serving_cache(const AttentionStack<Scalar, Weight>& stack,
+                        const ServingCacheShape& shape) {
   using Stored = std::conditional_t<std::is_void_v<Storage>, Scalar, Storage>;
+  using Latent = std::conditional_t<std::is_void_v<Global>, Stored, Global>;
+  using Cache = ServingCache<Scalar, Stored, Latent>;
   using Stack = AttentionStack<Scalar, Weight>;
   detail::check_constructed(stack.config().vocab_size >= 1, "stack", "stack");
-  std::vector<typename ServingCache<Scalar, Stored>::LayerCache> caches;
+  std::vector<typename Cache::LayerCache> caches;
   caches.reserve(static_cast<std::size_t>(stack.config().num_layers));
   for (Index l = 0; l < stack.config().num_layers; ++l) {
     if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
       const auto& c = mla->config();
-      caches.emplace_back(PagedLatentCache<Scalar, Stored>(
+      caches.emplace_back(PagedLatentCache<Scalar, Latent>(
           {c.d_kv, c.rope_key_heads(), c.rope_dim, shape.page_size, shape.global_pages}));
     } else {
       const auto& c = std::get<typename Stack::Gqa>(stack.layer(l)).config();
@@ -179,7 +181,7 @@ make_serving_cache(const AttentionStack<Scalar, Weight>& stack, const ServingCac
           {c.num_kv_heads, c.head_dim, shape.page_size, shape.local_pages}));
     }
   }
-  return detail::ServingCacheAccess::make<Scalar, Stored>(std::move(caches));
+  return detail::ServingCacheAccess::make<Cache>(std::move(caches));
 }
 
 /// One pass of many sequences of a ServingCache through the stack (continuous batching):
@@ -195,11 +197,11 @@ make_serving_cache(const AttentionStack<Scalar, Weight>& stack, const ServingCac
 /// max_positions, room in every layer's pool): on error nothing changes. Allocates the [T, d]
 /// residual stream (T tokens in all), the block loop's two [T, d] buffers and what each layer's
 /// forward_paged allocates.
-template <class Scalar, class Weight, class Storage>
+template <class Scalar, class Weight, class Storage, class Global>
 RowMatrix<Scalar> serve(const AttentionStack<Scalar, Weight>& stack,
                         const std::vector<SequenceId>& ids,
                         const std::vector<std::vector<std::int64_t>>& tokens,
-                        ServingCache<Scalar, Storage>& cache) {
+                        ServingCache<Scalar, Storage, Global>& cache) {
   const std::vector<Index> cu = detail::check_serve(stack, ids, tokens, cache);
   detail::check_serve_room(ids, cu, cache);
   TokenMatrix flat(1, cu.back());

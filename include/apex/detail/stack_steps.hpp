@@ -262,8 +262,8 @@ inline void check_forward_tokens(const StackConfig& c, Index batch, Index seq, I
 
 /// The checks prefill adds to extend's: an empty cache and a prefix within the prompt of S
 /// tokens.
-template <class Scalar, class Storage>
-void check_prefill(const StackCache<Scalar, Storage>& cache, Index prefix, Index seq) {
+template <class Scalar, class Storage, class Global>
+void check_prefill(const StackCache<Scalar, Storage, Global>& cache, Index prefix, Index seq) {
   APEX_CHECK(cache.next_position() == 0,
              "[stack] prefill needs an empty cache (its next position is "
                  << cache.next_position() << "): use extend() to continue a sequence, or clear()");
@@ -271,13 +271,14 @@ void check_prefill(const StackCache<Scalar, Storage>& cache, Index prefix, Index
 }
 
 /// Throws unless `cache` has the layout AttentionStack::make_cache gives for a stack of `config`.
-template <class Scalar, class Storage>
-void check_stack_cache(const StackConfig& config, const StackCache<Scalar, Storage>& cache) {
+template <class Scalar, class Storage, class Global>
+void check_stack_cache(const StackConfig& config,
+                       const StackCache<Scalar, Storage, Global>& cache) {
   bool matches = cache.num_layers() == config.num_layers;
   for (Index l = 0; matches && l < config.num_layers; ++l) {
     const auto& layer_cache = cache.layer(l);
     if (is_global_layer(l, config.global_every)) {
-      const auto* c = std::get_if<LatentCache<Scalar, Storage>>(&layer_cache);
+      const auto* c = std::get_if<LatentCache<Scalar, Global>>(&layer_cache);
       matches = c != nullptr && c->batch() == cache.batch() &&
                 c->latent_dim() == config.global.d_kv &&
                 c->rope_heads() == config.global.rope_key_heads() &&
@@ -300,10 +301,10 @@ void check_stack_cache(const StackConfig& config, const StackCache<Scalar, Stora
 /// The checks of prefill / extend / decode_step for n = tokens.cols() new tokens per sequence
 /// at positions [p, p + n), p = cache.next_position(): the cache, the batch, n,
 /// max_positions, the cache's capacity and the prefix (the ids are checked by embed).
-template <class TokensDerived, class Scalar, class Storage>
+template <class TokensDerived, class Scalar, class Storage, class Global>
 void check_cached_call(const StackConfig& config, bool has_global_layers,
                        const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
-                       const StackCache<Scalar, Storage>& cache) {
+                       const StackCache<Scalar, Storage, Global>& cache) {
   check_stack_cache(config, cache);
   const Index batch = tokens.rows();
   const Index n = tokens.cols();
