@@ -41,5 +41,6 @@
 #include <apex/stack_serving.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
+#include <apex/tree_mask.hpp>
 #include <apex/varlen.hpp>
 #include <apex/yarn.hpp>
