@@ -21,6 +21,13 @@
 //                             all), H_q = 8, H_kv = 2 (the group of 4 of BM_Decode_Fast): one
 //                             sdpa_paged call. GBps counts the K and V bytes of every sequence:
 //                             compare with BM_MemRead.
+//   BM_TreeVerify/seqs:8/tree:16/cache:8192
+//                             speculative verification: 8 sequences of a PagedKvCache (pages of
+//                             64) hold 8192 committed tokens and a draft tree of 16 (random
+//                             parents), H_q = 32, H_kv = 8; one sdpa_paged call with the 16 draft
+//                             tokens of each as queries under tree_rules (tree_mask.hpp). GBps
+//                             counts the K and V bytes held: compare with /tree:plain/, one
+//                             decoding step (1 query a sequence) over the same caches.
 // Threads: OpenMP, as many as OMP_NUM_THREADS says (the figures are meant for 2).
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 // GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers when Eigen's
@@ -34,11 +41,13 @@
 #include <apex/mask.hpp>
 #include <apex/paged_cache.hpp>
 #include <apex/tensor.hpp>
+#include <apex/tree_mask.hpp>
 #include <apex/varlen.hpp>
 
 #include <benchmark/benchmark.h>
 
 #include <cmath>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -131,6 +140,38 @@ void run_paged_decode(benchmark::State& state, const std::vector<Index>& lengths
       state, static_cast<double>(apex::kv_cache_bytes<Format>(1, tokens, kv_heads, kHeadDim)));
 }
 
+/// Verification of draft trees of `draft` tokens (bushy: random parents) after `committed` tokens
+/// in each of `seqs` sequences, their draft queries under tree_rules; draft = 0: one decoding
+/// step over the same caches (committed + 16 tokens, one query each). GBps counts the K/V held.
+void run_tree_verify(benchmark::State& state, Index seqs, Index draft, Index committed) {
+  const Index q_heads = 32, kv_heads = 8, held = committed + 16;
+  const auto [cache, ids] = filled_cache<float>(std::vector<Index>(seqs, held), kv_heads, 64, 1);
+  const Index rows = std::max<Index>(draft, 1);
+  std::vector<Index> cu;
+  for (Index i = 0; i <= seqs; ++i) cu.push_back(i * rows);
+  std::mt19937 rng(8);
+  std::vector<apex::DraftTree> trees;
+  for (Index i = 0; i < seqs && draft > 0; ++i) {
+    std::vector<Index> parents;
+    for (Index t = 0; t < draft; ++t) {
+      parents.push_back(std::uniform_int_distribution<Index>(-1, t - 1)(rng));
+    }
+    trees.emplace_back(parents);
+  }
+  const apex::TreeMasks masks(trees, std::vector<Index>(trees.size(), held - draft));
+  const Packed q(q_heads, seqs * rows, 6);
+  Packed out(q_heads, seqs * rows, 7);
+  const apex::SdpaParams params;
+  for (auto _ : state) {
+    apex::sdpa_paged(q.view, cu, cache, ids, {apex::causal_mask()}, apex::AttentionMask<float>{},
+                     params, apex::tree_rules(masks), out.view);
+    benchmark::DoNotOptimize(out.data.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["GBps"] = apex::bench::gbps(
+      state, static_cast<double>(apex::kv_cache_bytes<float>(seqs, held, kv_heads, kHeadDim)));
+}
+
 /// 64 lengths spread geometrically over [256, 32768].
 std::vector<Index> spread_lengths() {
   std::vector<Index> lengths;
@@ -172,6 +213,14 @@ const bool kRegistered = [] {
       [](benchmark::State& state) { run_paged_decode(state, spread_lengths(), 8, 2, 64); })
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
+  for (const Index draft : {16, 0}) {
+    const std::string tree = draft > 0 ? "tree:16" : "tree:plain";
+    benchmark::RegisterBenchmark(
+        ("BM_TreeVerify/seqs:8/" + tree + "/cache:8192").c_str(),
+        [draft](benchmark::State& state) { run_tree_verify(state, 8, draft, 8192); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
   return true;
 }();
 
