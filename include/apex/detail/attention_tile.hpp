@@ -176,7 +176,10 @@ class AttentionTile {
                   });
       });
     } else {
-      key_rows_ = products().scores(k_head, keys.row, keys.n);
+      values_inside_ =
+          p_.d_v > 0 &&
+          values_lead_keys(k_head, value_head(*keys.segment, b_, kv_head_), keys.row, keys.n);
+      key_rows_ = products().scores(k_head, keys.row, keys.n, values_inside_);
     }
     if constexpr (std::is_same_v<C, float>) {
       if (masked && !non_finite_score_) {
@@ -235,10 +238,8 @@ class AttentionTile {
     const auto v_head = value_head(*keys.segment, b_, kv_head_);
     if (!path_.streaming) {
       const C* scale = rescale_ ? buf_.alpha : nullptr;
-      const bool inside =
-          values_lead_keys(key_head(*keys.segment, b_, kv_head_), v_head, keys.row, keys.n);
       products().read_values(
-          v_head, keys.row, keys.n, scale, inside ? key_rows_ : ConstRows<C>{nullptr, 0},
+          v_head, keys.row, keys.n, scale, values_inside_ ? key_rows_ : ConstRows<C>{nullptr, 0},
           [&](const auto& v, const auto& update) { add_values(v, 0, keys.n, hidden, update); });
       return;
     }
@@ -299,6 +300,7 @@ class AttentionTile {
   TilePath path_;
   bool rescale_ = false;  // some α of the last softmax is not 1 and acc is not rescaled yet
   ConstRows<C> key_rows_{nullptr, 0};  // the GEMM path's block of keys as C, where scores kept it
+  bool values_inside_ = false;         // the block's values lead its keys (values_lead_keys)
   bool non_finite_score_ = false;
   Index b_, kv_head_, q0_, bq_;
   TileBuffers<C> buf_;  // in the thread's scratch (tile_scratch.hpp)

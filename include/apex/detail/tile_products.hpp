@@ -28,7 +28,15 @@
 // are gemm's a, read as they are stored where they are float (rows_as), Qsᵀ, transposed once per
 // task, is its b, in panels of M's columns, and Sᵀ [Bk × M], which is then transposed into S,
 // moves Bk·M values. Each score is the same chain of multiply-adds over d_qk as on the other
-// kernels (a multiply-add's product commutes exactly), so the results keep their bits.
+// kernels (a multiply-add's product commutes exactly), so the results keep their bits. The key
+// rows are read where they are stored only when the block's values lie inside them (below): then
+// that one read serves both products. Otherwise they are first copied into k_copy, a sequential
+// read that the prefetcher follows; read in place from memory, the gemm's twelve rows at a time
+// stall it. Measured (Zen 5, 2 threads): 16 draft tokens of 8 sequences over paged float K/V of
+// 8192 tokens, G = 4, d_qk = 128, 104 ms in place and 82 ms copied; absorbed MLA's latent rows
+// (values inside), 16 heads, 5.8 ms in place and 7.0 ms copied; keys that stay in cache (one
+// head of 8192, 4 MiB) lose 10-20 % copied at 33 to 96 rows, a case decoding rarely meets (a
+// layer's cache is read once a step).
 //
 // VALUES INSIDE THE KEYS. Where the value rows are the first columns of the key rows
 // (values_lead_keys, kv_read.hpp: absorbed MLA reads c_kv inside [c_kv ‖ K_rope]), the block's
@@ -75,19 +83,20 @@ class TileProducts {
   }
 
   /// S [rows × n] (ld_s) = Qs·K_jᵀ for the n keys from `row` of k_head: on the bfloat16 dot
-  /// products where allowed (paired_scores); keys-major (KEYS-MAJOR SCORES); else K_j copied to
+  /// products where allowed (paired_scores); keys-major (KEYS-MAJOR SCORES; the rows read in
+  /// place where `values_inside`, the block's values leading its keys); else K_j copied to
   /// k_copy (widened) and on apex's float kernels (K transposed into their panels) or on
   /// Eigen's. Returns K_j as the rows of C that apex's float kernels read (in place or in
   /// k_copy, valid until the next block) for P·V_j to reuse (read_values), else null rows.
   template <class TK>
-  ConstRows<C> scores(const SegmentHead<TK>& k_head, Index row, Index n) const {
+  ConstRows<C> scores(const SegmentHead<TK>& k_head, Index row, Index n, bool values_inside) const {
     const Index d = buf_.d_qk;
     if constexpr (std::is_same_v<C, float>) {
       if (path_.bf16 != nullptr) {
         paired_scores(k_head, row, n);
         return {nullptr, 0};
       }
-      if (path_.keys_major) return keys_major_scores(k_head, row, n);
+      if (path_.keys_major) return keys_major_scores(k_head, row, n, values_inside);
     }
     load_rows<C>(k_head, row, n, buf_.k_copy);
     if constexpr (std::is_same_v<C, float>) {
@@ -195,12 +204,18 @@ class TileProducts {
   }
 
   /// KEYS-MAJOR SCORES: Sᵀ [n × rows] = K_j·Qsᵀ on apex's float kernels, K_j's rows read as
-  /// float (in place where stored so, else widened into k_copy), then transposed into S.
-  /// Returns those rows.
+  /// float (in place where stored so and `in_place`, else copied or widened into k_copy), then
+  /// transposed into S. Returns those rows.
   template <class TK>
-  ConstRows<float> keys_major_scores(const SegmentHead<TK>& k_head, Index row, Index n) const {
+  ConstRows<float> keys_major_scores(const SegmentHead<TK>& k_head, Index row, Index n,
+                                     bool in_place) const {
     const FloatKernels& simd = *path_.simd;
-    const ConstRows<float> k = rows_as(k_head, row, n, buf_.k_copy);
+    ConstRows<float> k{buf_.k_copy, buf_.d_qk};
+    if (in_place) {
+      k = rows_as(k_head, row, n, buf_.k_copy);
+    } else {
+      load_rows<C>(k_head, row, n, buf_.k_copy);
+    }
     simd.f32.gemm(buf_.scores_t, buf_.ld_t, k.data, k.stride, buf_.q_t, buf_.ld_t, simd.panel, n,
                   buf_.rows, buf_.d_qk, false, nullptr);
     transpose(buf_.scores, buf_.ld_s, buf_.scores_t, buf_.ld_t, n, buf_.rows);
