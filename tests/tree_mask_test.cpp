@@ -16,6 +16,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_case.hpp"
@@ -123,6 +124,24 @@ TEST(TreeMasks, RejectsFirstPositionsThatDoNotFit) {
         TreeMasks({DraftTree({-1}), DraftTree()}, {0, -1});
       },
       "[tree_masks] first[1] (-1) must be >= 0");
+}
+
+// Default-constructed and moved-from objects are valid: no draft token, no tree (every batch
+// unrestricted).
+TEST(TreeMasks, DefaultAndMovedFromRestrictNothing) {
+  TreeMasks moved({DraftTree({-1, 0})}, {4});
+  const TreeMasks taken = std::move(moved);
+  EXPECT_FALSE(taken.allows(0, 4, 5));
+  const TreeMasks fresh;
+  for (const TreeMasks* m : std::vector<const TreeMasks*>{&moved, &fresh}) {
+    EXPECT_EQ(m->size(), 0);
+    EXPECT_TRUE(m->allows(0, 4, 5));
+    EXPECT_EQ(m->classify(0, {4, 6}, {0, 6}), BlockCoverage::kAll);
+  }
+  DraftTree tree({-1});
+  const DraftTree other = std::move(tree);
+  EXPECT_EQ(other.size(), 1);
+  EXPECT_EQ(tree.size(), 0);  // NOLINT(bugprone-use-after-move): a moved-from tree is valid
 }
 
 /// What allows() says of every pair of the rectangle q × k, counted pair by pair.
