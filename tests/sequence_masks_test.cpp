@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "attention_case.hpp"
+#include "block_pool.hpp"
 #include "reference/attention.hpp"
 #include "test_util.hpp"
 #include "tolerances.hpp"
@@ -261,22 +262,10 @@ TEST(SequenceMasks, PagedAndBlockTablesWithDenseMasksAndUserRules) {
   Heads<Scalar> k_pool(pool_pages, hkv, page, d), v_pool(pool_pages, hkv, page, d);
   k_pool.fill(std::numeric_limits<Scalar>::quiet_NaN());
   v_pool.fill(std::numeric_limits<Scalar>::quiet_NaN());
-  apex::BlockTables<Scalar, Scalar> tables;
-  Index next = pool_pages - 1;
-  for (std::size_t i = 0; i < held.size(); ++i) {
-    std::vector<Index> table;
-    for (Index t = 0; t < held[i]; ++t) {
-      if (t % page == 0) table.push_back(next--);
-      for (Index h = 0; h < hkv; ++h) {
-        k_pool.head_map(table.back(), h).row(t % page) = ks[i].view().head(0, h).row(t);
-        v_pool.head_map(table.back(), h).row(t % page) = vs[i].view().head(0, h).row(t);
-      }
-    }
-    tables.block_tables.push_back(table);
-    tables.lengths.push_back(held[i]);
-  }
-  tables.k_pages = k_pool.view();
-  tables.v_pages = v_pool.view();
+  const auto tables = apex::testing::fill_block_tables(
+      k_pool, v_pool, held,
+      [&](std::size_t i, Index h, Index t) { return ks[i].view().head(0, h).row(t); },
+      [&](std::size_t i, Index h, Index t) { return vs[i].view().head(0, h).row(t); });
   out.fill(Scalar(apex::testing::kSentinel));
   apex::sdpa_block_tables(q.view(), cu, tables, rules, mask, apex::SdpaParams{}, user, out.view());
   expect_per_sequence("sdpa_block_tables");

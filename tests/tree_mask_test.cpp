@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "attention_case.hpp"
+#include "block_pool.hpp"
 #include "reference/attention.hpp"
 #include "test_util.hpp"
 #include "tolerances.hpp"
@@ -308,25 +309,15 @@ TEST(TreeAttention, VarlenPagedAndBlockTablesEqualTheLoops) {
                    apex::SdpaParams{}, apex::tree_rules(masks), out.view(), lse.view());
   expect_each("sdpa_paged");
 
-  const Index pool_pages = 40;
-  Heads<float> k_pool(pool_pages, hkv, page, d), v_pool(pool_pages, hkv, page, d);
-  apex::BlockTables<float, float> tables;
-  Index next = pool_pages - 1;
-  for (std::size_t i = 0; i < first.size(); ++i) {
-    std::vector<Index> table;
-    for (Index t = 0; t < k_len[i]; ++t) {
-      if (t % page == 0) table.push_back(next--);
-      const Index row = layout.cu_seqlens_k[i] + t;
-      for (Index h = 0; h < hkv; ++h) {
-        k_pool.head_map(table.back(), h).row(t % page) = k.view().head(0, h).row(row);
-        v_pool.head_map(table.back(), h).row(t % page) = v.view().head(0, h).row(row);
-      }
-    }
-    tables.block_tables.push_back(table);
-    tables.lengths.push_back(k_len[i]);
-  }
-  tables.k_pages = k_pool.view();
-  tables.v_pages = v_pool.view();
+  Heads<float> k_pool(40, hkv, page, d), v_pool(40, hkv, page, d);
+  const auto tables = apex::testing::fill_block_tables(
+      k_pool, v_pool, k_len,
+      [&](std::size_t i, Index h, Index t) {
+        return k.view().head(0, h).row(layout.cu_seqlens_k[i] + t);
+      },
+      [&](std::size_t i, Index h, Index t) {
+        return v.view().head(0, h).row(layout.cu_seqlens_k[i] + t);
+      });
   out.fill(std::numeric_limits<float>::quiet_NaN());
   apex::sdpa_block_tables(q.view(), layout.cu_seqlens_q, tables, causal,
                           apex::AttentionMask<float>{}, apex::SdpaParams{}, apex::tree_rules(masks),
