@@ -625,19 +625,10 @@ class LatentCache {
     detail::check_latent_parts<Storage>(s, "latent_cache");
   }
 
-  /// Stores one token's c_kv (d_kv values) and K_rope (H_kr·d_r) into `row`: part by part, so
-  /// that no block straddles the two, or as one row of a whole-row format.
-  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the parts in the order of the row
+  /// Stores one token's c_kv (d_kv values) and K_rope (H_kr·d_r) into `row`
+  /// (detail::store_latent_row).
   void store(const Scalar* c_kv, const Scalar* k_rope, Storage* row) const {
-    if constexpr (is_latent_row_format_v<Storage>) {
-      std::array<Scalar, Storage::kValues> whole;
-      std::copy_n(c_kv, Storage::kLatent, whole.data());
-      std::copy_n(k_rope, Storage::kRope, whole.data() + Storage::kLatent);
-      KvFormat<Storage>::store_row(whole.data(), Storage::kValues, row);
-    } else {
-      KvFormat<Storage>::store_row(c_kv, latent_dim(), row);
-      KvFormat<Storage>::store_row(k_rope, rope_heads() * rope_dim(), row + elements(latent_dim()));
-    }
+    detail::store_latent_row(c_kv, latent_dim(), k_rope, rope_heads() * rope_dim(), row);
   }
 
   /// Elements of [B, capacity, d_kv + H_kr·d_r], checked together with their bytes.

@@ -30,6 +30,8 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -161,6 +163,25 @@ void check_latent_parts(const Shape& shape, const char* op) {
   } else {
     check_row_values<F>(shape.latent_dim, op, "latent_dim d_kv");
     check_row_values<F>(shape.rope_dim, op, "rope_dim d_r");
+  }
+}
+
+/// Stores one token's latent row through format F at `to`: c_kv (d_kv values) and K_rope
+/// (rope_values) each quantized alone, so that no block straddles the two, or, for a whole-row
+/// format, as one element of the row [c_kv ‖ K_rope] (copied together first where the parts lie
+/// apart).
+template <class F, class Scalar>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the parts in the order of the row
+void store_latent_row(const Scalar* c_kv, Index d_kv, const Scalar* k_rope, Index rope_values,
+                      F* to) {
+  if constexpr (is_latent_row_format_v<F>) {
+    std::array<Scalar, F::kValues> whole;
+    std::copy_n(c_kv, F::kLatent, whole.data());
+    std::copy_n(k_rope, F::kRope, whole.data() + F::kLatent);
+    KvFormat<F>::store_row(whole.data(), F::kValues, to);
+  } else {
+    KvFormat<F>::store_row(c_kv, d_kv, to);
+    KvFormat<F>::store_row(k_rope, rope_values, to + KvFormat<F>::elements(d_kv));
   }
 }
 

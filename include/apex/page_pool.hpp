@@ -676,15 +676,9 @@ class PagedLatentCache : public PagedSequences<Storage> {
  private:
   static constexpr const char* kOp = "paged_latent_cache";
 
-  /// Stores one row [c_kv ‖ K_rope] (row_dim() values) at `to`: part by part, or whole.
+  /// Stores one row [c_kv ‖ K_rope] (row_dim() values) at `to` (detail::store_latent_row).
   void store(const Scalar* from, Storage* to) const {
-    if constexpr (is_latent_row_format_v<Storage>) {
-      KvFormat<Storage>::store_row(from, row_dim(), to);
-    } else {
-      KvFormat<Storage>::store_row(from, latent_dim(), to);
-      KvFormat<Storage>::store_row(from + latent_dim(), row_dim() - latent_dim(),
-                                   to + KvFormat<Storage>::elements(latent_dim()));
-    }
+    detail::store_latent_row(from, latent_dim(), from + latent_dim(), row_dim() - latent_dim(), to);
   }
 
   static Index row_width(const PagedLatentCacheShape& shape) {
