@@ -6,6 +6,7 @@
 #include <apex/attention_rules.hpp>
 #include <apex/cache_memory.hpp>
 #include <apex/cached_attention.hpp>
+#include <apex/cascade_attention.hpp>
 #include <apex/config.hpp>
 #include <apex/cpu.hpp>
 #include <apex/embedding.hpp>

@@ -96,18 +96,19 @@ Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
 
 namespace detail {
 
-/// The whole of sdpa_paged, with the dense masks and user rules of its other overloads (see
-/// sdpa_varlen for their layout: row r is query row r of q, column j the sequence's j-th held
-/// key).
-template <class TQ, class Cache, class TO, class TB = TQ, class R = NoRules>
+/// Every check of sdpa_paged (named `op` in the messages), then the views of each sequence
+/// alone: its query rows, its held keys, its rule at its positions, its output rows and its rows
+/// of the dense masks (see sdpa_varlen for their layout: row r is query row r of q, column j the
+/// sequence's j-th held key). Allocates the views.
+template <class TQ, class Cache, class TO, class TB = TQ>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, the arguments of sdpa_paged
-void flash_sdpa_paged(const HeadsView<const TQ>& q, const std::vector<Index>& cu_seqlens_q,
-                      const Cache& cache, const std::vector<SequenceId>& ids,
-                      const std::vector<PositionMask>& masks, const SdpaParams& params,
-                      const HeadsView<TO>& out, const HeadsView<TO>& lse,
-                      const AttentionMask<TB>& mask = {}, const R& user_rules = {}) {
+std::vector<SequenceViews<TQ, typename Cache::StorageType, typename Cache::StorageType, TO, TB>>
+paged_sequence_views(const HeadsView<const TQ>& q, const std::vector<Index>& cu_seqlens_q,
+                     const Cache& cache, const std::vector<SequenceId>& ids,
+                     const std::vector<PositionMask>& masks, const SdpaParams& params,
+                     const HeadsView<TO>& out, const HeadsView<TO>& lse,
+                     const AttentionMask<TB>& mask, const char* op) {
   using Storage = typename Cache::StorageType;
-  const char* op = "sdpa_paged";
   const auto n = static_cast<Index>(ids.size());
   APEX_CHECK(q.batch() == 1, "[" << op << "] q batch (" << q.batch()
                                  << ") must be 1: the sequences are packed along the rows");
@@ -149,7 +150,20 @@ void flash_sdpa_paged(const HeadsView<const TQ>& q, const std::vector<Index>& cu
                      sequence_mask_rows(mask.allowed, 0, q0, nq, keys.size()),
                      sequence_mask_rows(mask.bias, 0, q0, nq, keys.size())};
   }
-  attend_sequences(sequences, params, {}, user_rules);
+  return sequences;
+}
+
+/// The whole of sdpa_paged, with the dense masks and user rules of its other overloads.
+template <class TQ, class Cache, class TO, class TB = TQ, class R = NoRules>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, the arguments of sdpa_paged
+void flash_sdpa_paged(const HeadsView<const TQ>& q, const std::vector<Index>& cu_seqlens_q,
+                      const Cache& cache, const std::vector<SequenceId>& ids,
+                      const std::vector<PositionMask>& masks, const SdpaParams& params,
+                      const HeadsView<TO>& out, const HeadsView<TO>& lse,
+                      const AttentionMask<TB>& mask = {}, const R& user_rules = {}) {
+  attend_sequences(paged_sequence_views(q, cu_seqlens_q, cache, ids, masks, params, out, lse, mask,
+                                        "sdpa_paged"),
+                   params, {}, user_rules);
 }
 
 /// Throws unless sequence i's block table holds its `length` tokens in pages of `page` tokens of

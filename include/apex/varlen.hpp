@@ -102,6 +102,7 @@ struct SequenceViews {
   HeadsView<TO> out, lse;
   HeadsView<const bool> allowed{};
   HeadsView<const TB> bias{};
+  HeadsView<TO> max{}, sum{};  // the rows' softmax statistics (optional, as sdpa's stats)
 };
 
 /// Throws unless `masks` holds one position mask for all n sequences or one for each.
@@ -209,7 +210,7 @@ void attend_sequences(const std::vector<SequenceViews<TQ, TK, TV, TO, TB>>& sequ
     problems.back().rules = &sequence_rules.back();
     problems.back().allowed = s.allowed;
     problems.back().bias = s.bias;
-    jobs.push_back({&problems.back(), {s.out, s.lse, {}, {}}});
+    jobs.push_back({&problems.back(), {s.out, s.lse, s.max, s.sum}});
   }
   flash_attention(jobs.data(), static_cast<Index>(jobs.size()), blocking);
 }
