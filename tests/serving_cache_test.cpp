@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <random>
@@ -196,6 +197,52 @@ TEST(ServingCache, ForksShareThePromptAndDivergeCorrectly) {
   EXPECT_EQ(global.pages_in_use(), 3);
   cache.free(b);
   EXPECT_EQ(cache.pages_in_use(), 0);
+}
+
+/// Five continuations of one prompt, two of them forked again after a few tokens of their own
+/// (prefixes shared at two levels), with a window wider than the texts so that the local layers
+/// share pages too: serve reads the shared pages once per layer (sdpa_cascade) and every
+/// continuation gets the logits of its whole text run alone.
+TEST(ServingCache, ManyForksOfOnePromptEqualEachAlone) {
+  apex::StackConfig config = serving_config();
+  config.window = 64;
+  const auto stack = apex::AttentionStack<double>::random(config, 6);
+  auto cache = stack.make_serving_cache(apex::ServingCacheShape{4, 80, 80});
+  const Tokens prompt = {3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3, 2, 38, 4, 6, 26, 4, 33};
+  std::vector<SequenceId> ids{cache.add(2)};
+  std::vector<Tokens> texts{prompt};
+  std::vector<std::vector<RowMatrix<double>>> got(1);
+  got[0].push_back(stack.serve({ids[0]}, {prompt}, cache));
+  const auto step = [&](int t) {
+    std::vector<Tokens> next;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      next.push_back({std::int64_t((7 * i + 3 * std::size_t(t) + 1) % 40)});
+      texts[i].push_back(next.back()[0]);
+    }
+    const RowMatrix<double> logits = stack.serve(ids, next, cache);
+    for (std::size_t i = 0; i < ids.size(); ++i) got[i].push_back(logits.row(Index(i)));
+  };
+  const auto fork = [&](std::size_t i) {
+    ids.push_back(cache.fork(ids[i]));
+    texts.push_back(texts[i]);
+    got.push_back(got[i]);
+  };
+  for (int f = 0; f < 4; ++f) fork(0);
+  for (int t = 0; t < 9; ++t) step(t);  // 28 tokens: 7 pages of 4 each
+  fork(1);
+  fork(2);
+  for (int t = 9; t < 12; ++t) step(t);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    SCOPED_TRACE("sequence " + std::to_string(i));
+    const RowMatrix<double> want = alone(stack, texts[i], prompt.size(), 2);
+    ASSERT_EQ(Index(got[i].size()), want.rows());  // a fork's first rows are its parent's
+    for (Index r = 0; r < want.rows(); ++r) {
+      EXPECT_LE((got[i][std::size_t(r)] - want.row(r)).cwiseAbs().maxCoeff(),
+                apex::testing::Tolerances<double>::kDecode *
+                    std::max(1.0, want.row(r).cwiseAbs().maxCoeff()))
+          << "row " << r;
+    }
+  }
 }
 
 /// A local layer keeps O(W) tokens per sequence however long it gets; a global layer keeps all.

@@ -35,6 +35,11 @@ struct AttentionLayerParams {
   /// Attention itself is over the block's own keys, and the mask's positions are set in
   /// AttentionMask::positions, independently of this.
   Index position_offset = 0;
+  /// forward_paged only: attend through sdpa_cascade (cascade_attention.hpp), which reads the
+  /// pages that several of the step's sequences share (forks of one prompt) once for all of
+  /// them, instead of sdpa_paged; equal to it to rounding, and bit for bit where nothing is
+  /// shared. AttentionStack::serve sets it.
+  bool read_shared_pages_once = false;
 };
 
 /// Queries, keys and values after a layer's projections, heads side by side in each row

@@ -16,6 +16,7 @@
 
 #include <apex/attention_layer.hpp>
 #include <apex/cached_attention.hpp>
+#include <apex/cascade_attention.hpp>
 #include <apex/config.hpp>
 #include <apex/detail/checks.hpp>
 #include <apex/detail/gqa_steps.hpp>
@@ -221,7 +222,8 @@ class GroupedQueryAttention {
   /// The rows of every sequence are projected together (one product per weight), each rotated at
   /// its own position; each sequence's K and V are appended to its pages, then every sequence
   /// attends over its held tokens under masks[i] (masks[0] for all when it has one entry) in one
-  /// sdpa_paged call, and the result is projected by W_O.
+  /// sdpa_paged call (sdpa_cascade with params.read_shared_pages_once), and the result is
+  /// projected by W_O.
   ///   x: [T, d]; cu_seqlens: N + 1 row offsets; ids: N distinct live sequences; masks: position
   ///   masks with their offsets unset (the positions are the cache's); params: RoPE table
   ///   covering every new position, scale and soft-cap, position_offset 0 (unused)
@@ -254,8 +256,12 @@ class GroupedQueryAttention {
       cache.append(ids[i], p.k_heads().middle_rows(first, n), p.v_heads().middle_rows(first, n));
     }
     RowMatrix<Scalar> concat(rows, h_q * d_h);
-    sdpa_paged(p.q_heads(), cu_seqlens, cache, ids, masks, attention,
-               HeadsView<Scalar>::token_major(concat.data(), {1, h_q, rows, d_h}));
+    const auto heads = HeadsView<Scalar>::token_major(concat.data(), {1, h_q, rows, d_h});
+    if (params.read_shared_pages_once) {
+      sdpa_cascade(p.q_heads(), cu_seqlens, cache, ids, masks, attention, heads);
+    } else {
+      sdpa_paged(p.q_heads(), cu_seqlens, cache, ids, masks, attention, heads);
+    }
     detail::matmul<Scalar>(concat, weights_.w_o, out);
   }
 

@@ -37,6 +37,7 @@
 #include <apex/attention_layer.hpp>
 #include <apex/cache_memory.hpp>
 #include <apex/cached_attention.hpp>
+#include <apex/cascade_attention.hpp>
 #include <apex/config.hpp>
 #include <apex/detail/checks.hpp>
 #include <apex/detail/matmul.hpp>
@@ -273,11 +274,15 @@ class MultiHeadLatentAttention {
       const Index first = cu_seqlens[i];
       cache.append(ids[i], latent.middleRows(first, cu_seqlens[i + 1] - first));
     }
-    const RowMatrix<Scalar> o_latent = detail::latent_outputs<Scalar>(
-        {1, h_q, rows, width}, d_kv, cache.value_dim(), [&](const HeadsView<Scalar>& o) {
-          sdpa_paged(HeadsView<const Scalar>::token_major(q.data(), {1, h_q, rows, width}),
-                     cu_seqlens, cache, ids, masks, attention, o);
-        });
+    const RowMatrix<Scalar> o_latent = detail::latent_outputs<
+        Scalar>({1, h_q, rows, width}, d_kv, cache.value_dim(), [&](const HeadsView<Scalar>& o) {
+      const auto q_heads = HeadsView<const Scalar>::token_major(q.data(), {1, h_q, rows, width});
+      if (params.read_shared_pages_once) {
+        sdpa_cascade(q_heads, cu_seqlens, cache, ids, masks, attention, o);
+      } else {
+        sdpa_paged(q_heads, cu_seqlens, cache, ids, masks, attention, o);
+      }
+    });
     detail::absorbed_output(config(), weights_, o_latent, absorbed, out);
   }
 

@@ -138,14 +138,16 @@ void serve_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
         layer_mask(l, LayerMaskParams{cache.prefix(id), config.window, config.global_every}));
   }
   auto& layer_cache = ServingCacheAccess::layer(cache, l);
+  AttentionLayerParams<Scalar> params = stack.block_params(l);
+  params.read_shared_pages_once = true;  // forks of one prompt read its pages once a layer
   if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
-    mla->forward_paged(normed, cu, ids, masks, stack.block_params(l), stack.absorbed_weights(l),
+    mla->forward_paged(normed, cu, ids, masks, params, stack.absorbed_weights(l),
                        std::get<PagedLatentCache<Scalar, Global>>(layer_cache), attended);
     return;
   }
   const auto& gqa = std::get<typename Stack::Gqa>(stack.layer(l));
   auto& kv = std::get<PagedKvCache<Scalar, Storage>>(layer_cache);
-  gqa.forward_paged(normed, cu, ids, masks, stack.block_params(l), kv, attended);
+  gqa.forward_paged(normed, cu, ids, masks, params, kv, attended);
   for (const SequenceId id : ids) {  // the next query, at length(id), sees no key before
     const Index start = kv.length(id) - config.window + 1;
     if (start > kv.first_position(id)) kv.forget_before(id, start);
@@ -189,7 +191,8 @@ auto make_serving_cache(const AttentionStack<Scalar, Weight>& stack,
 /// prompt in its first call (the prefix it was added with must lie inside it), then one token per
 /// step, or any chunk — and every sequence follows the APEX-1 rules of its own prefix (§11.1).
 /// Prompts and single tokens of different sequences may share one call: their rows go through
-/// every projection together, and each layer's attention is one sdpa_paged call over all of them.
+/// every projection together, and each layer's attention is one sdpa_cascade call over all of them
+/// (cascade_attention.hpp: pages that several of them share, forks of one prompt, are read once).
 ///   ids: N distinct live sequences; tokens: N non-empty lists of ids in [0, V)
 ///   -> logits [N, V], row i for the last token of ids[i]: what prefill / extend / decode_step of
 ///   that sequence alone return for it (to the rounding of the other path).
