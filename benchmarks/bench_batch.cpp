@@ -28,6 +28,15 @@
 //                             tokens of each as queries under tree_rules (tree_mask.hpp). GBps
 //                             counts the K and V bytes held: compare with /tree:plain/, one
 //                             decoding step (1 query a sequence) over the same caches.
+//   BM_CascadeDecode/seqs:64/prefix:16384/suffix:256/<how>
+//                             one decoding step of 64 sequences forked from one prompt of 16384
+//                             tokens (pages of 64), each with 256 tokens of its own after it,
+//                             H_q = 32, H_kv = 8; /cascade: sdpa_cascade (the prompt's pages
+//                             read once for all 64), /paged: sdpa_paged over the same cache (read
+//                             64 times); /bf16/… the same over a bfloat16 cache, with bfloat16
+//                             products allowed (AMX tiles where the CPU has them). GBps counts the
+//                             K and V bytes the cache holds (the prompt once and every suffix),
+//                             for both: compare with BM_MemRead.
 // Threads: OpenMP, as many as OMP_NUM_THREADS says (the figures are meant for 2).
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 // GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers when Eigen's
@@ -36,6 +45,7 @@
 #endif
 
 #include <apex/cache_memory.hpp>
+#include <apex/cascade_attention.hpp>
 #include <apex/config.hpp>
 #include <apex/kv_quant.hpp>
 #include <apex/mask.hpp>
@@ -49,6 +59,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bench_util.hpp"
@@ -172,6 +183,45 @@ void run_tree_verify(benchmark::State& state, Index seqs, Index draft, Index com
       state, static_cast<double>(apex::kv_cache_bytes<float>(seqs, held, kv_heads, kHeadDim)));
 }
 
+/// One decoding step of `seqs` sequences forked from a prompt of `prefix` tokens, each holding
+/// `suffix` tokens of its own after it (its query the last), through sdpa_cascade or sdpa_paged.
+template <class Format>
+void run_cascade_decode(benchmark::State& state, Index seqs, Index prefix, Index suffix,
+                        bool cascade) {
+  const Index q_heads = 32, kv_heads = 8, page = 64;
+  apex::PagedKvCache<float, Format> cache(
+      {kv_heads, kHeadDim, page, (prefix + seqs * (suffix + page)) / page});
+  const Packed block(kv_heads, 512, 5);
+  const auto append = [&](apex::SequenceId id, Index tokens) {
+    for (Index done = 0; done < tokens; done += 512) {
+      const auto rows = block.view.middle_rows(0, std::min<Index>(512, tokens - done));
+      cache.append(id, rows, rows);
+    }
+  };
+  std::vector<apex::SequenceId> ids{cache.add()};
+  append(ids[0], prefix);
+  while (static_cast<Index>(ids.size()) < seqs) ids.push_back(cache.fork(ids[0]));
+  for (const apex::SequenceId id : ids) append(id, suffix);
+  std::vector<Index> cu;
+  for (Index i = 0; i <= seqs; ++i) cu.push_back(i);
+  const Packed q(q_heads, seqs, 6);
+  Packed out(q_heads, seqs, 7);
+  apex::SdpaParams params;
+  params.allow_bf16_products = std::is_same_v<Format, Eigen::bfloat16>;
+  for (auto _ : state) {
+    if (cascade) {
+      apex::sdpa_cascade(q.view, cu, cache, ids, {apex::causal_mask()}, params, out.view);
+    } else {
+      apex::sdpa_paged(q.view, cu, cache, ids, {apex::causal_mask()}, params, out.view);
+    }
+    benchmark::DoNotOptimize(out.data.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["GBps"] =
+      apex::bench::gbps(state, static_cast<double>(apex::kv_cache_bytes<Format>(
+                                   1, prefix + seqs * suffix, kv_heads, kHeadDim)));
+}
+
 /// 64 lengths spread geometrically over [256, 32768].
 std::vector<Index> spread_lengths() {
   std::vector<Index> lengths;
@@ -218,6 +268,23 @@ const bool kRegistered = [] {
     benchmark::RegisterBenchmark(
         ("BM_TreeVerify/seqs:8/" + tree + "/cache:8192").c_str(),
         [draft](benchmark::State& state) { run_tree_verify(state, 8, draft, 8192); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (const bool cascade : {true, false}) {
+    const std::string how = cascade ? "cascade" : "paged";
+    benchmark::RegisterBenchmark(
+        ("BM_CascadeDecode/seqs:64/prefix:16384/suffix:256/" + how).c_str(),
+        [cascade](benchmark::State& state) {
+          run_cascade_decode<float>(state, 64, 16384, 256, cascade);
+        })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(
+        ("BM_CascadeDecode/bf16/seqs:64/prefix:16384/suffix:256/" + how).c_str(),
+        [cascade](benchmark::State& state) {
+          run_cascade_decode<Eigen::bfloat16>(state, 64, 16384, 256, cascade);
+        })
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }
