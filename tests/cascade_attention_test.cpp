@@ -220,8 +220,7 @@ apex::CascadePlan plan_of(const Shadowed& s, const Call& call, const PositionMas
   const auto views = apex::detail::paged_sequence_views<float>(
       q.view(), call.cu, s.cache, call.ids, {rule}, params, out.view(), apex::HeadsView<float>{},
       apex::AttentionMask<float>{}, "test");
-  return apex::detail::plan_cascade(apex::detail::cascade_sequences(views),
-                                    !params.alibi_slopes.empty());
+  return apex::detail::plan_cascade(apex::detail::cascade_sequences(views));
 }
 
 template <class T>
@@ -303,15 +302,11 @@ TEST(SdpaCascade, PlanReadsEverySharedPageOnce) {
   EXPECT_EQ(Index(std::set<Index>(read.begin(), read.end()).size()), s.cache.pages_in_use())
       << "no page read twice";
   EXPECT_EQ(one_by_one, 5 * 5 + 3 * 2 + 5);
-  // A window that ends inside the prompt, and ALiBi, share nothing.
+  // A window that ends inside the prompt shares nothing.
   EXPECT_TRUE(plan_of(s, call, apex::sliding_window_mask(8)).shared.empty());
-  apex::SdpaParams alibi;
-  alibi.alibi_slopes = apex::alibi_slopes(4 * kKvHeads);
-  EXPECT_TRUE(plan_of(s, call, apex::causal_mask(), alibi).shared.empty());
 }
 
-/// Where no pages are shared (separate sequences, or ALiBi), sdpa_cascade is sdpa_paged, bit for
-/// bit.
+/// Where no pages are shared (separate sequences), sdpa_cascade is sdpa_paged, bit for bit.
 TEST(SdpaCascade, NothingSharedIsSdpaPagedBitForBit) {
   std::mt19937 rng(5);
   Shadowed s(8);
@@ -320,22 +315,16 @@ TEST(SdpaCascade, NothingSharedIsSdpaPagedBitForBit) {
     ids.push_back(s.add());
     s.append(ids.back(), 10 + 9 * i, rng);
   }
-  ids.push_back(s.fork(ids[0]));  // shares with ids[0], but under ALiBi below
-  s.append(ids.back(), 3, rng);
   const Call call(s, ids, 4 * kKvHeads, rng);
   const Heads<float> q = call.queries<float>();
   for (const auto& [terms_name, params] : score_terms(q.heads())) {
     SCOPED_TRACE(terms_name);
-    const std::vector<SequenceId> used =
-        params.alibi_slopes.empty() ? std::vector<SequenceId>(ids.begin(), ids.end() - 1) : ids;
-    const std::vector<Index> cu(call.cu.begin(), call.cu.begin() + Index(used.size()) + 1);
     Heads<float> a(1, q.heads(), q.seq(), kDim), b(1, q.heads(), q.seq(), kDim);
     Heads<float> la(1, q.heads(), q.seq(), 1), lb(1, q.heads(), q.seq(), 1);
-    const auto rows = q.view().middle_rows(0, cu.back());
-    apex::sdpa_cascade(rows, cu, s.cache, used, {apex::causal_mask()}, params,
-                       a.view().middle_rows(0, cu.back()), la.view().middle_rows(0, cu.back()));
-    apex::sdpa_paged(rows, cu, s.cache, used, {apex::causal_mask()}, params,
-                     b.view().middle_rows(0, cu.back()), lb.view().middle_rows(0, cu.back()));
+    apex::sdpa_cascade(q.view(), call.cu, s.cache, ids, {apex::causal_mask()}, params, a.view(),
+                       la.view());
+    apex::sdpa_paged(q.view(), call.cu, s.cache, ids, {apex::causal_mask()}, params, b.view(),
+                     lb.view());
     for (std::size_t e = 0; e < a.size(); ++e) ASSERT_EQ(a.at(e), b.at(e)) << "element " << e;
     for (std::size_t e = 0; e < la.size(); ++e) ASSERT_EQ(la.at(e), lb.at(e)) << "lse " << e;
   }

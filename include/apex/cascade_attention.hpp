@@ -14,10 +14,14 @@
 // some of them go on sharing (a sub-prefix: beams forked from a forked prompt), their next run is
 // another pass; a sequence's keys after its last shared run are its own. A sequence takes part in
 // shared passes only over whole pages whose every key all of its queries see under its rule
-// (classify_block says kAll: causal queries after the prefix, not a window that ends inside it),
-// and not at all under ALiBi (its term depends on each row's position, which differs from
-// sequence to sequence in a stacked pass); otherwise its keys are all its own, computed as
-// sdpa_paged computes them.
+// (classify_block says kAll: causal queries after the prefix, not a window that ends inside it);
+// otherwise its keys are all its own, computed as sdpa_paged computes them.
+//
+// ALIBI. The stacked rows of a pass sit at the positions of its first sequence's queries, one
+// after another, so ALiBi's term slope·(kp − qp) of a row differs from its sequence's own by a
+// constant of the row, slope·shift (PartOfRows). A constant added to every score of a row moves
+// its maximum alone: the merge takes m + slope·shift for that part, in double, and the result is
+// that of the row's own positions.
 //
 // ACCURACY. A sequence in no shared pass gets sdpa_paged's result bit for bit. A sequence with
 // shared passes gets the same mathematical result, its parts rounded to the output type before the
@@ -84,10 +88,10 @@ struct CascadeSequence {
 };
 
 /// The most keys, in whole pages from the first held one, that every query of `s` sees under
-/// its rule (0 without a block table or queries, or under ALiBi). Binary search: a smaller run
+/// its rule (0 without a block table or queries). Binary search: a smaller run
 /// of an all-visible run is all visible.
-inline Index shareable_keys(const CascadeSequence& s, bool alibi) {
-  if (alibi || s.pages == nullptr || s.queries == 0) return 0;
+inline Index shareable_keys(const CascadeSequence& s) {
+  if (s.pages == nullptr || s.queries == 0) return 0;
   const auto all_seen = [&](Index pages) {
     return pages == 0 ||
            classify_block(s.rule, s.first_query, s.first_query + s.queries, s.first_key_position,
@@ -130,7 +134,7 @@ struct PageTree {
 /// The cascade of a call (see THE PLAN): a prefix tree of the sequences' page ids, walked
 /// depth first from the first page, each node shared by >= 2 sequences a pass. Allocates the
 /// plan and its work list.
-inline CascadePlan plan_cascade(const std::vector<CascadeSequence>& sequences, bool alibi) {
+inline CascadePlan plan_cascade(const std::vector<CascadeSequence>& sequences) {
   const auto n = static_cast<Index>(sequences.size());
   CascadePlan plan;
   plan.own_first_key.assign(static_cast<std::size_t>(n), 0);
@@ -138,7 +142,7 @@ inline CascadePlan plan_cascade(const std::vector<CascadeSequence>& sequences, b
   std::vector<Index> all;
   for (Index i = 0; i < n; ++i) {
     const CascadeSequence& s = sequences[static_cast<std::size_t>(i)];
-    tree.limit[static_cast<std::size_t>(i)] = shareable_keys(s, alibi) / s.page;
+    tree.limit[static_cast<std::size_t>(i)] = shareable_keys(s) / s.page;
     if (tree.holds(i, 0)) all.push_back(i);
   }
   std::vector<std::pair<std::vector<Index>, Index>> work{{all, 0}};  // members, next page
@@ -214,6 +218,16 @@ std::vector<TQ> stacked_queries(const std::vector<SequenceViews<TQ, TK, TV, TO, 
   return stacked;
 }
 
+/// Where a sequence's rows are in one of its parts: the part's result, the first row, and (for
+/// ALiBi) how many positions farther its keys lie from its queries than the part's rows say:
+/// the term slope·(kp − qp) of the sequence's rows is the part's plus slope·shift, a constant of
+/// the row that moves its maximum alone (m = m_part + slope·shift).
+struct PartOfRows {
+  Index result = 0;
+  Index first_row = 0;
+  Index shift = 0;
+};
+
 /// The shared passes of a plan and the own keys of each sequence that takes part in one, as
 /// problems of their own (the parts), and where each such sequence finds its parts: a list per
 /// sequence of (part, first row), in the order of its keys. The sequences in no shared pass are
@@ -224,7 +238,7 @@ struct CascadeParts {
   std::vector<std::vector<TQ>> queries;  // each shared pass's stacked rows of q
   std::vector<PartialRows<TO>> results;  // each part's partial result
   std::vector<Views> parts, plain;
-  std::vector<std::vector<std::pair<Index, Index>>> path;
+  std::vector<std::vector<PartOfRows>> path;
 };
 
 /// The keys [first, first + count) of a sequence's held keys `held`, count > 0.
@@ -243,19 +257,28 @@ CascadeParts<TQ, TK, TV, TO, TB> cascade_parts(
   c.queries.reserve(plan.shared.size());
   c.results.reserve(plan.shared.size() + n);  // the views into them stay where they are
   c.path.resize(n);
+  const auto first_query = [](const auto& v) {
+    return v.positions.first_query_position(v.q.seq(), v.keys.size());
+  };
   for (const SharedPass& pass : plan.shared) {
     const auto& lead = views[static_cast<std::size_t>(pass.members.front())];
+    PositionMask rule;  // every pair allowed (the plan's condition); rows at the lead's positions
+    rule.query_offset = first_query(lead);
     Index rows = 0;
     for (const Index m : pass.members) {
-      c.path[static_cast<std::size_t>(m)].emplace_back(c.results.size(), rows);
-      rows += views[static_cast<std::size_t>(m)].q.seq();
+      const auto& v = views[static_cast<std::size_t>(m)];
+      const Index shift = (v.keys.first_position - lead.keys.first_position) -
+                          (first_query(v) - (*rule.query_offset + rows));
+      c.path[static_cast<std::size_t>(m)].push_back(
+          {static_cast<Index>(c.results.size()), rows, shift});
+      rows += v.q.seq();
     }
     c.queries.push_back(stacked_queries(views, pass, rows));
     PartialRows<TO>& result = c.results.emplace_back(lead.q.heads(), rows, lead.out.dim());
     c.parts.push_back({HeadsView<const TQ>::contiguous(c.queries.back().data(),
                                                        {1, lead.q.heads(), rows, lead.q.dim()}),
                        key_run(lead.keys, pass.first_key, pass.keys),
-                       PositionMask{},  // every pair allowed (the plan's condition)
+                       rule,
                        result.out_view(),
                        {},
                        {},
@@ -272,9 +295,9 @@ CascadeParts<TQ, TK, TV, TO, TB> cascade_parts(
     }
     if (keys == 0) continue;
     PositionMask rule = v.positions;
-    rule.query_offset = v.positions.first_query_position(v.q.seq(), v.keys.size());
+    rule.query_offset = first_query(v);
     rule.key_offset = v.keys.first_position + own;
-    c.path[i].emplace_back(c.results.size(), 0);
+    c.path[i].push_back({static_cast<Index>(c.results.size()), 0, 0});
     PartialRows<TO>& result = c.results.emplace_back(v.q.heads(), v.q.seq(), v.out.dim());
     c.parts.push_back({v.q,
                        key_run(v.keys, own, keys),
@@ -303,13 +326,17 @@ void merge_cascade(const std::vector<SequenceViews<TQ, TK, TV, TO, TB>>& views,
     for (Index h = 0; parts > 0 && h < v.q.heads(); ++h) {
       const double sink = params.sinks.empty() ? -std::numeric_limits<double>::infinity()
                                                : params.sinks[static_cast<std::size_t>(h)];
+      const double slope =
+          params.alibi_slopes.empty() ? 0.0 : params.alibi_slopes[static_cast<std::size_t>(h)];
       for (Index r = 0; r < v.q.seq(); ++r) {
         const auto part_at = [&](Index p) {
-          const auto& [result_index, first] = path[static_cast<std::size_t>(p)];
-          const PartialRows<TO>& result = c.results[static_cast<std::size_t>(result_index)];
-          const auto at = static_cast<std::size_t>(h * result.shape.seq + first + r);
-          return PartRow<TO, double>{result.out.data() + at * static_cast<std::size_t>(d_v),
-                                     {double(result.max[at]), double(result.sum[at])}};
+          const PartOfRows& part = path[static_cast<std::size_t>(p)];
+          const PartialRows<TO>& result = c.results[static_cast<std::size_t>(part.result)];
+          const auto at = static_cast<std::size_t>(h * result.shape.seq + part.first_row + r);
+          const double max = double(result.max[at]);
+          return PartRow<TO, double>{
+              result.out.data() + at * static_cast<std::size_t>(d_v),
+              {part.shift == 0 ? max : max + slope * double(part.shift), double(result.sum[at])}};
         };
         const SoftmaxStats<double> stats =
             merge_rows<double>(parts, d_v, part_at, row_data(v.out, 0, h, r), scratch.data(),
@@ -350,9 +377,7 @@ void sdpa_cascade(const HeadsView<Q>& q, const std::vector<Index>& cu_seqlens_q,
   using TQ = std::remove_const_t<Q>;
   const auto views = detail::paged_sequence_views<TQ, Cache, TO, TQ>(
       q, cu_seqlens_q, cache, ids, masks, params, out, lse, AttentionMask<TQ>{}, "sdpa_cascade");
-  detail::attend_cascade(
-      views, detail::plan_cascade(detail::cascade_sequences(views), !params.alibi_slopes.empty()),
-      params);
+  detail::attend_cascade(views, detail::plan_cascade(detail::cascade_sequences(views)), params);
 }
 
 }  // namespace apex
