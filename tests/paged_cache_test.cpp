@@ -206,6 +206,105 @@ TEST(PagedKvCache, RandomHistoriesEqualContiguousAttention) {
   }
 }
 
+/// Speculative decoding's accept over random histories: a draft of 1 to 20 tokens is appended
+/// after a sequence's committed tokens (sometimes then forked, so that its pages are shared),
+/// and keep_tokens keeps a random increasing subset of it, moved down in order. The sequence then
+/// holds exactly the shadow's tokens (attention bit for bit against contiguous), holds no page
+/// past its length, its forks are unchanged, and no page leaks.
+TEST(PagedKvCache, KeepTokensKeepsAPathAndDropsTheRest) {
+  std::mt19937 rng(23);
+  for (const Index page : {1, 4, 16}) {
+    SCOPED_TRACE("page size " + std::to_string(page));
+    apex::PagedKvCache<float> cache({kHeads, kDim, page, 2400 / page + 8});
+    std::map<SequenceId, Tokens> shadow;
+    for (int round = 0; round < 24; ++round) {
+      SequenceId id = shadow.empty() || round % 5 == 0 ? cache.add() : shadow.rbegin()->first;
+      if (shadow.count(id) == 0 || rng() % 3 == 0) {
+        append_random(cache, shadow, id, std::uniform_int_distribution<Index>(1, 30)(rng), rng);
+      }
+      if (rng() % 4 == 0) {  // a continuation forked before the draft
+        const SequenceId other = cache.fork(id);
+        shadow[other] = shadow[id];
+        id = other;
+      }
+      const Index first = cache.length(id);
+      const Index draft = std::uniform_int_distribution<Index>(1, 20)(rng);
+      append_random(cache, shadow, id, draft, rng);
+      if (rng() % 3 == 0) shadow[cache.fork(id)] = shadow[id];  // the draft's pages shared
+      std::vector<Index> rows;
+      for (Index r = 0; r < draft; ++r) {
+        if (rng() % 2 == 0) rows.push_back(r);
+      }
+      cache.keep_tokens(id, first, rows);
+      Tokens& t = shadow[id];
+      for (Index h = 0; h < kHeads; ++h) {
+        for (std::size_t k = 0; k < rows.size(); ++k) {
+          t.k[std::size_t(h)].row(first + Index(k)) = t.k[std::size_t(h)].row(first + rows[k]);
+          t.v[std::size_t(h)].row(first + Index(k)) = t.v[std::size_t(h)].row(first + rows[k]);
+        }
+        t.k[std::size_t(h)].conservativeResize(first + Index(rows.size()), kDim);
+        t.v[std::size_t(h)].conservativeResize(first + Index(rows.size()), kDim);
+      }
+      ASSERT_EQ(cache.length(id), t.length());
+      ASSERT_EQ(Index(cache.block_table(id).size()), apex::detail::pages_holding(t.length(), page));
+      for (auto it = shadow.begin(); it != shadow.end();) {  // attention needs a token
+        if (it->second.length() == 0) {
+          cache.free(it->first);
+          it = shadow.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (!shadow.empty()) expect_attention_matches(cache, shadow, apex::causal_mask(), rng);
+    }
+    for (const auto& [id, t] : shadow) cache.free(id);
+    EXPECT_EQ(cache.free_pages(), cache.num_pages()) << "a page leaked";
+  }
+}
+
+/// keep_tokens' bad input: an unknown sequence, `first` outside the held tokens, rows that are
+/// not increasing or lie past the draft, and a full pool where a shared page must be copied:
+/// each throws naming what is wrong, and the cache keeps its tokens, pages and tables.
+TEST(PagedKvCache, KeepTokensRejectsBadInputAndChangesNothing) {
+  std::mt19937 rng(7);
+  apex::PagedKvCache<float> cache({kHeads, kDim, 4, 5});
+  std::map<SequenceId, Tokens> shadow;
+  const SequenceId a = cache.add();
+  append_random(cache, shadow, a, 18, rng);  // 5 pages: the pool is full
+  const SequenceId b = cache.fork(a);
+  shadow[b] = shadow[a];
+  const auto table = cache.block_table(a);
+  using apex::testing::expect_invalid;
+  expect_invalid([&] { cache.keep_tokens(SequenceId{9}, 0, {}); }, "sequence 9 does not exist");
+  expect_invalid([&] { cache.keep_tokens(a, 19, {}); }, "first (19) must be in [0, 18]");
+  expect_invalid([&] { cache.keep_tokens(a, -1, {}); }, "first (-1) must be in [0, 18]");
+  expect_invalid(
+      [&] {
+        cache.keep_tokens(a, 10, {0, 3, 3});
+      },
+      "rows[2] (3) must be greater than the row before it and below length − first (8)");
+  expect_invalid([&] { cache.keep_tokens(a, 10, {8}); }, "rows[0] (8) must be greater");
+  expect_invalid([&] { cache.keep_tokens(a, 10, {-1}); }, "rows[0] (-1)");
+  expect_invalid(
+      [&] {
+        cache.keep_tokens(a, 6, {1, 2, 3});  // into pages 1 and 2
+      },
+      "the pool is full: keeping the rows of sequence 0 copies 2 shared pages, 0 are "
+      "free");
+  EXPECT_EQ(cache.length(a), 18);
+  EXPECT_EQ(cache.block_table(a), table);
+  EXPECT_EQ(cache.pages_in_use(), 5);
+  cache.keep_tokens(a, 10, {0, 1, 2});  // nothing moves: no copy needed, pages released
+  EXPECT_EQ(cache.length(a), 13);
+  EXPECT_EQ(cache.length(b), 18);
+  shadow[a] = shadow[b];
+  for (Index h = 0; h < kHeads; ++h) {
+    shadow[a].k[std::size_t(h)].conservativeResize(13, kDim);
+    shadow[a].v[std::size_t(h)].conservativeResize(13, kDim);
+  }
+  expect_attention_matches(cache, shadow, apex::causal_mask(), rng);
+}
+
 /// A fork shares every page; the first append to either side copies the shared, partly filled
 /// last page (and only it), and the other side's tokens and attention are unchanged.
 TEST(PagedKvCache, ForkSharesPagesAndCopiesOnWrite) {

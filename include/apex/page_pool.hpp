@@ -255,6 +255,48 @@ class PagePool {
     s.length = new_length;
   }
 
+  /// Throws unless keep_tokens(id, first, rows) may run: `id` live, its first held position <=
+  /// first <= length, rows strictly increasing in [0, length − first), and a free page for each
+  /// page a row moves into that another sequence holds too (copied first).
+  void check_keep(SequenceId id, Index first, const std::vector<Index>& rows,
+                  const char* op) const {
+    const Sequence& s = sequence(id, op);
+    const Index held = s.first_page * page_size_;
+    APEX_CHECK(first >= held && first <= s.length,
+               "[" << op << "] first (" << first << ") must be in [" << held << ", " << s.length
+                   << "] (the held tokens of sequence " << id << ")");
+    Index copies = 0, last_copied = -1;
+    for (std::size_t k = 0; k < rows.size(); ++k) {
+      APEX_CHECK(rows[k] >= 0 && rows[k] < s.length - first && (k == 0 || rows[k] > rows[k - 1]),
+                 "[" << op << "] rows[" << k << "] (" << rows[k]
+                     << ") must be greater than the row before it and below length − first ("
+                     << s.length - first << "): rows are a path of the tokens after first");
+      const Index page = (first + static_cast<Index>(k)) / page_size_;
+      if (rows[k] != static_cast<Index>(k) && page != last_copied &&
+          references(s.pages[static_cast<std::size_t>(page)]) > 1) {
+        ++copies;
+        last_copied = page;
+      }
+    }
+    APEX_CHECK(copies <= free_pages(), "[" << op << "] the pool is full: keeping the rows of "
+                                           << "sequence " << id << " copies " << copies
+                                           << " shared pages, " << free_pages() << " are free");
+  }
+
+  /// Keeps the tokens at first + rows[k] at positions first + k (in order: each moves down, to a
+  /// position no later row is read from) and drops the others from first on (check_keep first).
+  void keep_tokens(SequenceId id, Index first, const std::vector<Index>& rows, const char* op) {
+    check_keep(id, first, rows, op);
+    Sequence& s = mutable_sequence(id, op);
+    for (std::size_t k = 0; k < rows.size(); ++k) {
+      const Index to = first + static_cast<Index>(k), from = first + rows[k];
+      if (to == from) continue;
+      own_page(s, to / page_size_);
+      copy_row(slot(s, from), slot(s, to));
+    }
+    truncate(id, first + static_cast<Index>(rows.size()), op);
+  }
+
   /// Releases the pages of `id` that hold only positions before `position` (0 <= position <=
   /// length): a sliding window's tokens that no later query sees.
   void forget_before(SequenceId id, Index position, const char* op) {
@@ -374,6 +416,27 @@ class PagePool {
     }
   }
 
+  /// Makes page i of `s` its own: a copy when another sequence holds it too (copy on write).
+  void own_page(Sequence& s, Index i) {
+    Index& page = s.pages[static_cast<std::size_t>(i)];
+    if (references(page) == 1) return;
+    const Index copy = take();
+    copy_page(page, copy);
+    release(page);
+    page = copy;
+  }
+
+  /// Row `to` (page, row) of every head of every pool = row `from`, as stored.
+  void copy_row(const std::pair<Index, Index>& from, const std::pair<Index, Index>& to) {
+    for (std::size_t i = 0; i < planes_.size(); ++i) {
+      const HeadsView<Storage> pool = plane(i);
+      for (Index h = 0; h < pool.heads(); ++h) {
+        std::copy_n(row_data(pool, from.first, h, from.second), pool.dim(),
+                    row_data(pool, to.first, h, to.second));
+      }
+    }
+  }
+
   /// A head-major pool [H, pages, P, width] viewed as [pages, H, P, width].
   template <class T>
   static HeadsView<T> pages_first(T* data, const HeadsShape& stored) {
@@ -459,6 +522,17 @@ class PagedSequences {
   void free(SequenceId id) { pool_.free(id, op_); }
   /// Keeps the first new_length tokens of `id`, first_position(id) <= new_length <= length(id).
   void truncate(SequenceId id, Index new_length) { pool_.truncate(id, new_length, op_); }
+  /// Speculative decoding's accept: of the tokens after the first `first` (a draft appended and
+  /// verified), keeps those at first + rows[k] at positions first + k, in order, and drops the
+  /// others; the length becomes first + rows.size(). rows are strictly increasing, each in
+  /// [0, length(id) − first) (the accepted path of a DraftTree, tree_mask.hpp, root first; empty
+  /// rejects the whole draft). A page that another sequence holds too is copied before a row moves
+  /// into it (copy on write), and pages left holding no token go back to the pool. Throws unless
+  /// `id` is live, first_position(id) <= first <= length(id), the rows are as said and the pool
+  /// has a free page for each copy; a failed call changes nothing. Allocates nothing.
+  void keep_tokens(SequenceId id, Index first, const std::vector<Index>& rows) {
+    pool_.keep_tokens(id, first, rows, op_);
+  }
   /// Releases the pages of `id` that hold only positions before `position` (0 <= position <=
   /// length(id)): for a sliding window of W, position = length − W + 1 before the next token
   /// (no later query sees them).
