@@ -198,6 +198,63 @@ TEST(TreeMasks, ClassifierIsExactOnEveryRectangle) {
   EXPECT_EQ(one.classify(1, {0, 3}, {3, 9}), BlockCoverage::kAll);
 }
 
+/// The depth of draft token t, walking its parents.
+Index depth_of(const Parents& parents, Index t) {
+  Index d = 0;
+  for (Index a = parents[std::size_t(t)]; a >= 0; a = parents[std::size_t(a)]) ++d;
+  return d;
+}
+
+// With a window W along the text: allows() is the tree's rule and "the text positions (a draft
+// token's: f + its depth) lie less than W apart", and the classifier never says kAll or kNone of
+// a rectangle where some pair says otherwise; where every pair agrees it says so in the cases the
+// window decides alone (a rectangle of committed keys wholly inside or wholly outside every
+// query's window).
+TEST(TreeMasks, WindowAlongTheText) {
+  std::mt19937 rng(6);
+  const Index f = 9;
+  for (const Index w : {1, 3, 7, 40}) {
+    for (const std::string kind : {"chain", "star", "bushy", "deep"}) {
+      const Parents parents = random_parents(kind, 12, rng);
+      const TreeMasks masks({DraftTree(parents)}, {f}, w);
+      const auto text = [&](Index x) {
+        return x >= f && x < f + 12 ? f + depth_of(parents, x - f) : x;
+      };
+      const Index end = f + 12 + 2;
+      for (Index i = 0; i < end; ++i) {
+        for (Index j = 0; j < end; ++j) {
+          const bool tree =
+              j < f || (i >= f && i < f + 12 && j < f + 12 && descends(parents, i - f, j - f));
+          ASSERT_EQ(masks.allows(0, i, j), tree && text(i) - text(j) < w)
+              << kind << " W " << w << " (" << i << ", " << j << ")";
+        }
+      }
+      for (Index q0 = 0; q0 < end; ++q0) {
+        for (Index q1 = q0 + 1; q1 <= end; ++q1) {
+          for (Index k0 = 0; k0 < end; k0 += 2) {
+            for (Index k1 = k0 + 1; k1 <= end; k1 += 3) {
+              const BlockCoverage said = masks.classify(0, {q0, q1}, {k0, k1});
+              const BlockCoverage pairs = coverage_of_pairs(masks, 0, {q0, q1}, {k0, k1});
+              ASSERT_TRUE(said == BlockCoverage::kPartial || said == pairs)
+                  << kind << " W " << w << " q [" << q0 << ", " << q1 << ") k [" << k0 << ", " << k1
+                  << ")";
+            }
+          }
+        }
+      }
+    }
+  }
+  const TreeMasks chain({DraftTree({-1, 0, 1})}, {10}, 4);  // draft at text positions 10, 11, 12
+  EXPECT_EQ(chain.classify(0, {10, 13}, {0, 7}), BlockCoverage::kNone);
+  EXPECT_EQ(chain.classify(0, {10, 11}, {7, 10}), BlockCoverage::kAll);
+  EXPECT_EQ(chain.classify(0, {12, 13}, {9, 10}), BlockCoverage::kAll);
+  EXPECT_EQ(chain.classify(0, {12, 13}, {8, 9}), BlockCoverage::kNone);
+  const TreeMasks star({DraftTree({-1, -1, -1})}, {10}, 2);  // every draft token at 10
+  EXPECT_EQ(star.classify(0, {12, 13}, {9, 10}), BlockCoverage::kAll)
+      << "its text position, not its slot 12, decides";
+  EXPECT_THROW(TreeMasks({DraftTree({-1})}, {0}, -1), std::invalid_argument);
+}
+
 /// Expects out and lse of every head of batch b (rows [r0, r0 + n) of the outputs) to be the
 /// loops' attention of the draft queries q [n rows] to the keys k, v [f + n rows] of the tree.
 void expect_tree_attention(const Heads<float>& q, const Heads<float>& k, const Heads<float>& v,

@@ -4,6 +4,7 @@
 // and steps of a layer's forward pass that do not depend on the kind of layer.
 #pragma once
 
+#include <apex/cascade_attention.hpp>
 #include <apex/config.hpp>
 #include <apex/detail/checks.hpp>
 #include <apex/detail/matmul.hpp>
@@ -13,6 +14,7 @@
 #include <apex/sdpa.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
+#include <apex/tree_mask.hpp>
 
 #include <cmath>
 #include <random>
@@ -40,6 +42,16 @@ struct AttentionLayerParams {
   /// them, instead of sdpa_paged; equal to it to rounding, and bit for bit where nothing is
   /// shared. AttentionStack::serve sets it.
   bool read_shared_pages_once = false;
+  /// forward_paged only: the RoPE position of every row, not owned (null: a row's position is
+  /// its slot, the sequence's length + s). A draft token of speculative decoding sits at the
+  /// committed length plus its depth in the draft tree (tree_mask.hpp) while its slot is the
+  /// committed length plus its index. Each >= 0 and, with a table, below its max_positions.
+  const Vector<Index>* row_positions = nullptr;
+  /// forward_paged only: the draft trees of the step's sequences (sequence ids[i] is batch i of
+  /// the TreeMasks, its draft its rows), not owned; attention then also follows
+  /// tree_rules(*draft_trees) (speculative verification, tree_mask.hpp) and reads every
+  /// sequence's pages itself (sdpa_paged). Null: no tree.
+  const TreeMasks* draft_trees = nullptr;
 };
 
 /// Queries, keys and values after a layer's projections, heads side by side in each row
@@ -221,6 +233,26 @@ AttentionMask<Scalar> cached_mask(const PositionMask& mask, Index query_offset, 
   m.positions.query_offset = query_offset;
   m.positions.key_offset = key_offset;
   return m;
+}
+
+/// The attention of a layer's step over a paged cache (GroupedQueryAttention::forward_paged,
+/// MultiHeadLatentAttention::forward_paged): sdpa_paged, under the draft trees' rules where
+/// params has them, else sdpa_cascade where params asks to read shared pages once.
+template <class Scalar, class Q, class Cache>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, the arguments of sdpa_paged
+void paged_step_attention(const HeadsView<Q>& q, const std::vector<Index>& cu, const Cache& cache,
+                          const std::vector<SequenceId>& ids,
+                          const std::vector<PositionMask>& masks, const SdpaParams& attention,
+                          const AttentionLayerParams<Scalar>& params,
+                          const HeadsView<Scalar>& out) {
+  if (params.draft_trees != nullptr) {
+    sdpa_paged(q, cu, cache, ids, masks, AttentionMask<Scalar>{}, attention,
+               tree_rules(*params.draft_trees), out);
+  } else if (params.read_shared_pages_once) {
+    sdpa_cascade(q, cu, cache, ids, masks, attention, out);
+  } else {
+    sdpa_paged(q, cu, cache, ids, masks, attention, out);
+  }
 }
 
 /// The checks every layer's step over a paged cache makes on x [T, d] before its own: the rows

@@ -222,8 +222,8 @@ class GroupedQueryAttention {
   /// The rows of every sequence are projected together (one product per weight), each rotated at
   /// its own position; each sequence's K and V are appended to its pages, then every sequence
   /// attends over its held tokens under masks[i] (masks[0] for all when it has one entry) in one
-  /// sdpa_paged call (sdpa_cascade with params.read_shared_pages_once), and the result is
-  /// projected by W_O.
+  /// sdpa_paged call (sdpa_cascade with params.read_shared_pages_once; the draft trees' rules
+  /// beside the masks with params.draft_trees), and the result is projected by W_O.
   ///   x: [T, d]; cu_seqlens: N + 1 row offsets; ids: N distinct live sequences; masks: position
   ///   masks with their offsets unset (the positions are the cache's); params: RoPE table
   ///   covering every new position, scale and soft-cap, position_offset 0 (unused)
@@ -247,8 +247,8 @@ class GroupedQueryAttention {
     const Index rows = xr.rows(), h_q = config().num_q_heads, d_h = config().head_dim;
     detail::check_layer_attention<Scalar>({1, rows, 0, "T"}, attention_heads(), {}, attention, out,
                                           config().d_model, "gqa");
-    const Vector<Index> positions =
-        detail::paged_step_positions(rows, cu_seqlens, ids, masks, cache, params.rope, "gqa");
+    const Vector<Index> positions = detail::paged_step_positions(
+        rows, cu_seqlens, ids, masks, cache, params.rope, "gqa", params.row_positions);
     const ProjectedQkv<Scalar> p =
         detail::gqa_project(config(), weights_, xr, {0, 1, &positions}, params);
     for (std::size_t i = 0; i < ids.size(); ++i) {
@@ -256,12 +256,9 @@ class GroupedQueryAttention {
       cache.append(ids[i], p.k_heads().middle_rows(first, n), p.v_heads().middle_rows(first, n));
     }
     RowMatrix<Scalar> concat(rows, h_q * d_h);
-    const auto heads = HeadsView<Scalar>::token_major(concat.data(), {1, h_q, rows, d_h});
-    if (params.read_shared_pages_once) {
-      sdpa_cascade(p.q_heads(), cu_seqlens, cache, ids, masks, attention, heads);
-    } else {
-      sdpa_paged(p.q_heads(), cu_seqlens, cache, ids, masks, attention, heads);
-    }
+    detail::paged_step_attention(
+        p.q_heads(), cu_seqlens, cache, ids, masks, attention, params,
+        HeadsView<Scalar>::token_major(concat.data(), {1, h_q, rows, d_h}));
     detail::matmul<Scalar>(concat, weights_.w_o, out);
   }
 

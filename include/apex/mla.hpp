@@ -240,7 +240,8 @@ class MultiHeadLatentAttention {
   /// s. As forward_absorbed for each sequence, with the rows of all of them projected together
   /// (each rotated at its own position), each sequence's latent rows appended to its pages and
   /// one sdpa_paged call over every sequence's held rows, under masks[i] (masks[0] for all when
-  /// it has one entry).
+  /// it has one entry; sdpa_cascade or the draft trees' rules as params asks, as for
+  /// GroupedQueryAttention::forward_paged).
   ///   x: [T, d]; cu_seqlens: N + 1 row offsets; ids: N distinct live sequences; masks: position
   ///   masks with their offsets unset; params: RoPE table (required) covering every new
   ///   position, position_offset 0; absorbed: absorb_mla_weights(*this) -> out: [T, d].
@@ -264,8 +265,8 @@ class MultiHeadLatentAttention {
     const Index d_kv = config().d_kv;
     detail::check_layer_attention<Scalar>({1, rows, 0, "T"}, heads, {}, attention, out,
                                           config().d_model, "mla");
-    const Vector<Index> positions =
-        detail::paged_step_positions(rows, cu_seqlens, ids, masks, cache, params.rope, "mla");
+    const Vector<Index> positions = detail::paged_step_positions(
+        rows, cu_seqlens, ids, masks, cache, params.rope, "mla", params.row_positions);
     const detail::RowPositions at{0, 1, &positions};
     const RowMatrix<Scalar> q =
         detail::absorbed_queries(config(), weights_, xr, at, params, absorbed);
@@ -274,15 +275,12 @@ class MultiHeadLatentAttention {
       const Index first = cu_seqlens[i];
       cache.append(ids[i], latent.middleRows(first, cu_seqlens[i + 1] - first));
     }
-    const RowMatrix<Scalar> o_latent = detail::latent_outputs<
-        Scalar>({1, h_q, rows, width}, d_kv, cache.value_dim(), [&](const HeadsView<Scalar>& o) {
-      const auto q_heads = HeadsView<const Scalar>::token_major(q.data(), {1, h_q, rows, width});
-      if (params.read_shared_pages_once) {
-        sdpa_cascade(q_heads, cu_seqlens, cache, ids, masks, attention, o);
-      } else {
-        sdpa_paged(q_heads, cu_seqlens, cache, ids, masks, attention, o);
-      }
-    });
+    const RowMatrix<Scalar> o_latent = detail::latent_outputs<Scalar>(
+        {1, h_q, rows, width}, d_kv, cache.value_dim(), [&](const HeadsView<Scalar>& o) {
+          detail::paged_step_attention(
+              HeadsView<const Scalar>::token_major(q.data(), {1, h_q, rows, width}), cu_seqlens,
+              cache, ids, masks, attention, params, o);
+        });
     detail::absorbed_output(config(), weights_, o_latent, absorbed, out);
   }
 

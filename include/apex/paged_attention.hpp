@@ -58,13 +58,15 @@ inline void check_cache_rule(const PositionMask& rule, Index i, const char* op) 
 /// are the next tokens of the distinct live sequences ids[i]; each rule leaves the positions to
 /// the cache and holds for the sequence once its tokens are appended; the RoPE table (when
 /// given) covers every new position; the pool has room for them all. Returns the position of
-/// every row (length(ids[i]) + s). Allocates it.
+/// every row: length(ids[i]) + s, or `given` (checked: one per row, each >= 0 and below the
+/// table's max_positions). Allocates it.
 template <class Cache, class Table>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, one caller per layer
 Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
                                    const std::vector<SequenceId>& ids,
                                    const std::vector<PositionMask>& masks, const Cache& cache,
-                                   const Table* rope, const char* op) {
+                                   const Table* rope, const char* op,
+                                   const Vector<Index>* given = nullptr) {
   const auto n = static_cast<Index>(ids.size());
   check_offsets(cu, n, rows, op, "cu_seqlens");
   check_mask_count(masks, n, op);
@@ -89,7 +91,17 @@ Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
     appends.emplace_back(ids[at], tokens);
   }
   cache.check_appends(appends, op);
-  return positions;
+  if (given == nullptr) return positions;
+  APEX_CHECK(given->size() == rows, "[" << op << "] row_positions holds " << given->size()
+                                        << " positions; expected one per row (" << rows << ")");
+  for (Index r = 0; r < rows; ++r) {
+    const Index p = (*given)(r);
+    APEX_CHECK(p >= 0 && (rope == nullptr || p < rope->max_positions()),
+               "[" << op << "] row_positions[" << r << "] (" << p << ") must be >= 0"
+                   << (rope ? " and below the RoPE table's max_positions" : "") << " ("
+                   << (rope ? rope->max_positions() : 0) << ")");
+  }
+  return *given;
 }
 
 }  // namespace detail

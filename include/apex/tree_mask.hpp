@@ -94,9 +94,12 @@ class DraftTree {
 class TreeMasks {
  public:
   TreeMasks() = default;
-  /// Throws std::invalid_argument unless there is one first position per tree and each is >= 0.
-  TreeMasks(std::vector<DraftTree> trees, std::vector<Index> first)
-      : trees_(std::move(trees)), first_(std::move(first)) {
+  /// Throws std::invalid_argument unless there is one first position per tree, each is >= 0,
+  /// and the window (0: none) is >= 0. With a window W, a pair is allowed only where its
+  /// positions in the text lie less than W apart (the token's own, see text_position), the
+  /// sliding window of a local layer measured along the text rather than along the slots.
+  TreeMasks(std::vector<DraftTree> trees, std::vector<Index> first, Index window = 0)
+      : trees_(std::move(trees)), first_(std::move(first)), window_(window) {
     APEX_CHECK(first_.size() == trees_.size(), "[tree_masks] first (" << first_.size()
                                                                       << " positions) must have "
                                                                          "one entry per tree ("
@@ -105,6 +108,7 @@ class TreeMasks {
       APEX_CHECK(first_[b] >= 0,
                  "[tree_masks] first[" << b << "] (" << first_[b] << ") must be >= 0");
     }
+    APEX_CHECK(window >= 0, "[tree_masks] window (" << window << ") must be >= 0 (0: none)");
   }
 
   /// Number of trees (batches or sequences restricted).
@@ -114,18 +118,45 @@ class TreeMasks {
   /// The position of batch b's first draft token (its committed length).
   Index first(Index b) const { return first_[static_cast<std::size_t>(b)]; }
 
-  /// Whether query position q of batch b may attend to key position k (the rule above).
+  /// The window W along the text (0: none).
+  Index window() const { return window_; }
+
+  /// Where slot x of batch b stands in the text: x for a committed token, first + depth for a
+  /// draft token (its RoPE position), first + n and on for slots past the draft.
+  Index text_position(Index b, Index x) const {
+    const Index f = first(b), n = tree(b).size();
+    return x < f || x >= f + n ? x : f + tree(b).depth(x - f);
+  }
+
+  /// Whether query slot q of batch b may attend to key slot k (the rule above, and the window).
   bool allows(Index b, Index q, Index k) const {
     if (b >= size()) return true;
+    if (window_ > 0 && text_position(b, q) - text_position(b, k) >= window_) return false;
     const Index f = first(b), n = tree(b).size();
     if (k < f) return true;
     if (k >= f + n || q < f || q >= f + n) return false;
     return tree(b).sees(q - f, k - f);
   }
 
-  /// Exactly what allows() says of every pair of the rectangle q × k: kAll, kNone or kPartial.
+  /// What allows() says of every pair of the rectangle q × k: kAll, kNone or kPartial, exactly
+  /// without a window; with one, kAll or kNone wherever the window's part is the same for every
+  /// pair (the least and greatest distances along the text both below W, or both at least W).
   BlockCoverage classify(Index b, PositionRange q, PositionRange k) const {
-    if (b >= size() || k.end <= first(b)) return BlockCoverage::kAll;
+    if (b >= size()) return BlockCoverage::kAll;
+    const BlockCoverage tree_part = classify_tree(b, q, k);
+    if (window_ == 0 || tree_part == BlockCoverage::kNone) return tree_part;
+    const auto [q_least, q_greatest] = text_span(b, q);
+    const auto [k_least, k_greatest] = text_span(b, k);
+    if (q_least - k_greatest >= window_) return BlockCoverage::kNone;
+    return tree_part == BlockCoverage::kAll && q_greatest - k_least < window_
+               ? BlockCoverage::kAll
+               : BlockCoverage::kPartial;
+  }
+
+ private:
+  /// classify() of the tree's rule alone (b < size()): exact.
+  BlockCoverage classify_tree(Index b, PositionRange q, PositionRange k) const {
+    if (k.end <= first(b)) return BlockCoverage::kAll;
     const Index f = first(b), n = tree(b).size();
     const Index lo = std::max(k.begin, f) - f, hi = std::min(k.end, f + n) - f;  // draft keys
     const std::uint64_t keys = lo < hi ? bits(hi) & ~bits(lo) : 0;
@@ -141,7 +172,17 @@ class TreeMasks {
     return all ? BlockCoverage::kAll : none ? BlockCoverage::kNone : BlockCoverage::kPartial;
   }
 
- private:
+  /// The least and the greatest text position of the slots r of batch b.
+  std::pair<Index, Index> text_span(Index b, PositionRange r) const {
+    const Index f = first(b), n = tree(b).size();
+    std::pair<Index, Index> span{text_position(b, r.begin), text_position(b, r.end - 1)};
+    for (Index x = std::max(r.begin, f); x < std::min(r.end, f + n); ++x) {
+      span.first = std::min(span.first, text_position(b, x));
+      span.second = std::max(span.second, text_position(b, x));
+    }
+    return span;
+  }
+
   /// The mask of bits [0, count), count <= 64.
   static std::uint64_t bits(Index count) {
     return count >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << count) - 1;
@@ -149,6 +190,7 @@ class TreeMasks {
 
   std::vector<DraftTree> trees_;
   std::vector<Index> first_;
+  Index window_ = 0;
 };
 
 namespace detail {
