@@ -289,8 +289,7 @@ TEST(PagedKvCache, KeepTokensRejectsBadInputAndChangesNothing) {
       [&] {
         cache.keep_tokens(a, 6, {1, 2, 3});  // into pages 1 and 2
       },
-      "the pool is full: keeping the rows of sequence 0 copies 2 shared pages, 0 are "
-      "free");
+      "the pool is full: keeping the rows copies 2 shared pages, 0 are free");
   EXPECT_EQ(cache.length(a), 18);
   EXPECT_EQ(cache.block_table(a), table);
   EXPECT_EQ(cache.pages_in_use(), 5);

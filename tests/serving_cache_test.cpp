@@ -8,6 +8,7 @@
 #include <apex/paged_cache.hpp>
 #include <apex/serving_cache.hpp>
 #include <apex/stack.hpp>
+#include <apex/tree_mask.hpp>
 
 #include <gtest/gtest.h>
 
@@ -338,7 +339,196 @@ TEST(ServingCache, ErrorsNameTheCall_ServeAndPagedLayerSteps) {
         gqa.forward_paged(x, {0, 9}, {b}, {apex::causal_mask()}, {}, kv, out);
       },
       "[gqa] the pool is full");
+  apex::AttentionLayerParams<float> placed;
+  const apex::Vector<Index> two = apex::Vector<Index>::Constant(2, 0);
+  placed.row_positions = &two;
+  expect_invalid(
+      [&] {
+        gqa.forward_paged(x.topRows(1), {0, 1}, {b}, {apex::causal_mask()}, placed, kv,
+                          out.topRows(1));
+      },
+      "[gqa] row_positions holds 2 positions; expected one per row (1)");
+  const apex::Vector<Index> negative = apex::Vector<Index>::Constant(1, -3);
+  placed.row_positions = &negative;
+  expect_invalid(
+      [&] {
+        gqa.forward_paged(x.topRows(1), {0, 1}, {b}, {apex::causal_mask()}, placed, kv,
+                          out.topRows(1));
+      },
+      "[gqa] row_positions[0] (-3) must be >= 0");
   EXPECT_EQ(kv.length(b), 0);
+}
+
+/// The tokens of a draft tree's path from a root to token t, root first.
+Tokens path_tokens(const apex::DraftTree& tree, const Tokens& draft, Index t) {
+  Tokens path;
+  for (Index a = t; a >= 0; a = tree.parent(a)) path.insert(path.begin(), draft[std::size_t(a)]);
+  return path;
+}
+
+/// The draft indices of a path from a root down to a random depth (possibly empty).
+std::vector<Index> random_path(const apex::DraftTree& tree, std::mt19937& rng) {
+  std::vector<Index> path;
+  for (;;) {
+    const Index parent = path.empty() ? -1 : path.back();
+    std::vector<Index> children;
+    for (Index t = 0; t < tree.size(); ++t) {
+      if (tree.parent(t) == parent) children.push_back(t);
+    }
+    if (children.empty() || rng() % 4 == 0) return path;
+    path.push_back(children[rng() % children.size()]);
+  }
+}
+
+/// Speculative decoding through serve's caches: rounds of random draft trees for three
+/// sequences (one with a prefix; windows of 5 that the drafts cross), verified in one pass, a
+/// random path of each accepted (sometimes none), then a token served. Every draft token's
+/// logits equal the target's after committed text ‖ its path, run alone (each draft token at
+/// its position in the text, not its slot); after accept, the next token's logits equal the
+/// text run alone, so the accepted rows are what decoding them one at a time would store. A
+/// sequence forked while verifying accepts a path of its own. No page leaks.
+TEST(ServingCache, VerifiedDraftsAndAcceptedPathsEqualEachTextAlone) {
+  std::mt19937 rng(12);
+  const auto stack = apex::AttentionStack<double>::random(serving_config(), 8);
+  auto cache = stack.make_serving_cache(apex::ServingCacheShape{4, 200, 200});
+  const std::vector<Tokens> prompts = {{5, 9, 2, 33, 7, 1, 18},
+                                       Tokens(12, 4),
+                                       {3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3, 2, 38, 4, 6}};
+  const std::vector<Index> prefixes = {0, 3, 0};
+  std::vector<SequenceId> ids;
+  std::vector<Tokens> texts = prompts;
+  std::vector<std::size_t> prompt_of;
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    ids.push_back(cache.add(prefixes[i]));
+    prompt_of.push_back(i);
+    stack.serve({ids.back()}, {prompts[i]}, cache);
+  }
+  const auto expect_alone = [&](std::size_t i, const Tokens& text, const RowMatrix<double>& got,
+                                const std::string& what) {
+    const std::size_t p = prompt_of[i];
+    const RowMatrix<double> all = alone(stack, text, prompts[p].size(), prefixes[p]);
+    const auto want = all.row(all.rows() - 1);
+    EXPECT_LE((got - want).cwiseAbs().maxCoeff(), apex::testing::Tolerances<double>::kDecode *
+                                                      std::max(1.0, want.cwiseAbs().maxCoeff()))
+        << what;
+  };
+  for (int round = 0; round < 4; ++round) {
+    std::vector<apex::DraftTree> trees;
+    std::vector<Tokens> drafts;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      std::vector<Index> parents;
+      Tokens draft;
+      const Index n = std::uniform_int_distribution<Index>(1, 9)(rng);
+      for (Index t = 0; t < n; ++t) {
+        parents.push_back(std::uniform_int_distribution<Index>(-1, t - 1)(rng));
+        draft.push_back(std::uniform_int_distribution<std::int64_t>(0, 39)(rng));
+      }
+      trees.emplace_back(parents);
+      drafts.push_back(draft);
+    }
+    const RowMatrix<double> logits = stack.verify_drafts(ids, drafts, trees, cache);
+    Index row = 0;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      EXPECT_TRUE(cache.verifying(ids[i]));
+      for (Index t = 0; t < trees[i].size(); ++t, ++row) {
+        Tokens text = texts[i];
+        const Tokens path = path_tokens(trees[i], drafts[i], t);
+        text.insert(text.end(), path.begin(), path.end());
+        expect_alone(i, text, logits.row(row),
+                     "round " + std::to_string(round) + ", sequence " + std::to_string(i) +
+                         ", draft token " + std::to_string(t));
+      }
+    }
+    if (round == 1) {  // a fork while verifying accepts its own path
+      ids.push_back(cache.fork(ids[0]));
+      texts.push_back(texts[0]);
+      prompt_of.push_back(prompt_of[0]);
+      trees.push_back(trees[0]);
+      drafts.push_back(drafts[0]);
+    }
+    std::vector<std::vector<Index>> paths;
+    std::vector<Tokens> next;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      paths.push_back(random_path(trees[i], rng));
+      for (const Index t : paths.back()) texts[i].push_back(drafts[i][std::size_t(t)]);
+      next.push_back({std::int64_t(rng() % 40)});
+    }
+    stack.accept_drafts(ids, paths, cache);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      EXPECT_FALSE(cache.verifying(ids[i]));
+      EXPECT_EQ(cache.length(ids[i]), Index(texts[i].size()));
+      texts[i].push_back(next[i][0]);
+    }
+    const RowMatrix<double> served = stack.serve(ids, next, cache);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      expect_alone(
+          i, texts[i], served.row(Index(i)),
+          "round " + std::to_string(round) + ", sequence " + std::to_string(i) + ", after accept");
+    }
+  }
+  for (const SequenceId id : ids) cache.free(id);
+  EXPECT_EQ(cache.pages_in_use(), 0);
+}
+
+/// verify_drafts and accept_drafts check everything first and change nothing on error.
+TEST(ServingCache, SpeculativeCallsRejectBadInputAndChangeNothing) {
+  const auto stack = apex::AttentionStack<float>::random(serving_config(), 9);
+  auto cache = stack.make_serving_cache(apex::ServingCacheShape{4, 40, 40});
+  const SequenceId a = cache.add(), b = cache.add(5);
+  stack.serve({a, b}, {{1, 2, 3}, {4, 5, 6, 7, 8}}, cache);
+  const SequenceId late = cache.add(9);
+  const Index in_use = cache.pages_in_use();
+  const apex::DraftTree tree({-1, 0, 0});
+  using apex::testing::expect_invalid;
+  expect_invalid(
+      [&] {
+        stack.verify_drafts({a}, {{1, 2, 3}}, {}, cache);
+      },
+      "[verify_drafts] trees (0) must have one entry per sequence (1)");
+  expect_invalid(
+      [&] {
+        stack.verify_drafts({a}, {{1, 2}}, {tree}, cache);
+      },
+      "[verify_drafts] trees[0] has 3 tokens; drafts[0] has 2");
+  expect_invalid(
+      [&] {
+        stack.verify_drafts({a}, {{1, 2, 40}}, {tree}, cache);
+      },
+      "[verify_drafts] tokens[0][2] (40)");
+  stack.serve({late}, {Tokens(9, 2)}, cache);
+  const Index late_pages = cache.pages_in_use();
+  expect_invalid([&] { stack.accept_drafts({a}, {{0}}, cache); },
+                 "[accept_drafts] sequence 0 holds no verified draft");
+  EXPECT_EQ(cache.pages_in_use(), late_pages);
+  EXPECT_GT(late_pages, in_use);
+  stack.verify_drafts({a, b}, {{1, 2, 3}, {4, 5, 6}}, {tree, tree}, cache);
+  EXPECT_EQ(cache.length(a), 6);
+  expect_invalid(
+      [&] {
+        stack.verify_drafts({a}, {{1, 2, 3}}, {tree}, cache);
+      },
+      "[verify_drafts] sequence 0 holds a verified draft: accept_drafts first");
+  expect_invalid([&] { stack.serve({b}, {{1}}, cache); },
+                 "[serve] sequence 1 holds a verified draft: accept_drafts first");
+  expect_invalid(
+      [&] {
+        stack.accept_drafts({a, b}, {{0, 1}, {1}}, cache);
+      },
+      "[accept_drafts] paths[1][0] (1) must be a draft token whose parent is -1");
+  expect_invalid(
+      [&] {
+        stack.accept_drafts({a, b}, {{0, 1, 2}, {}}, cache);
+      },
+      "[accept_drafts] paths[0][2] (2) must be a draft token whose parent is 1");
+  expect_invalid([&] { stack.accept_drafts({a}, {{0, 3}}, cache); }, "paths[0][1] (3)");
+  expect_invalid([&] { stack.accept_drafts({a, a}, {{}, {}}, cache); }, "appears more than once");
+  EXPECT_EQ(cache.length(a), 6);
+  EXPECT_EQ(cache.length(b), 8);
+  EXPECT_TRUE(cache.verifying(a) && cache.verifying(b));
+  stack.accept_drafts({a, b}, {{0, 2}, {}}, cache);
+  EXPECT_EQ(cache.length(a), 5);
+  EXPECT_EQ(cache.length(b), 5);
+  EXPECT_FALSE(cache.verifying(a) || cache.verifying(b));
 }
 
 }  // namespace

@@ -40,6 +40,7 @@
 #include <apex/stack_cache.hpp>
 #include <apex/stack_config.hpp>
 #include <apex/stack_serving.hpp>
+#include <apex/stack_speculative.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 #include <apex/tree_mask.hpp>

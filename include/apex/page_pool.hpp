@@ -255,11 +255,11 @@ class PagePool {
     s.length = new_length;
   }
 
-  /// Throws unless keep_tokens(id, first, rows) may run: `id` live, its first held position <=
-  /// first <= length, rows strictly increasing in [0, length − first), and a free page for each
-  /// page a row moves into that another sequence holds too (copied first).
-  void check_keep(SequenceId id, Index first, const std::vector<Index>& rows,
-                  const char* op) const {
+  /// Throws unless keep_tokens(id, first, rows) may run but for the pool's room: `id` live, its
+  /// first held position <= first <= length, rows strictly increasing in [0, length − first).
+  /// Returns the pages it copies: those a row moves into that another sequence holds too.
+  Index keep_copies(SequenceId id, Index first, const std::vector<Index>& rows,
+                    const char* op) const {
     const Sequence& s = sequence(id, op);
     const Index held = s.first_page * page_size_;
     APEX_CHECK(first >= held && first <= s.length,
@@ -278,15 +278,20 @@ class PagePool {
         last_copied = page;
       }
     }
-    APEX_CHECK(copies <= free_pages(), "[" << op << "] the pool is full: keeping the rows of "
-                                           << "sequence " << id << " copies " << copies
-                                           << " shared pages, " << free_pages() << " are free");
+    return copies;
+  }
+
+  /// Throws unless `copies` pages are free (`what` says for what, in the message).
+  void check_room(Index copies, const char* what, const char* op) const {
+    APEX_CHECK(copies <= free_pages(), "[" << op << "] the pool is full: " << what << " copies "
+                                           << copies << " shared pages, " << free_pages()
+                                           << " are free");
   }
 
   /// Keeps the tokens at first + rows[k] at positions first + k (in order: each moves down, to a
-  /// position no later row is read from) and drops the others from first on (check_keep first).
+  /// position no later row is read from) and drops the others from first on; checks first.
   void keep_tokens(SequenceId id, Index first, const std::vector<Index>& rows, const char* op) {
-    check_keep(id, first, rows, op);
+    check_room(keep_copies(id, first, rows, op), "keeping the rows", op);
     Sequence& s = mutable_sequence(id, op);
     for (std::size_t k = 0; k < rows.size(); ++k) {
       const Index to = first + static_cast<Index>(k), from = first + rows[k];
@@ -532,6 +537,16 @@ class PagedSequences {
   /// has a free page for each copy; a failed call changes nothing. Allocates nothing.
   void keep_tokens(SequenceId id, Index first, const std::vector<Index>& rows) {
     pool_.keep_tokens(id, first, rows, op_);
+  }
+  /// The checks of keep_tokens(id, first, rows) but for the pool's room (`op` names the call in
+  /// the messages; the cache's own name by default); returns the pages it would copy.
+  Index keep_copies(SequenceId id, Index first, const std::vector<Index>& rows,
+                    const char* op = nullptr) const {
+    return pool_.keep_copies(id, first, rows, op ? op : op_);
+  }
+  /// Throws unless `copies` pages are free (`what` says for what; `op` as above).
+  void check_room(Index copies, const char* what, const char* op = nullptr) const {
+    pool_.check_room(copies, what, op ? op : op_);
   }
   /// Releases the pages of `id` that hold only positions before `position` (0 <= position <=
   /// length(id)): for a sliding window of W, position = length − W + 1 before the next token

@@ -10,6 +10,7 @@
 
 #include <apex/config.hpp>
 #include <apex/paged_cache.hpp>
+#include <apex/tree_mask.hpp>
 
 #include <cstdint>
 #include <map>
@@ -69,6 +70,12 @@ class ServingCache {
     check_live(id);
     return std::visit([id](const auto& c) { return c.length(id); }, layers_.front());
   }
+  /// Whether sequence id holds a verified draft that awaits accept_drafts (stack_speculative.hpp):
+  /// until then it takes no serve or verify_drafts. Throws unless it is live.
+  bool verifying(SequenceId id) const {
+    check_live(id);
+    return drafts_.count(id) == 1;
+  }
   /// The bidirectional prefix P of sequence id (§11.1).
   Index prefix(SequenceId id) const {
     check_live(id);
@@ -102,12 +109,14 @@ class ServingCache {
     return id;
   }
   /// Adds a sequence holding the tokens (and the prefix) of `id`, sharing its pages in every
-  /// layer (copy on write), and returns its id: a continuation of a common prompt.
+  /// layer (copy on write), and returns its id: a continuation of a common prompt. A verified
+  /// draft awaiting accept is forked with it, each to accept its own path.
   SequenceId fork(SequenceId id) {
     check_live(id);
     SequenceId child;
     for (auto& c : layers_) child = std::visit([id](auto& x) { return x.fork(id); }, c);
     prefix_.emplace(child, prefix_.at(id));
+    if (drafts_.count(id) == 1) drafts_.emplace(child, drafts_.at(id));  // its own to accept
     return child;
   }
   /// Frees sequence id in every layer (its id is then invalid).
@@ -115,6 +124,7 @@ class ServingCache {
     check_live(id);
     for (auto& c : layers_) std::visit([id](auto& x) { x.free(id); }, c);
     prefix_.erase(id);
+    drafts_.erase(id);
   }
 
  private:
@@ -127,8 +137,15 @@ class ServingCache {
                "[serving_cache] sequence " << id << " does not exist (never added, or freed)");
   }
 
-  std::vector<LayerCache> layers_;      // a moved-from vector is empty
-  std::map<SequenceId, Index> prefix_;  // the live sequences and their prefixes
+  /// A verified draft: the committed length it follows and its tree.
+  struct PendingDraft {
+    Index committed = 0;
+    DraftTree tree;
+  };
+
+  std::vector<LayerCache> layers_;             // a moved-from vector is empty
+  std::map<SequenceId, Index> prefix_;         // the live sequences and their prefixes
+  std::map<SequenceId, PendingDraft> drafts_;  // the verified drafts awaiting accept
 };
 
 }  // namespace apex

@@ -51,6 +51,7 @@
 #include <apex/stack_cache.hpp>
 #include <apex/stack_config.hpp>
 #include <apex/stack_serving.hpp>
+#include <apex/stack_speculative.hpp>
 #include <apex/storage.hpp>
 
 #include <cstddef>
@@ -435,6 +436,26 @@ class AttentionStack {
                           const std::vector<std::vector<std::int64_t>>& tokens,
                           ServingCache<Scalar, Storage, Global>& cache) const {
     return apex::serve(*this, ids, tokens, cache);
+  }
+
+  /// verify_drafts(*this, ids, drafts, trees, cache) (stack_speculative.hpp): speculative
+  /// verification of many sequences' draft trees in one pass -> logits [T, V] of every draft
+  /// token.
+  template <class Storage, class Global>
+  RowMatrix<Scalar> verify_drafts(const std::vector<SequenceId>& ids,
+                                  const std::vector<std::vector<std::int64_t>>& drafts,
+                                  const std::vector<DraftTree>& trees,
+                                  ServingCache<Scalar, Storage, Global>& cache) const {
+    return apex::verify_drafts(*this, ids, drafts, trees, cache);
+  }
+
+  /// accept_drafts(*this, ids, paths, cache) (stack_speculative.hpp): keeps one path of each
+  /// verified draft in every layer and releases the rest.
+  template <class Storage, class Global>
+  void accept_drafts(const std::vector<SequenceId>& ids,
+                     const std::vector<std::vector<Index>>& paths,
+                     ServingCache<Scalar, Storage, Global>& cache) const {
+    apex::accept_drafts(*this, ids, paths, cache);
   }
 
   // -------------------------------------------------------------------------------------------

@@ -13,11 +13,13 @@
 // AttentionStack::serve are these functions.
 #pragma once
 
+#include <apex/attention_layer.hpp>
 #include <apex/config.hpp>
 #include <apex/embedding.hpp>
 #include <apex/mask.hpp>
 #include <apex/paged_cache.hpp>
 #include <apex/serving_cache.hpp>
+#include <apex/stack_config.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -43,12 +45,17 @@ struct ServingCacheAccess {
   static typename Cache::LayerCache& layer(Cache& cache, Index l) {
     return cache.layers_[static_cast<std::size_t>(l)];
   }
+  /// The verified drafts awaiting accept (stack_speculative.hpp).
+  template <class Cache>
+  static auto& drafts(Cache& cache) {
+    return cache.drafts_;
+  }
 };
 
-/// Throws unless `cache` has the layers make_serving_cache gives `stack` (message naming serve).
+/// Throws unless `cache` has the layers make_serving_cache gives `stack` (message naming `op`).
 template <class Scalar, class Weight, class Storage, class Global>
 void check_serving_layers(const AttentionStack<Scalar, Weight>& stack,
-                          const ServingCache<Scalar, Storage, Global>& cache) {
+                          const ServingCache<Scalar, Storage, Global>& cache, const char* op) {
   const auto& config = stack.config();
   bool matches = cache.num_layers() == config.num_layers;
   for (Index l = 0; matches && l < config.num_layers; ++l) {
@@ -64,47 +71,50 @@ void check_serving_layers(const AttentionStack<Scalar, Weight>& stack,
                 kv->head_dim() == config.local.head_dim;
     }
   }
-  APEX_CHECK(matches,
-             "[serve] the serving cache was not made by this stack's "
-             "make_serving_cache (its layers do not match the stack's "
-                 << config.num_layers << " layers)");
+  APEX_CHECK(matches, "[" << op
+                          << "] the serving cache was not made by this stack's "
+                             "make_serving_cache (its layers do not match the stack's "
+                          << config.num_layers << " layers)");
 }
 
-/// The checks of serve() that come before the pools' room, each message naming serve: the cache
-/// is the stack's, the ids are live and distinct, every sequence gets tokens in [0, V), its
-/// prefix lies inside its first call, and its positions stay below max_positions. Returns the
+/// The checks of serve() that come before the pools' room, each message naming `op`: the cache
+/// is the stack's, the ids are live, distinct and hold no draft awaiting accept, every sequence
+/// gets tokens in [0, V), its prefix lies inside its first call, and its positions stay below
+/// max_positions. Returns the
 /// row offsets cu of the sequences' tokens ([N + 1], cu[0] = 0, cu[N] = T).
 template <class Scalar, class Weight, class Storage, class Global>
 std::vector<Index> check_serve(const AttentionStack<Scalar, Weight>& stack,
                                const std::vector<SequenceId>& ids,
                                const std::vector<std::vector<std::int64_t>>& tokens,
-                               const ServingCache<Scalar, Storage, Global>& cache) {
+                               const ServingCache<Scalar, Storage, Global>& cache,
+                               const char* op = "serve") {
   const auto& config = stack.config();
   check_constructed(config.vocab_size >= 1, "stack", "stack");
-  check_serving_layers(stack, cache);
-  APEX_CHECK(ids.size() == tokens.size(), "[serve] ids (" << ids.size() << ") and tokens ("
-                                                          << tokens.size()
-                                                          << ") must have one entry per sequence");
+  check_serving_layers(stack, cache, op);
+  APEX_CHECK(ids.size() == tokens.size(), "[" << op << "] ids (" << ids.size() << ") and tokens ("
+                                              << tokens.size()
+                                              << ") must have one entry per sequence");
   std::vector<Index> cu{0};
-  check_live_ids(cache, ids, "serve");
+  check_live_ids(cache, ids, op);
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const Index length = cache.length(ids[i]);
     const Index prefix = cache.prefix(ids[i]);
     const auto n = static_cast<Index>(tokens[i].size());
     APEX_CHECK(std::count(ids.begin(), ids.end(), ids[i]) == 1,
-               "[serve] sequence " << ids[i] << " appears more than once in one call");
-    APEX_CHECK(n >= 1, "[serve] sequence " << ids[i] << " gets no token");
+               "[" << op << "] sequence " << ids[i] << " appears more than once in one call");
+    APEX_CHECK(!cache.verifying(ids[i]), "[" << op << "] sequence " << ids[i]
+                                             << " holds a verified draft: accept_drafts first");
+    APEX_CHECK(n >= 1, "[" << op << "] sequence " << ids[i] << " gets no token");
     APEX_CHECK(length >= prefix || n >= prefix,
-               "[serve] the prefix (" << prefix << ") of sequence " << ids[i]
-                                      << " must lie inside its first call (" << n << " tokens)");
+               "[" << op << "] the prefix (" << prefix << ") of sequence " << ids[i]
+                   << " must lie inside its first call (" << n << " tokens)");
     APEX_CHECK(n <= config.max_positions - length,
-               "[serve] positions [" << length << ", " << length + n << ") of sequence " << ids[i]
-                                     << " exceed max_positions (" << config.max_positions << ")");
+               "[" << op << "] positions [" << length << ", " << length + n << ") of sequence "
+                   << ids[i] << " exceed max_positions (" << config.max_positions << ")");
     for (std::size_t t = 0; t < tokens[i].size(); ++t) {
       APEX_CHECK(tokens[i][t] >= 0 && tokens[i][t] < config.vocab_size,
-                 "[serve] tokens[" << i << "][" << t << "] (" << tokens[i][t]
-                                   << ") must be a token id in [0, V = " << config.vocab_size
-                                   << ")");
+                 "[" << op << "] tokens[" << i << "][" << t << "] (" << tokens[i][t]
+                     << ") must be a token id in [0, V = " << config.vocab_size << ")");
     }
     cu.push_back(cu.back() + n);
   }
@@ -114,22 +124,53 @@ std::vector<Index> check_serve(const AttentionStack<Scalar, Weight>& stack,
 /// Throws unless every layer's pool has room for the new tokens of every sequence.
 template <class Scalar, class Storage, class Global>
 void check_serve_room(const std::vector<SequenceId>& ids, const std::vector<Index>& cu,
-                      const ServingCache<Scalar, Storage, Global>& cache) {
+                      const ServingCache<Scalar, Storage, Global>& cache,
+                      const char* op = "serve") {
   std::vector<std::pair<SequenceId, Index>> appends;
   for (std::size_t i = 0; i < ids.size(); ++i) appends.emplace_back(ids[i], cu[i + 1] - cu[i]);
   for (Index l = 0; l < cache.num_layers(); ++l) {
-    std::visit([&](const auto& c) { c.check_appends(appends, "serve"); }, cache.layer(l));
+    std::visit([&](const auto& c) { c.check_appends(appends, op); }, cache.layer(l));
   }
 }
 
+/// One layer's attention over its paged cache for the rows of `ids` (rows [cu[i], cu[i + 1])
+/// of normed [T, d] are sequence ids[i]'s): the GQA layer's forward_paged or the MLA layer's
+/// absorbed one, under masks and params -> attended [T, d].
+template <class Scalar, class Weight, class Storage, class Global>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, a layer's step
+void paged_layer_step(const AttentionStack<Scalar, Weight>& stack, Index l,
+                      const RowMatrix<Scalar>& normed, const std::vector<Index>& cu,
+                      const std::vector<SequenceId>& ids, const std::vector<PositionMask>& masks,
+                      const AttentionLayerParams<Scalar>& params,
+                      ServingCache<Scalar, Storage, Global>& cache, RowMatrix<Scalar>& attended) {
+  using Stack = AttentionStack<Scalar, Weight>;
+  auto& layer_cache = ServingCacheAccess::layer(cache, l);
+  if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
+    mla->forward_paged(normed, cu, ids, masks, params, stack.absorbed_weights(l),
+                       std::get<PagedLatentCache<Scalar, Global>>(layer_cache), attended);
+    return;
+  }
+  std::get<typename Stack::Gqa>(stack.layer(l))
+      .forward_paged(normed, cu, ids, masks, params,
+                     std::get<PagedKvCache<Scalar, Storage>>(layer_cache), attended);
+}
+
+/// Gives back the pages of a local layer's cache that sequence id's next query no longer sees
+/// (the window of W ends at its next position).
+template <class Cache>
+void forget_past_window(Cache& cache, SequenceId id, const StackConfig& config) {
+  const Index start = cache.length(id) - config.window + 1;
+  if (start > cache.first_position(id)) cache.forget_before(id, start);
+}
+
 /// One layer of serve(): attended [T, d] = Attention_l(normed [T, d]) over the layer's paged
-/// cache, each sequence under its own mask; a local layer then frees the pages its window left.
+/// cache, each sequence under its own mask, pages shared by several read once; a local layer
+/// then frees the pages its window left.
 template <class Scalar, class Weight, class Storage, class Global>
 void serve_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
                  const RowMatrix<Scalar>& normed, const std::vector<Index>& cu,
                  const std::vector<SequenceId>& ids, ServingCache<Scalar, Storage, Global>& cache,
                  RowMatrix<Scalar>& attended) {
-  using Stack = AttentionStack<Scalar, Weight>;
   const auto& config = stack.config();
   std::vector<PositionMask> masks;
   masks.reserve(ids.size());
@@ -137,21 +178,12 @@ void serve_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
     masks.push_back(
         layer_mask(l, LayerMaskParams{cache.prefix(id), config.window, config.global_every}));
   }
-  auto& layer_cache = ServingCacheAccess::layer(cache, l);
   AttentionLayerParams<Scalar> params = stack.block_params(l);
   params.read_shared_pages_once = true;  // forks of one prompt read its pages once a layer
-  if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
-    mla->forward_paged(normed, cu, ids, masks, params, stack.absorbed_weights(l),
-                       std::get<PagedLatentCache<Scalar, Global>>(layer_cache), attended);
-    return;
-  }
-  const auto& gqa = std::get<typename Stack::Gqa>(stack.layer(l));
-  auto& kv = std::get<PagedKvCache<Scalar, Storage>>(layer_cache);
-  gqa.forward_paged(normed, cu, ids, masks, params, kv, attended);
-  for (const SequenceId id : ids) {  // the next query, at length(id), sees no key before
-    const Index start = kv.length(id) - config.window + 1;
-    if (start > kv.first_position(id)) kv.forget_before(id, start);
-  }
+  paged_layer_step(stack, l, normed, cu, ids, masks, params, cache, attended);
+  if (is_global_layer(l, config.global_every)) return;
+  auto& kv = std::get<PagedKvCache<Scalar, Storage>>(ServingCacheAccess::layer(cache, l));
+  for (const SequenceId id : ids) forget_past_window(kv, id, config);
 }
 
 }  // namespace detail
