@@ -356,7 +356,17 @@ TEST(ServingCache, ErrorsNameTheCall_ServeAndPagedLayerSteps) {
                           out.topRows(1));
       },
       "[gqa] row_positions[0] (-3) must be >= 0");
-  EXPECT_EQ(kv.length(b), 0);
+  gqa.forward_paged(x.topRows(3), {0, 3}, {b}, {apex::causal_mask()}, {}, kv, out.topRows(3));
+  const apex::Vector<Index> back = apex::Vector<Index>::Constant(1, 2);
+  placed.row_positions = &back;
+  expect_invalid(
+      [&] {
+        gqa.forward_paged(x.topRows(1), {0, 1}, {b}, {apex::causal_mask()}, placed, kv,
+                          out.topRows(1));
+      },
+      "[gqa] row_positions[0] (2) must be >= 3 (sequence " + std::to_string(b.value) +
+          "'s length: positions do not go back)");
+  EXPECT_EQ(kv.length(b), 3);
 }
 
 /// The tokens of a draft tree's path from a root to token t, root first.

@@ -45,7 +45,8 @@ struct AttentionLayerParams {
   /// forward_paged only: the RoPE position of every row, not owned (null: a row's position is
   /// its slot, the sequence's length + s). A draft token of speculative decoding sits at the
   /// committed length plus its depth in the draft tree (tree_mask.hpp) while its slot is the
-  /// committed length plus its index. Each >= 0 and, with a table, below its max_positions.
+  /// committed length plus its index. None before its sequence's length (positions do not go
+  /// back) and, with a table, each below its max_positions.
   const Vector<Index>* row_positions = nullptr;
   /// forward_paged only: the draft trees of the step's sequences (sequence ids[i] is batch i of
   /// the TreeMasks, its draft its rows), not owned; attention then also follows

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -58,8 +59,8 @@ inline void check_cache_rule(const PositionMask& rule, Index i, const char* op) 
 /// are the next tokens of the distinct live sequences ids[i]; each rule leaves the positions to
 /// the cache and holds for the sequence once its tokens are appended; the RoPE table (when
 /// given) covers every new position; the pool has room for them all. Returns the position of
-/// every row: length(ids[i]) + s, or `given` (checked: one per row, each >= 0 and below the
-/// table's max_positions). Allocates it.
+/// every row: length(ids[i]) + s, or `given` (checked: one per row, none before its sequence's
+/// length, each below the table's max_positions). Allocates it.
 template <class Cache, class Table>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, one caller per layer
 Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
@@ -94,12 +95,17 @@ Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
   if (given == nullptr) return positions;
   APEX_CHECK(given->size() == rows, "[" << op << "] row_positions holds " << given->size()
                                         << " positions; expected one per row (" << rows << ")");
-  for (Index r = 0; r < rows; ++r) {
-    const Index p = (*given)(r);
-    APEX_CHECK(p >= 0 && (rope == nullptr || p < rope->max_positions()),
-               "[" << op << "] row_positions[" << r << "] (" << p << ") must be >= 0"
-                   << (rope ? " and below the RoPE table's max_positions" : "") << " ("
-                   << (rope ? rope->max_positions() : 0) << ")");
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (cu[i] == cu[i + 1]) continue;
+    const Index length = positions(cu[i]);  // the sequence's next position
+    for (Index r = cu[i]; r < cu[i + 1]; ++r) {
+      const Index p = (*given)(r);
+      APEX_CHECK(p >= length && (rope == nullptr || p < rope->max_positions()),
+                 "[" << op << "] row_positions[" << r << "] (" << p << ") must be >= " << length
+                     << " (sequence " << ids[i] << "'s length: positions do not go back)"
+                     << (rope ? " and below the RoPE table's max_positions (" : "")
+                     << (rope ? std::to_string(rope->max_positions()) + ")" : ""));
+    }
   }
   return *given;
 }
