@@ -26,7 +26,7 @@
 // ACCURACY. A sequence in no shared pass gets sdpa_paged's result bit for bit. A sequence with
 // shared passes gets the same mathematical result, its parts rounded to the output type before the
 // merge: not bit-identical to sdpa_paged, and within the tolerance the kernel is held to against
-// the plain double loops (tests/cascade_attention_test.cpp checks it there). Bit-identical for any
+// the plain double loops (tests/paged_cache_test.cpp checks it there). Bit-identical for any
 // number of threads (the plan depends on the inputs alone; each pass and the merges run in a fixed
 // order).
 //
