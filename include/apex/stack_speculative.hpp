@@ -149,6 +149,7 @@ RowMatrix<Scalar> verify_drafts(const AttentionStack<Scalar, Weight>& stack,
       x, [&](Index l, const auto&, const RowMatrix<Scalar>& normed, RowMatrix<Scalar>& attended) {
         const bool global = is_global_layer(l, config.global_every);
         std::vector<PositionMask> masks;  // causal and the prefix; a window is the trees'
+        masks.reserve(ids.size());
         for (const SequenceId id : ids) {
           masks.push_back(layer_mask(l, LayerMaskParams{cache.prefix(id), 0, 1}));
         }
