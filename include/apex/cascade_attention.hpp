@@ -70,7 +70,7 @@ struct SharedPass {
 /// How sdpa_cascade splits a call: the shared passes, parents before children (so a sequence's
 /// passes come in the order of its keys), and where each sequence's own keys begin.
 struct CascadePlan {
-  std::vector<SharedPass> shared;
+  std::vector<SharedPass> shared;    ///< the passes over shared pages, parents first
   std::vector<Index> own_first_key;  ///< per sequence: its first key that no shared pass reads
 };
 
