@@ -148,6 +148,18 @@ void expect_attention_matches(const apex::PagedKvCache<float>& cache,
   }
 }
 
+/// Frees the sequences that hold no token (attention needs one), in the cache and the shadow.
+void free_empty(apex::PagedKvCache<float>& cache, std::map<SequenceId, Tokens>& shadow) {
+  for (auto it = shadow.begin(); it != shadow.end();) {
+    if (it->second.length() == 0) {
+      cache.free(it->first);
+      it = shadow.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 /// Random histories of add / append / fork / truncate / free for random page sizes: attention
 /// through the block tables equals contiguous attention after every few operations, the block
 /// counts follow the sharing, and no page is left once every sequence is freed.
@@ -193,14 +205,7 @@ TEST(PagedKvCache, RandomHistoriesEqualContiguousAttention) {
         shadow.erase(id);
       }
       if (step % 6 == 5) {
-        for (auto it = shadow.begin(); it != shadow.end();) {  // attention needs a token
-          if (it->second.length() == 0) {
-            cache.free(it->first);
-            it = shadow.erase(it);
-          } else {
-            ++it;
-          }
-        }
+        free_empty(cache, shadow);
         if (!shadow.empty()) expect_attention_matches(cache, shadow, apex::causal_mask(), rng);
       }
     }
@@ -254,14 +259,7 @@ TEST(PagedKvCache, KeepTokensKeepsAPathAndDropsTheRest) {
       }
       ASSERT_EQ(cache.length(id), t.length());
       ASSERT_EQ(Index(cache.block_table(id).size()), apex::detail::pages_holding(t.length(), page));
-      for (auto it = shadow.begin(); it != shadow.end();) {  // attention needs a token
-        if (it->second.length() == 0) {
-          cache.free(it->first);
-          it = shadow.erase(it);
-        } else {
-          ++it;
-        }
-      }
+      free_empty(cache, shadow);
       if (!shadow.empty()) expect_attention_matches(cache, shadow, apex::causal_mask(), rng);
     }
     for (const auto& [id, t] : shadow) cache.free(id);

@@ -121,6 +121,16 @@ std::vector<Index> check_serve(const AttentionStack<Scalar, Weight>& stack,
   return cu;
 }
 
+/// The sequences' tokens one after another, [1, T]: tokens[i] at columns [cu[i], cu[i + 1]).
+inline TokenMatrix packed_tokens(const std::vector<std::vector<std::int64_t>>& tokens,
+                                 const std::vector<Index>& cu) {
+  TokenMatrix flat(1, cu.back());
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    std::copy(tokens[i].begin(), tokens[i].end(), flat.data() + cu[i]);
+  }
+  return flat;
+}
+
 /// Throws unless every layer's pool has room for the new tokens of every sequence.
 template <class Scalar, class Storage, class Global>
 void check_serve_room(const std::vector<SequenceId>& ids, const std::vector<Index>& cu,
@@ -239,11 +249,7 @@ RowMatrix<Scalar> serve(const AttentionStack<Scalar, Weight>& stack,
                         ServingCache<Scalar, Storage, Global>& cache) {
   const std::vector<Index> cu = detail::check_serve(stack, ids, tokens, cache);
   detail::check_serve_room(ids, cu, cache);
-  TokenMatrix flat(1, cu.back());
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    std::copy(tokens[i].begin(), tokens[i].end(), flat.data() + cu[i]);
-  }
-  RowMatrix<Scalar> x = stack.embed_tokens(flat);
+  RowMatrix<Scalar> x = stack.embed_tokens(detail::packed_tokens(tokens, cu));
   stack.run_blocks(
       x, [&](Index l, const auto&, const RowMatrix<Scalar>& normed, RowMatrix<Scalar>& attended) {
         detail::serve_layer(stack, l, normed, cu, ids, cache, attended);

@@ -140,11 +140,7 @@ RowMatrix<Scalar> verify_drafts(const AttentionStack<Scalar, Weight>& stack,
   for (const SequenceId id : ids) committed.push_back(cache.length(id));
   const auto& config = stack.config();
   const TreeMasks global_trees(trees, committed), local_trees(trees, committed, config.window);
-  TokenMatrix flat(1, cu.back());
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    std::copy(drafts[i].begin(), drafts[i].end(), flat.data() + cu[i]);
-  }
-  RowMatrix<Scalar> x = stack.embed_tokens(flat);
+  RowMatrix<Scalar> x = stack.embed_tokens(detail::packed_tokens(drafts, cu));
   stack.run_blocks(
       x, [&](Index l, const auto&, const RowMatrix<Scalar>& normed, RowMatrix<Scalar>& attended) {
         const bool global = is_global_layer(l, config.global_every);
