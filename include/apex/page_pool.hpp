@@ -363,13 +363,7 @@ class PagePool {
   Index grow(SequenceId id, Index n, const char* op) {
     Sequence& s = mutable_sequence(id, op);
     if (n == 0) return s.length;
-    if (s.length % page_size_ != 0 && references(s.pages.back()) > 1) {
-      const Index from = s.pages.back();
-      const Index to = take();
-      copy_page(from, to);
-      release(from);
-      s.pages.back() = to;
-    }
+    if (s.length % page_size_ != 0) own_page(s, static_cast<Index>(s.pages.size()) - 1);
     while (static_cast<Index>(s.pages.size()) < pages_for(s.length + n)) s.pages.push_back(take());
     const Index old = s.length;
     s.length += n;
