@@ -2,7 +2,9 @@
 # SPDX-License-Identifier: MIT
 # Makes sure the packages apex's build needs are present: Eigen 3.4 for the library itself,
 # GoogleTest for the tests, Google Benchmark for the benchmarks, Open MPI for the optional
-# component apex::mpi (apex/distributed/) and its tests. On Debian or Ubuntu, as root,
+# component apex::mpi (apex/distributed/) and its tests, and for the optional Python module
+# (python/) pybind11, Python's headers, numpy, and pytest, PyTorch and matplotlib for its tests
+# and scripts (all for the system's python3, /usr/bin/python3, where Debian installs them). On Debian or Ubuntu, as root,
 # it installs whatever is missing with apt-get; anywhere else it says what to install and fails.
 #   scripts/install-deps.sh        what building, testing and benchmarking need
 #   scripts/install-deps.sh --ci   also the tools of .ci/run: clang with its sanitizer and
@@ -18,6 +20,13 @@ command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
 compgen -G "/usr/lib/*/openmpi/include/mpi.h" >/dev/null || have_header mpi.h || missing+=(libopenmpi-dev)
 command -v mpiexec >/dev/null || missing+=(openmpi-bin)
+have_header pybind11/pybind11.h || missing+=(pybind11-dev)
+compgen -G "/usr/include/python3*/Python.h" >/dev/null || missing+=(python3-dev)
+have_module() { [ -x /usr/bin/python3 ] && /usr/bin/python3 -c "import $1" 2>/dev/null; }
+have_module numpy || missing+=(python3-numpy)
+have_module pytest || missing+=(python3-pytest)
+have_module torch || missing+=(python3-torch)
+have_module matplotlib || missing+=(python3-matplotlib)
 if [ "${1:-}" = "--ci" ]; then
   command -v clang++ >/dev/null || missing+=(clang)
   compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null ||
@@ -45,7 +54,8 @@ else
   cat >&2 <<MSG
 apex: missing build requirements: ${missing[*]}
   Debian/Ubuntu: apt-get install libeigen3-dev libgtest-dev libbenchmark-dev cmake g++
-                 libopenmpi-dev openmpi-bin
+                 libopenmpi-dev openmpi-bin pybind11-dev python3-dev python3-numpy
+                 python3-pytest python3-torch python3-matplotlib
   Fedora:        dnf install eigen3-devel gtest-devel google-benchmark-devel cmake gcc-c++
                  openmpi-devel
   macOS:         brew install eigen googletest google-benchmark cmake open-mpi

@@ -44,4 +44,23 @@ echo "== plain include"
 g++ -std=c++17 -O1 -I "$work/prefix/include" -I /usr/include/eigen3 \
   "$src/examples/00_quickstart.cpp" -o "$work/plain"
 "$work/plain"
+# The Python module, where the release build made it: `cmake --install --component python`
+# puts the package where the interpreter looks under the prefix, and it imports from there.
+if [ -d "$src/build/release/python/apex" ]; then
+  echo "== Python module: install --component python"
+  cmake --install "$src/build/release" --component python --prefix "$work/py" >/dev/null
+  site=$(find "$work/py" -type d -name apex -path '*-packages/apex' | head -n 1)
+  test -n "$site" || { echo "the Python package was not installed" >&2; exit 1; }
+  (cd "$work" && PYTHONPATH=$(dirname "$site") /usr/bin/python3 -c '
+import apex, numpy as np
+assert apex.__file__.startswith("'"$work/py"'"), apex.__file__
+q = np.eye(4, dtype=np.float32)
+assert np.allclose(apex.sdpa(q, q, q, causal=True)[0], q[0])
+print("imported", apex.__file__)')
+  # A plain install leaves the Python package out (the headers' install is unchanged).
+  if find "$work/prefix" -name '_core*' | grep -q .; then
+    echo "a plain cmake --install installed the Python module" >&2
+    exit 1
+  fi
+fi
 echo "package checks passed"

@@ -1,0 +1,265 @@
+// SPDX-License-Identifier: MIT
+// numpy arrays as apex's views: the storage types, reading an array in place where its layout
+// allows (a copy otherwise), and new result arrays. Shared by every source of the module.
+//
+// Storage types: numpy float32, float64 and float16 are float, double and Eigen::half (IEEE
+// binary16, the same bits); bfloat16 is held in uint16 arrays and named by a dtype argument,
+// numpy having no bfloat16 of its own.
+//
+// In place: apex's views (HeadsView, Eigen's maps with an outer stride) take any stride in
+// elements on every axis but the last, whose elements must be adjacent. An array whose byte
+// strides are multiples of its item size and whose last axis is contiguous is read where it is;
+// any other is copied once, contiguously (numpy.ascontiguousarray), before apex reads it.
+#pragma once
+
+#include <apex/apex.hpp>
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace apex::python {
+
+namespace py = pybind11;
+
+/// An array argument: a numpy array as it is, anything else numpy.asarray accepts (a list, a
+/// scalar, an object with __array__) converted first.
+class ArrayLike : public py::array {
+ public:
+  ArrayLike() = default;
+  explicit ArrayLike(py::array a) : py::array(std::move(a)) {}
+};
+
+/// The storage type of an array.
+enum class Dtype { kFloat32, kFloat64, kFloat16, kBfloat16 };
+
+/// A type as a value, for dispatching on Dtype.
+template <class T>
+struct Tag {
+  using type = T;
+};
+
+/// numpy's name of the dtype that holds T (bfloat16: uint16).
+template <class T>
+const char* numpy_name() {
+  if constexpr (std::is_same_v<T, float>) return "float32";
+  if constexpr (std::is_same_v<T, double>) return "float64";
+  if constexpr (std::is_same_v<T, Eigen::half>) return "float16";
+  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return "uint16";
+  if constexpr (std::is_same_v<T, bool>) return "bool";
+  if constexpr (std::is_same_v<T, std::int64_t>) return "int64";
+}
+
+/// The name of a storage type as the module's dtype arguments spell it.
+inline const char* dtype_name(Dtype d) {
+  switch (d) {
+    case Dtype::kFloat32:
+      return "float32";
+    case Dtype::kFloat64:
+      return "float64";
+    case Dtype::kFloat16:
+      return "float16";
+    case Dtype::kBfloat16:
+      return "bfloat16";
+  }
+  return "?";
+}
+
+/// A dtype argument: "float32", "float64", "float16" or "bfloat16".
+inline Dtype parse_dtype(const std::string& name, const char* op) {
+  for (const Dtype d : {Dtype::kFloat32, Dtype::kFloat64, Dtype::kFloat16, Dtype::kBfloat16}) {
+    if (name == dtype_name(d)) return d;
+  }
+  APEX_CHECK(false, "[" << op << "] dtype ('" << name
+                        << "') must be 'float32', 'float64', 'float16' or 'bfloat16'");
+  return Dtype::kFloat32;
+}
+
+/// The numpy dtype's name of an array.
+inline std::string dtype_of(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
+
+/// The storage type of array `a` (argument `name` of `op`): its own float dtype, or bfloat16 when
+/// `dtype` says so (then `a` must be uint16). Throws for any other dtype.
+inline Dtype storage_of(const py::array& a, const std::optional<std::string>& dtype, const char* op,
+                        const char* name) {
+  const std::string has = dtype_of(a);
+  if (dtype && *dtype == "bfloat16") {
+    APEX_CHECK(has == "uint16", "[" << op << "] " << name << " dtype (" << has
+                                    << ") must be uint16 holding bfloat16 bits for "
+                                       "dtype='bfloat16' (apex.to_bfloat16 converts)");
+    return Dtype::kBfloat16;
+  }
+  for (const Dtype d : {Dtype::kFloat32, Dtype::kFloat64, Dtype::kFloat16}) {
+    if (has == dtype_name(d)) {
+      APEX_CHECK(!dtype || *dtype == has, "[" << op << "] " << name << " dtype (" << has
+                                              << ") does not match dtype='" << *dtype << "'");
+      return d;
+    }
+  }
+  APEX_CHECK(false, "[" << op << "] " << name << " dtype (" << has
+                        << ") must be float32, float64, float16, or uint16 with "
+                           "dtype='bfloat16'");
+  return Dtype::kFloat32;
+}
+
+/// Calls f(Tag<T>{}) with the storage type T of `d`.
+template <class F>
+decltype(auto) with_storage(Dtype d, F&& f) {
+  switch (d) {
+    case Dtype::kFloat64:
+      return f(Tag<double>{});
+    case Dtype::kFloat16:
+      return f(Tag<Eigen::half>{});
+    case Dtype::kBfloat16:
+      return f(Tag<Eigen::bfloat16>{});
+    case Dtype::kFloat32:
+      break;
+  }
+  return f(Tag<float>{});
+}
+
+/// Throws unless `a` holds T (numpy_name<T>()).
+template <class T>
+void check_dtype(const py::array& a, const char* op, const char* name, const char* expected_from) {
+  const std::string has = dtype_of(a);
+  APEX_CHECK(has == numpy_name<T>(), "[" << op << "] " << name << " dtype (" << has << ") must be "
+                                         << numpy_name<T>() << ", " << expected_from);
+}
+
+/// Whether apex can read `a` where it is: byte strides that are whole elements, and a last axis
+/// whose elements are adjacent (or that has at most one).
+inline bool readable_in_place(const py::array& a) {
+  const auto item = a.itemsize();
+  for (py::ssize_t axis = 0; axis < a.ndim(); ++axis) {
+    if (a.strides(axis) % item != 0) return false;
+  }
+  const py::ssize_t last = a.ndim() - 1;
+  return a.ndim() == 0 || a.shape(last) <= 1 || a.strides(last) == item;
+}
+
+/// `a` itself when apex can read it in place, else a contiguous copy of it.
+inline py::array readable(const py::array& a) {
+  if (readable_in_place(a)) return a;
+  return py::module_::import("numpy").attr("ascontiguousarray")(a).cast<py::array>();
+}
+
+/// Throws unless `a` has a rank in [low, high].
+inline void check_rank(const py::array& a, py::ssize_t low, py::ssize_t high, const char* op,
+                       const char* name, const char* layout) {
+  APEX_CHECK(a.ndim() >= low && a.ndim() <= high,
+             "[" << op << "] " << name << " rank (" << a.ndim() << ") must be " << layout);
+}
+
+/// The stride of `axis` in elements.
+inline Index element_stride(const py::array& a, py::ssize_t axis) {
+  return static_cast<Index>(a.strides(axis) / a.itemsize());
+}
+
+/// An array read by apex: the array it reads (the argument or its copy, kept alive) and a view.
+template <class T>
+struct HeadsInput {
+  py::array array;          ///< what the view points into
+  HeadsView<const T> view;  ///< [B, H, S, D]
+};
+
+/// `a` of rank 2 ([S, D]), 3 ([H, S, D]) or 4 ([B, H, S, D]) and dtype T as a [B, H, S, D] view,
+/// in place when its layout allows.
+template <class T>
+HeadsInput<T> heads_input(const py::array& a, const char* op, const char* name) {
+  check_rank(a, 2, 4, op, name, "2 ([S, D]), 3 ([H, S, D]) or 4 ([B, H, S, D])");
+  HeadsInput<T> in{readable(a), {}};
+  const py::array& r = in.array;
+  const py::ssize_t n = r.ndim();
+  const auto extent = [&](py::ssize_t from_end) {
+    return from_end <= n ? static_cast<Index>(r.shape(n - from_end)) : Index{1};
+  };
+  const auto stride = [&](py::ssize_t from_end) {
+    return from_end <= n ? element_stride(r, n - from_end) : Index{0};
+  };
+  const auto* data = static_cast<const T*>(r.data());
+  in.view = HeadsView<const T>(data, {extent(4), extent(3), extent(2), extent(1)},
+                               {stride(4), stride(3), stride(2)});
+  return in;
+}
+
+/// A token-major array [tokens, H, D] (FlashAttention's packed layout) of dtype T as the view
+/// [1, H, tokens, D], in place when its layout allows.
+template <class T>
+HeadsInput<T> packed_input(const py::array& a, const char* op, const char* name) {
+  check_rank(a, 3, 3, op, name, "3: [tokens, H, D]");
+  HeadsInput<T> in{readable(a), {}};
+  const py::array& r = in.array;
+  in.view = HeadsView<const T>(static_cast<const T*>(r.data()),
+                               {1, static_cast<Index>(r.shape(1)), static_cast<Index>(r.shape(0)),
+                                static_cast<Index>(r.shape(2))},
+                               {0, element_stride(r, 1), element_stride(r, 0)});
+  return in;
+}
+
+/// A new C-contiguous array of T with the given shape.
+template <class T>
+py::array new_array(const std::vector<py::ssize_t>& shape) {
+  return py::array(py::dtype(numpy_name<T>()), shape);
+}
+
+/// The data of an array apex writes.
+template <class T>
+T* mutable_data(py::array& a) {
+  return static_cast<T*>(a.mutable_data());
+}
+
+/// A contiguous [rows, cols] view of a C-contiguous array whose last axis has `cols` elements.
+template <class T>
+Eigen::Map<const RowMatrix<T>> rows_of(const py::array& a, Index cols) {
+  return {static_cast<const T*>(a.data()), cols == 0 ? 0 : static_cast<Index>(a.size()) / cols,
+          cols};
+}
+
+/// `a` as a C-contiguous array of T: itself when it is one, else a converted copy.
+template <class T>
+py::array contiguous_as(const py::handle& a) {
+  return py::module_::import("numpy")
+      .attr("ascontiguousarray")(a, py::arg("dtype") = numpy_name<T>())
+      .template cast<py::array>();
+}
+
+/// The registration of each source of the module.
+void def_attention(py::module_& m);
+void def_tables(py::module_& m);
+void def_models(py::module_& m);
+
+}  // namespace apex::python
+
+namespace pybind11::detail {
+
+/// Loads apex::python::ArrayLike: an ndarray as it is, another object through numpy.asarray
+/// (an object numpy cannot convert does not match, and the call raises TypeError).
+template <>
+struct type_caster<apex::python::ArrayLike> {
+  PYBIND11_TYPE_CASTER(apex::python::ArrayLike, const_name("numpy.ndarray"));
+
+  bool load(handle src, bool convert) {
+    if (npy_api::get().PyArray_Check_(src.ptr())) {
+      value = apex::python::ArrayLike(reinterpret_borrow<array>(src));
+      return true;
+    }
+    if (!convert || src.is_none()) return false;
+    try {
+      value = apex::python::ArrayLike(module_::import("numpy").attr("asarray")(src).cast<array>());
+      return true;
+    } catch (const error_already_set&) {
+      return false;
+    }
+  }
+  static handle cast(const apex::python::ArrayLike& a, return_value_policy /*policy*/,
+                     handle /*parent*/) {
+    return a.inc_ref();
+  }
+};
+
+}  // namespace pybind11::detail
