@@ -18,6 +18,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -55,6 +56,25 @@ const char* numpy_name() {
   if constexpr (std::is_same_v<T, std::int64_t>) return "int64";
 }
 
+/// numpy's type number of the dtype that holds T: compared and made without the dtype's name,
+/// which costs a microsecond a call.
+template <class T>
+int numpy_num() {
+  using api = py::detail::npy_api;
+  constexpr int kHalf = 23;  // NPY_HALF, which pybind11 does not name
+  if constexpr (std::is_same_v<T, float>) return api::NPY_FLOAT_;
+  if constexpr (std::is_same_v<T, double>) return api::NPY_DOUBLE_;
+  if constexpr (std::is_same_v<T, Eigen::half>) return kHalf;
+  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return api::NPY_UINT16_;
+  if constexpr (std::is_same_v<T, bool>) return api::NPY_BOOL_;
+  if constexpr (std::is_same_v<T, std::int64_t>) return api::NPY_INT64_;
+}
+
+/// The type number of an array's dtype.
+inline int num_of(const py::array& a) {
+  return py::detail::array_descriptor_proxy(py::detail::array_proxy(a.ptr())->descr)->type_num;
+}
+
 /// The name of a storage type as the module's dtype arguments spell it.
 inline const char* dtype_name(Dtype d) {
   switch (d) {
@@ -70,41 +90,36 @@ inline const char* dtype_name(Dtype d) {
   return "?";
 }
 
-/// A dtype argument: "float32", "float64", "float16" or "bfloat16".
-inline Dtype parse_dtype(const std::string& name, const char* op) {
-  for (const Dtype d : {Dtype::kFloat32, Dtype::kFloat64, Dtype::kFloat16, Dtype::kBfloat16}) {
-    if (name == dtype_name(d)) return d;
-  }
-  APEX_CHECK(false, "[" << op << "] dtype ('" << name
-                        << "') must be 'float32', 'float64', 'float16' or 'bfloat16'");
-  return Dtype::kFloat32;
-}
-
-/// The numpy dtype's name of an array.
+/// The numpy dtype's name of an array (for messages).
 inline std::string dtype_of(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
 
 /// The storage type of array `a` (argument `name` of `op`): its own float dtype, or bfloat16 when
-/// `dtype` says so (then `a` must be uint16). Throws for any other dtype.
+/// `dtype` is "bfloat16" (then `a` must be uint16); another dtype argument must name `a`'s own.
+/// Throws for any other dtype.
 inline Dtype storage_of(const py::array& a, const std::optional<std::string>& dtype, const char* op,
                         const char* name) {
-  const std::string has = dtype_of(a);
+  const int num = num_of(a);
   if (dtype && *dtype == "bfloat16") {
-    APEX_CHECK(has == "uint16", "[" << op << "] " << name << " dtype (" << has
-                                    << ") must be uint16 holding bfloat16 bits for "
-                                       "dtype='bfloat16' (apex.to_bfloat16 converts)");
+    APEX_CHECK(num == numpy_num<Eigen::bfloat16>(),
+               "[" << op << "] " << name << " dtype (" << dtype_of(a)
+                   << ") must be uint16 holding bfloat16 bits for dtype='bfloat16' "
+                      "(apex.to_bfloat16 converts)");
     return Dtype::kBfloat16;
   }
-  for (const Dtype d : {Dtype::kFloat32, Dtype::kFloat64, Dtype::kFloat16}) {
-    if (has == dtype_name(d)) {
-      APEX_CHECK(!dtype || *dtype == has, "[" << op << "] " << name << " dtype (" << has
-                                              << ") does not match dtype='" << *dtype << "'");
-      return d;
-    }
+  Dtype d = Dtype::kFloat32;
+  if (num == numpy_num<double>()) {
+    d = Dtype::kFloat64;
+  } else if (num == numpy_num<Eigen::half>()) {
+    d = Dtype::kFloat16;
+  } else {
+    APEX_CHECK(num == numpy_num<float>(),
+               "[" << op << "] " << name << " dtype (" << dtype_of(a)
+                   << ") must be float32, float64, float16, or uint16 with dtype='bfloat16'");
   }
-  APEX_CHECK(false, "[" << op << "] " << name << " dtype (" << has
-                        << ") must be float32, float64, float16, or uint16 with "
-                           "dtype='bfloat16'");
-  return Dtype::kFloat32;
+  APEX_CHECK(!dtype || *dtype == dtype_name(d), "[" << op << "] " << name << " dtype ("
+                                                    << dtype_name(d) << ") does not match dtype='"
+                                                    << *dtype << "'");
+  return d;
 }
 
 /// Calls f(Tag<T>{}) with the storage type T of `d`.
@@ -126,9 +141,21 @@ decltype(auto) with_storage(Dtype d, F&& f) {
 /// Throws unless `a` holds T (numpy_name<T>()).
 template <class T>
 void check_dtype(const py::array& a, const char* op, const char* name, const char* expected_from) {
-  const std::string has = dtype_of(a);
-  APEX_CHECK(has == numpy_name<T>(), "[" << op << "] " << name << " dtype (" << has << ") must be "
-                                         << numpy_name<T>() << ", " << expected_from);
+  APEX_CHECK(num_of(a) == numpy_num<T>(), "[" << op << "] " << name << " dtype (" << dtype_of(a)
+                                              << ") must be " << numpy_name<T>() << ", "
+                                              << expected_from);
+}
+
+/// numpy's function `name`, looked up once (the module lives as long as the interpreter).
+/// Called with the GIL held; the objects are never destroyed, since the interpreter may be gone
+/// when static destructors run.
+inline const py::object& numpy_function(const char* name) {
+  static auto* functions = new std::map<std::string, py::object>();
+  auto found = functions->find(name);
+  if (found == functions->end()) {
+    found = functions->emplace(name, py::module_::import("numpy").attr(name)).first;
+  }
+  return found->second;
 }
 
 /// Whether apex can read `a` where it is: byte strides that are whole elements, and a last axis
@@ -145,7 +172,7 @@ inline bool readable_in_place(const py::array& a) {
 /// `a` itself when apex can read it in place, else a contiguous copy of it.
 inline py::array readable(const py::array& a) {
   if (readable_in_place(a)) return a;
-  return py::module_::import("numpy").attr("ascontiguousarray")(a).cast<py::array>();
+  return numpy_function("ascontiguousarray")(a).cast<py::array>();
 }
 
 /// Throws unless `a` has a rank in [low, high].
@@ -204,13 +231,57 @@ HeadsInput<T> packed_input(const py::array& a, const char* op, const char* name)
 /// A new C-contiguous array of T with the given shape.
 template <class T>
 py::array new_array(const std::vector<py::ssize_t>& shape) {
-  return py::array(py::dtype(numpy_name<T>()), shape);
+  return py::array(py::dtype(numpy_num<T>()), shape);
 }
 
 /// The data of an array apex writes.
 template <class T>
 T* mutable_data(py::array& a) {
   return static_cast<T*>(a.mutable_data());
+}
+
+/// The outputs of an attention call on q [..., S_q, d]: out of q's shape with d_v last, and lse
+/// without the last axis when asked for.
+template <class T>
+struct Outputs {
+  py::array out, lse;
+  HeadsView<T> out_view, lse_view;
+
+  py::object returned(bool with_lse) const {
+    if (with_lse) return py::make_tuple(out, lse);
+    return out;
+  }
+};
+
+/// Outputs for heads-first q ([B, H, S, D] or fewer leading axes).
+template <class T>
+Outputs<T> heads_outputs(const py::array& q, HeadsShape shape, Index d_v, bool with_lse) {
+  std::vector<py::ssize_t> dims(q.shape(), q.shape() + q.ndim());
+  dims.back() = static_cast<py::ssize_t>(d_v);
+  Outputs<T> r;
+  r.out = new_array<T>(dims);
+  shape.dim = d_v;
+  r.out_view = HeadsView<T>::contiguous(mutable_data<T>(r.out), shape);
+  if (with_lse) {
+    dims.pop_back();
+    r.lse = new_array<T>(dims);
+    shape.dim = 1;
+    r.lse_view = HeadsView<T>::contiguous(mutable_data<T>(r.lse), shape);
+  }
+  return r;
+}
+
+/// Outputs for token-major q [total, H, d].
+template <class T>
+Outputs<T> packed_outputs(Index total, Index heads, Index d_v, bool with_lse) {
+  Outputs<T> r;
+  r.out = new_array<T>({total, heads, d_v});
+  r.out_view = HeadsView<T>::token_major(mutable_data<T>(r.out), {1, heads, total, d_v});
+  if (with_lse) {
+    r.lse = new_array<T>({total, heads});
+    r.lse_view = HeadsView<T>::token_major(mutable_data<T>(r.lse), {1, heads, total, 1});
+  }
+  return r;
 }
 
 /// A contiguous [rows, cols] view of a C-contiguous array whose last axis has `cols` elements.
@@ -223,8 +294,11 @@ Eigen::Map<const RowMatrix<T>> rows_of(const py::array& a, Index cols) {
 /// `a` as a C-contiguous array of T: itself when it is one, else a converted copy.
 template <class T>
 py::array contiguous_as(const py::handle& a) {
-  return py::module_::import("numpy")
-      .attr("ascontiguousarray")(a, py::arg("dtype") = numpy_name<T>())
+  if (py::isinstance<py::array>(a)) {
+    const auto array = py::reinterpret_borrow<py::array>(a);
+    if (num_of(array) == numpy_num<T>() && (array.flags() & py::array::c_style) != 0) return array;
+  }
+  return numpy_function("ascontiguousarray")(a, py::dtype(numpy_num<T>()))
       .template cast<py::array>();
 }
 
@@ -232,6 +306,7 @@ py::array contiguous_as(const py::handle& a) {
 void def_attention(py::module_& m);
 void def_tables(py::module_& m);
 void def_models(py::module_& m);
+void def_paged(py::module_& m);
 
 }  // namespace apex::python
 
@@ -250,7 +325,7 @@ struct type_caster<apex::python::ArrayLike> {
     }
     if (!convert || src.is_none()) return false;
     try {
-      value = apex::python::ArrayLike(module_::import("numpy").attr("asarray")(src).cast<array>());
+      value = apex::python::ArrayLike(apex::python::numpy_function("asarray")(src).cast<array>());
       return true;
     } catch (const error_already_set&) {
       return false;

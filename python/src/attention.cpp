@@ -5,6 +5,9 @@
 // computes.
 #include "arrays.hpp"
 
+#include <chrono>
+#include <limits>
+
 namespace apex::python {
 
 namespace {
@@ -89,37 +92,6 @@ void check_like_q(const py::array& q, const py::array& k, const py::array& v, co
                  << ") must equal q's rank " << q.ndim());
 }
 
-/// The results of an attention call: out, and lse when asked for.
-template <class T>
-struct Results {
-  py::array out, lse;
-  HeadsView<T> out_view, lse_view;
-
-  py::object returned(bool return_lse) const {
-    if (return_lse) return py::make_tuple(out, lse);
-    return out;
-  }
-};
-
-/// sdpa's results: out of q's shape with v's last extent, lse of q's shape without its last.
-template <class T>
-Results<T> sdpa_results(const py::array& q, const HeadsShape& q_shape, Index d_v, bool return_lse) {
-  std::vector<py::ssize_t> shape(q.shape(), q.shape() + q.ndim());
-  shape.back() = static_cast<py::ssize_t>(d_v);
-  Results<T> r;
-  r.out = new_array<T>(shape);
-  HeadsShape out_shape = q_shape;
-  out_shape.dim = d_v;
-  r.out_view = HeadsView<T>::contiguous(mutable_data<T>(r.out), out_shape);
-  if (return_lse) {
-    shape.pop_back();
-    r.lse = new_array<T>(shape);
-    r.lse_view = HeadsView<T>::contiguous(mutable_data<T>(r.lse),
-                                          {q_shape.batch, q_shape.heads, q_shape.seq, 1});
-  }
-  return r;
-}
-
 template <class T>
 py::object sdpa_of(const py::array& q, const py::array& k, const py::array& v, const Rule& rule,
                    const DenseMasks<T>& masks, const SdpaParams& params, bool return_lse) {
@@ -129,7 +101,7 @@ py::object sdpa_of(const py::array& q, const py::array& k, const py::array& v, c
   const HeadsInput<T> ki = heads_input<T>(k, op, "k");
   const HeadsInput<T> vi = heads_input<T>(v, op, "v");
   const AttentionMask<T> mask = masks.with(rule.mask);
-  Results<T> r = sdpa_results<T>(q, qi.view.shape(), vi.view.dim(), return_lse);
+  Outputs<T> r = heads_outputs<T>(q, qi.view.shape(), vi.view.dim(), return_lse);
   {
     const py::gil_scoped_release release;
     sdpa(qi.view, ki.view, vi.view, mask, params, r.out_view, r.lse_view);
@@ -165,14 +137,7 @@ py::object varlen_of(const py::array& q, const py::array& k, const py::array& v,
   check_like_q<T>(q, k, v, op);
   const HeadsInput<T> ki = packed_input<T>(k, op, "k");
   const HeadsInput<T> vi = packed_input<T>(v, op, "v");
-  const Index tokens = qi.view.seq(), heads = qi.view.heads(), d_v = vi.view.dim();
-  Results<T> r;
-  r.out = new_array<T>({tokens, heads, d_v});
-  r.out_view = HeadsView<T>::token_major(mutable_data<T>(r.out), {1, heads, tokens, d_v});
-  if (return_lse) {
-    r.lse = new_array<T>({tokens, heads});
-    r.lse_view = HeadsView<T>::token_major(mutable_data<T>(r.lse), {1, heads, tokens, 1});
-  }
+  Outputs<T> r = packed_outputs<T>(qi.view.seq(), qi.view.heads(), vi.view.dim(), return_lse);
   const AttentionMask<T> mask = masks.with({});
   {
     const py::gil_scoped_release release;
@@ -237,11 +202,39 @@ py::tuple merge_of(const py::array& out_a, const py::array& lse_a, const py::arr
 
 py::tuple merge_py(const ArrayLike& out_a, const ArrayLike& lse_a, const ArrayLike& out_b,
                    const ArrayLike& lse_b) {
-  const std::string has = dtype_of(out_a);
-  APEX_CHECK(has == "float32" || has == "float64",
-             "[merge_attention] out_a dtype (" << has << ") must be float32 or float64");
-  if (has == "float64") return merge_of<double>(out_a, lse_a, out_b, lse_b);
+  const int num = num_of(out_a);
+  APEX_CHECK(
+      num == numpy_num<float>() || num == numpy_num<double>(),
+      "[merge_attention] out_a dtype (" << dtype_of(out_a) << ") must be float32 or float64");
+  if (num == numpy_num<double>()) return merge_of<double>(out_a, lse_a, out_b, lse_b);
   return merge_of<float>(out_a, lse_a, out_b, lse_b);
+}
+
+/// The time of one apex::sdpa call made from C++ on float32 q, k, v (read as apex.sdpa reads
+/// them, output allocated once): the best of five means over `repeats` calls. What apex.sdpa
+/// adds to a call is its own time minus this (python/examples/overhead.py).
+double sdpa_cpp_seconds(const ArrayLike& q, const ArrayLike& k, const ArrayLike& v, bool causal,
+                        int repeats) {
+  const char* op = "_sdpa_cpp_seconds";
+  APEX_CHECK(repeats >= 1, "[" << op << "] repeats (" << repeats << ") must be >= 1");
+  const HeadsInput<float> qi = heads_input<float>(q, op, "q");
+  check_like_q<float>(q, k, v, op);
+  const HeadsInput<float> ki = heads_input<float>(k, op, "k");
+  const HeadsInput<float> vi = heads_input<float>(v, op, "v");
+  Outputs<float> r = heads_outputs<float>(q, qi.view.shape(), vi.view.dim(), false);
+  AttentionMask<float> mask;
+  mask.positions.causal = causal;
+  const py::gil_scoped_release release;
+  sdpa(qi.view, ki.view, vi.view, mask, SdpaParams{}, r.out_view);
+  double best = std::numeric_limits<double>::infinity();
+  for (int round = 0; round < 5; ++round) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < repeats; ++i)
+      sdpa(qi.view, ki.view, vi.view, mask, SdpaParams{}, r.out_view);
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    best = std::min(best, took.count() / repeats);
+  }
+  return best;
 }
 
 }  // namespace
@@ -345,6 +338,10 @@ contributes nothing. Inputs are copied if not C-contiguous.)doc");
   m.def(
       "alibi_slopes", [](Index heads) { return alibi_slopes(heads); }, py::arg("heads"),
       R"doc(The standard ALiBi slopes of H heads (Press et al. 2022): 2^(−8(h+1)/H) for H a power of two, interleaved otherwise. A list of H floats.)doc");
+  m.def("_sdpa_cpp_seconds", &sdpa_cpp_seconds, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::kw_only(), py::arg("causal") = false, py::arg("repeats") = 1000,
+        "Seconds per apex::sdpa call made from C++ on float32 q, k, v (best of five means of "
+        "`repeats` calls): the yardstick of python/examples/overhead.py.");
 }
 
 }  // namespace apex::python

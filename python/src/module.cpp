@@ -13,4 +13,5 @@ PYBIND11_MODULE(_core, m) {
   apex::python::def_attention(m);
   apex::python::def_tables(m);
   apex::python::def_models(m);
+  apex::python::def_paged(m);
 }

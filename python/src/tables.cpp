@@ -125,7 +125,7 @@ class PyRopeTable {
     return visit([&](const auto& t) {
       const auto& m = cos ? t.cos() : t.sin();
       using S = typename std::decay_t<decltype(m)>::Scalar;
-      py::array a(py::dtype(numpy_name<S>()), {m.rows(), m.cols()},
+      py::array a(py::dtype(numpy_num<S>()), {m.rows(), m.cols()},
                   {static_cast<py::ssize_t>(sizeof(S) * static_cast<std::size_t>(m.cols())),
                    static_cast<py::ssize_t>(sizeof(S))},
                   m.data(), owner);
@@ -343,8 +343,7 @@ py::array lm_head_py(const ArrayLike& h, const ArrayLike& table,
 
 py::array to_bfloat16_py(const ArrayLike& x) {
   const py::array a = contiguous_as<double>(x);
-  py::array out =
-      py::array(py::dtype("uint16"), std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
+  py::array out = new_array<Eigen::bfloat16>({a.shape(), a.shape() + a.ndim()});
   const auto* in = static_cast<const double*>(a.data());
   auto* bits = static_cast<Eigen::bfloat16*>(out.mutable_data());
   for (py::ssize_t i = 0; i < a.size(); ++i) bits[i] = round_to<Eigen::bfloat16>(in[i]);
