@@ -19,7 +19,8 @@ def sdpa(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ..., window
          query_offset: Optional[int] = ..., key_offset: int = ..., mask: Optional[ArrayLike] = ...,
          bias: Optional[ArrayLike] = ..., scale: Optional[float] = ..., softcap: float = ...,
          sinks: Optional[Sequence[float]] = ..., alibi_slopes: Optional[Sequence[float]] = ...,
-         return_lse: bool = ..., allow_bf16_products: bool = ..., dtype: Dtype = ...) -> np.ndarray: ...
+         return_lse: bool = ..., allow_bf16_products: bool = ..., dtype: Dtype = ...,
+         out: Optional[np.ndarray] = ...) -> np.ndarray: ...
 @overload
 def sdpa(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: bool, **options: object
          ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]: ...

@@ -194,13 +194,10 @@ struct HeadsInput {
   HeadsView<const T> view;  ///< [B, H, S, D]
 };
 
-/// `a` of rank 2 ([S, D]), 3 ([H, S, D]) or 4 ([B, H, S, D]) and dtype T as a [B, H, S, D] view,
-/// in place when its layout allows.
+/// An array of rank 2 ([S, D]), 3 ([H, S, D]) or 4 ([B, H, S, D]) that apex can read in place
+/// as the [B, H, S, D] view at `data` (T const or not).
 template <class T>
-HeadsInput<T> heads_input(const py::array& a, const char* op, const char* name) {
-  check_rank(a, 2, 4, op, name, "2 ([S, D]), 3 ([H, S, D]) or 4 ([B, H, S, D])");
-  HeadsInput<T> in{readable(a), {}};
-  const py::array& r = in.array;
+HeadsView<T> heads_view_of(const py::array& r, T* data) {
   const py::ssize_t n = r.ndim();
   const auto extent = [&](py::ssize_t from_end) {
     return from_end <= n ? static_cast<Index>(r.shape(n - from_end)) : Index{1};
@@ -208,9 +205,17 @@ HeadsInput<T> heads_input(const py::array& a, const char* op, const char* name) 
   const auto stride = [&](py::ssize_t from_end) {
     return from_end <= n ? element_stride(r, n - from_end) : Index{0};
   };
-  const auto* data = static_cast<const T*>(r.data());
-  in.view = HeadsView<const T>(data, {extent(4), extent(3), extent(2), extent(1)},
-                               {stride(4), stride(3), stride(2)});
+  return HeadsView<T>(data, {extent(4), extent(3), extent(2), extent(1)},
+                      {stride(4), stride(3), stride(2)});
+}
+
+/// `a` of rank 2 ([S, D]), 3 ([H, S, D]) or 4 ([B, H, S, D]) and dtype T as a [B, H, S, D] view,
+/// in place when its layout allows.
+template <class T>
+HeadsInput<T> heads_input(const py::array& a, const char* op, const char* name) {
+  check_rank(a, 2, 4, op, name, "2 ([S, D]), 3 ([H, S, D]) or 4 ([B, H, S, D])");
+  HeadsInput<T> in{readable(a), {}};
+  in.view = heads_view_of(in.array, static_cast<const T*>(in.array.data()));
   return in;
 }
 
@@ -253,15 +258,31 @@ struct Outputs {
   }
 };
 
-/// Outputs for heads-first q ([B, H, S, D] or fewer leading axes).
+/// Outputs for heads-first q ([B, H, S, D] or fewer leading axes): out new, or the caller's
+/// array `into` when given (of q's shape with d_v last and dtype T, writeable, whole-element
+/// strides with a contiguous last axis: apex writes it in place); lse new.
 template <class T>
-Outputs<T> heads_outputs(const py::array& q, HeadsShape shape, Index d_v, bool with_lse) {
+Outputs<T> heads_outputs(const py::array& q, HeadsShape shape, Index d_v, bool with_lse,
+                         const std::optional<py::array>& into = std::nullopt,
+                         const char* op = "sdpa") {
   std::vector<py::ssize_t> dims(q.shape(), q.shape() + q.ndim());
   dims.back() = static_cast<py::ssize_t>(d_v);
   Outputs<T> r;
-  r.out = new_array<T>(dims);
   shape.dim = d_v;
-  r.out_view = HeadsView<T>::contiguous(mutable_data<T>(r.out), shape);
+  if (into) {
+    check_dtype<T>(*into, op, "out", "the dtype of q");
+    APEX_CHECK(std::vector<py::ssize_t>(into->shape(), into->shape() + into->ndim()) == dims,
+               "[" << op << "] out must have q's shape with d_v (" << d_v << ") last");
+    APEX_CHECK(into->writeable() && readable_in_place(*into),
+               "[" << op
+                   << "] out must be writeable, with whole-element strides and a "
+                      "contiguous last axis: apex writes it in place");
+    r.out = *into;
+    r.out_view = heads_view_of(r.out, mutable_data<T>(r.out));
+  } else {
+    r.out = new_array<T>(dims);
+    r.out_view = HeadsView<T>::contiguous(mutable_data<T>(r.out), shape);
+  }
   if (with_lse) {
     dims.pop_back();
     r.lse = new_array<T>(dims);

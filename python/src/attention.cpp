@@ -94,14 +94,15 @@ void check_like_q(const py::array& q, const py::array& k, const py::array& v, co
 
 template <class T>
 py::object sdpa_of(const py::array& q, const py::array& k, const py::array& v, const Rule& rule,
-                   const DenseMasks<T>& masks, const SdpaParams& params, bool return_lse) {
+                   const DenseMasks<T>& masks, const SdpaParams& params, bool return_lse,
+                   const std::optional<py::array>& out) {
   const char* op = "sdpa";
   const HeadsInput<T> qi = heads_input<T>(q, op, "q");
   check_like_q<T>(q, k, v, op);
   const HeadsInput<T> ki = heads_input<T>(k, op, "k");
   const HeadsInput<T> vi = heads_input<T>(v, op, "v");
   const AttentionMask<T> mask = masks.with(rule.mask);
-  Outputs<T> r = heads_outputs<T>(q, qi.view.shape(), vi.view.dim(), return_lse);
+  Outputs<T> r = heads_outputs<T>(q, qi.view.shape(), vi.view.dim(), return_lse, out);
   {
     const py::gil_scoped_release release;
     sdpa(qi.view, ki.view, vi.view, mask, params, r.out_view, r.lse_view);
@@ -112,12 +113,13 @@ py::object sdpa_of(const py::array& q, const py::array& k, const py::array& v, c
 py::object sdpa_py(const ArrayLike& q, const ArrayLike& k, const ArrayLike& v,
                    const RuleArgs& rule_args, const std::optional<ArrayLike>& mask,
                    const std::optional<ArrayLike>& bias, const ScoreArgs& score_args,
-                   bool return_lse, const std::optional<std::string>& dtype) {
+                   bool return_lse, const std::optional<std::string>& dtype,
+                   const std::optional<py::array>& out) {
   const Rule rule = position_rule(rule_args);
   const SdpaParams params = score_params(score_args);
   return with_storage(storage_of(q, dtype, "sdpa", "q"), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return sdpa_of<T>(q, k, v, rule, DenseMasks<T>(mask, bias, "sdpa"), params, return_lse);
+    return sdpa_of<T>(q, k, v, rule, DenseMasks<T>(mask, bias, "sdpa"), params, return_lse, out);
   });
 }
 
@@ -248,12 +250,12 @@ void def_attention(py::module_& m) {
          const std::optional<ArrayLike>& mask, const std::optional<ArrayLike>& bias,
          std::optional<double> scale, double softcap, std::optional<std::vector<double>> sinks,
          std::optional<std::vector<double>> alibi_slopes, bool return_lse, bool allow_bf16_products,
-         const std::optional<std::string>& dtype) {
+         const std::optional<std::string>& dtype, const std::optional<py::array>& out) {
         return sdpa_py(
             q, k, v,
             {causal, window, chunk, prefix, std::move(documents), query_offset, key_offset}, mask,
             bias, {scale, softcap, std::move(sinks), std::move(alibi_slopes), allow_bf16_products},
-            return_lse, dtype);
+            return_lse, dtype, out);
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::kw_only(), py::arg("causal") = false,
       py::arg("window") = py::none(), py::arg("chunk") = py::none(), py::arg("prefix") = 0,
@@ -262,6 +264,7 @@ void def_attention(py::module_& m) {
       py::arg("scale") = py::none(), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
       py::arg("alibi_slopes") = py::none(), py::arg("return_lse") = false,
       py::arg("allow_bf16_products") = false, py::arg("dtype") = py::none(),
+      py::arg("out") = py::none(),
       R"doc(Scaled dot-product attention (apex::sdpa, §6, §8): softmax(softcap(scale·q·kᵀ) + ALiBi + bias, forbidden → -inf) · v.
 
 q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v], or without B
@@ -284,6 +287,10 @@ scale (default 1/√d_qk), softcap (c > 0: c·tanh(x/c), Gemma 2), sinks (one lo
 head, gpt-oss), alibi_slopes (one slope per query head; apex.alibi_slopes(H) gives the
 standard ones), allow_bf16_products (bfloat16 factors in the products where the CPU has
 AVX512-BF16 or AMX).
+
+out: an array to write the result into instead of a new one (q's dtype and shape with d_v last,
+writeable, whole-element strides with a contiguous last axis); it is returned. A call that fills
+a large new array pays for the operating system's first touch of its pages; out avoids that.
 
 A row with no allowed key is zeros (lse -inf). Arrays whose strides are whole elements with a
 contiguous last axis are read in place; others are copied once. Raises ValueError (apex's

@@ -158,6 +158,32 @@ py::object kv_attend(const Cache& cache, const py::array& q, const CallArgs& a, 
   return r.returned(with_lse);  // with the GIL: it makes Python objects
 }
 
+/// truncate (where the C++ class has it), reserve and clear of the Python cache class `name`
+/// (a Box holding the C++ cache `cpp` of any format in `any`), defined once for every class.
+template <class Box, bool kTruncate>
+void def_upkeep(py::module_& m, const char* name, const std::string& cpp) {
+  auto cls = py::reinterpret_borrow<py::class_<Box>>(m.attr(name));
+  if constexpr (kTruncate) {
+    cls.def(
+        "truncate",
+        [](Box& c, Index size) { std::visit([&](auto& x) { x.truncate(size); }, c.any); },
+        py::arg("size"),
+        ("Drops the tokens at positions >= size, 0 <= size <= the tokens held (" + cpp +
+         "::truncate).")
+            .c_str());
+  }
+  cls.def(
+         "reserve",
+         [](Box& c, Index capacity) { std::visit([&](auto& x) { x.reserve(capacity); }, c.any); },
+         py::arg("capacity"),
+         ("Grows the capacity to at least `capacity`, keeping the tokens (" + cpp +
+          "::reserve: one copy; never shrinks).")
+             .c_str())
+      .def(
+          "clear", [](Box& c) { std::visit([](auto& x) { x.clear(); }, c.any); },
+          ("Forgets every token; the memory is kept (" + cpp + "::clear).").c_str());
+}
+
 void def_kv_cache(py::module_& m) {
   py::class_<PyKvCache>(m, "KvCache",
                         (std::string("K/V cache of one attention layer (apex::KvCache<Scalar, "
@@ -257,23 +283,8 @@ void def_kv_cache(py::module_& m) {
             return std::visit(
                 [](const auto& x) { return decoded<compute_t<decltype(x)>>(x.values()); }, c.any);
           },
-          "The cached values decoded, as keys(): a new [B, H_kv, size, d_h] array.")
-      .def(
-          "truncate",
-          [](PyKvCache& c, Index size) { std::visit([&](auto& x) { x.truncate(size); }, c.any); },
-          py::arg("size"),
-          "Drops the tokens at positions >= size, 0 <= size <= self.size (KvCache::truncate).")
-      .def(
-          "reserve",
-          [](PyKvCache& c, Index capacity) {
-            std::visit([&](auto& x) { x.reserve(capacity); }, c.any);
-          },
-          py::arg("capacity"),
-          "Grows the capacity to at least `capacity`, keeping the tokens (KvCache::reserve: one "
-          "copy; never shrinks).")
-      .def(
-          "clear", [](PyKvCache& c) { std::visit([](auto& x) { x.clear(); }, c.any); },
-          "Forgets every token; the memory is kept (KvCache::clear).");
+          "The cached values decoded, as keys(): a new [B, H_kv, size, d_h] array.");
+  def_upkeep<PyKvCache, true>(m, "KvCache", "KvCache");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -432,16 +443,62 @@ py::dict gqa_config_dict(const GqaConfig& c) {
                  std::pair{"num_kv_heads", c.num_kv_heads}, std::pair{"head_dim", c.head_dim});
 }
 
-template <class S>
-py::array gqa_forward(const GqaOf<S>& g, const py::array& x, std::optional<Index> batch,
-                      const CallArgs& a, Index position_offset) {
+/// The forward pass of a layer (GqaOf or MlaOf) over whole sequences, each attending within
+/// itself: the `forward` of both Python layer classes.
+template <class Layer>
+py::array layer_forward(const Layer& g, const py::array& x, std::optional<Index> batch,
+                        const CallArgs& a, Index position_offset, const char* op) {
+  using S = typename Layer::Scalar;
   AttentionMask<S> mask;
   mask.positions = a.rule();
   const AttentionLayerParams<S> params = layer_params(g.rope, position_offset, a);
-  return run_rows<S>(x, batch, g.layer.config().d_model, "gqa",
+  return run_rows<S>(x, batch, g.layer.config().d_model, op,
                      [&](const TokenRows<S>& in, RowRef<S> out) {
                        g.layer.forward(in.rows, in.batch, mask, params, out);
                      });
+}
+
+/// What the docstrings of the two layer classes say differently.
+struct LayerDocs {
+  const char* config;
+  const char* dtype;
+  const char* weights;
+  const char* parameter_count;
+  std::string forward;
+};
+
+/// The properties and the forward pass that GroupedQueryAttention and MultiHeadLatentAttention
+/// share: config(layer config) and weights(layer weights) make their dicts.
+template <class Box, class Config, class Weights>
+void def_layer_common(py::class_<Box>& c, const char* op, Config config, Weights weights,
+                      const LayerDocs& docs) {
+  c.def_property_readonly(
+       "config", visiting<Box>([config](const auto& g) { return config(g.layer.config()); }),
+       docs.config)
+      .def_property_readonly("dtype", visiting<Box>([](const auto& g) {
+                               return numpy_name<typename std::decay_t<decltype(g)>::Scalar>();
+                             }),
+                             docs.dtype)
+      .def_property_readonly(
+          "weights", visiting<Box>([weights](const auto& g) { return weights(g.layer.weights()); }),
+          docs.weights)
+      .def_property_readonly("parameter_count",
+                             visiting<Box>([](const auto& g) { return g.layer.parameter_count(); }),
+                             docs.parameter_count)
+      .def(
+          "forward",
+          [op](const Box& g, const py::array& x, std::optional<Index> batch, bool causal,
+               std::optional<Index> window, Index prefix, std::optional<double> scale,
+               double softcap, Index position_offset) {
+            const CallArgs a{causal, window, prefix, scale, softcap};
+            return std::visit(
+                [&](const auto& layer) {
+                  return layer_forward(layer, x, batch, a, position_offset, op);
+                },
+                g.any);
+          },
+          py::arg("x"), py::kw_only(), py::arg("batch") = py::none(), APEX_CALL_ARGS,
+          py::arg("position_offset") = 0, docs.forward.c_str());
 }
 
 template <class S, class Cache>
@@ -460,7 +517,7 @@ const char* const kCallDoc =
     "softcap (c·tanh(s/c), 0: none).";
 
 void def_gqa(py::module_& m) {
-  py::class_<PyGqa>(
+  py::class_<PyGqa> cls(
       m, "GroupedQueryAttention",
       "Grouped-query attention layer (apex::GroupedQueryAttention<Scalar>, gqa.hpp, "
       "§7-§8) that owns W_Q, W_K, W_V, W_O: x [B*S, d] → Q = RoPE(norm(x·W_Q)), "
@@ -470,40 +527,40 @@ void def_gqa(py::module_& m) {
       "(an RMSNorm of each head over its d_h features, one γ for queries and one for "
       "keys); RoPE applies when max_positions > 0 (a table [max_positions, d_h] built "
       "with the layer, base rope_theta, the first rotary_dim features of each head, "
-      "0: all).")
-      .def(py::init([](Index d_model, Index num_q_heads, Index num_kv_heads, Index head_dim,
-                       py::object w_q, py::object w_k, py::object w_v, py::object w_o,
-                       std::optional<std::vector<double>> sinks, std::optional<py::object> q_norm,
-                       std::optional<py::object> k_norm, double qk_norm_eps, Index max_positions,
-                       double rope_theta, Index rotary_dim, const std::string& rope_pairing,
-                       const std::string& dtype) {
-             const GqaConfig config{d_model, num_q_heads, num_kv_heads, head_dim};
-             const GqaArrays arrays{std::move(w_q),    std::move(w_k),   std::move(w_v),
-                                    std::move(w_o),    std::move(sinks), std::move(q_norm),
-                                    std::move(k_norm), qk_norm_eps};
-             const RopeArgs rope{max_positions, rope_theta, rotary_dim, rope_pairing};
-             return with_compute(dtype, "gqa", [&](auto tag) {
-               using S = typename decltype(tag)::type;
-               GroupedQueryAttention<S> layer(config, gqa_weights<S>(arrays));
-               return PyGqa{GqaOf<S>{std::move(layer), rope_table<S>(rope, head_dim, "gqa")}};
-             });
-           }),
-           py::arg("d_model"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-           py::kw_only(), py::arg("w_q"), py::arg("w_k"), py::arg("w_v"), py::arg("w_o"),
-           py::arg("sinks") = py::none(), py::arg("q_norm") = py::none(),
-           py::arg("k_norm") = py::none(), py::arg("qk_norm_eps") = 1e-6,
-           py::arg("max_positions") = 0, py::arg("rope_theta") = 10000.0, py::arg("rotary_dim") = 0,
-           py::arg("rope_pairing") = "interleaved", py::arg("dtype") = "float32",
-           "A layer of config GqaConfig{d_model, num_q_heads, num_kv_heads, head_dim} and the "
-           "given weights (GroupedQueryAttention(config, GqaWeights), copied, converted to "
-           "dtype), applied as x·W (x on the left), row-major:\n"
-           "  w_q [d, H_q·d_h], w_k and w_v [d, H_kv·d_h] (head h in columns [h·d_h, (h+1)·d_h)), "
-           "w_o [H_q·d_h, d];\n"
-           "  sinks: H_q logits (gpt-oss attention sinks) or None; q_norm, k_norm: [d_h] γ of the "
-           "QK-norm (both or neither), with qk_norm_eps.\n"
-           "RoPE: max_positions (0: none), rope_theta, rotary_dim, rope_pairing ('interleaved' "
-           "or 'half_split'). dtype: 'float32' or 'float64'. Raises ValueError with apex's "
-           "message on a bad config or weight shape.")
+      "0: all).");
+  cls.def(py::init([](Index d_model, Index num_q_heads, Index num_kv_heads, Index head_dim,
+                      py::object w_q, py::object w_k, py::object w_v, py::object w_o,
+                      std::optional<std::vector<double>> sinks, std::optional<py::object> q_norm,
+                      std::optional<py::object> k_norm, double qk_norm_eps, Index max_positions,
+                      double rope_theta, Index rotary_dim, const std::string& rope_pairing,
+                      const std::string& dtype) {
+            const GqaConfig config{d_model, num_q_heads, num_kv_heads, head_dim};
+            const GqaArrays arrays{std::move(w_q),    std::move(w_k),   std::move(w_v),
+                                   std::move(w_o),    std::move(sinks), std::move(q_norm),
+                                   std::move(k_norm), qk_norm_eps};
+            const RopeArgs rope{max_positions, rope_theta, rotary_dim, rope_pairing};
+            return with_compute(dtype, "gqa", [&](auto tag) {
+              using S = typename decltype(tag)::type;
+              GroupedQueryAttention<S> layer(config, gqa_weights<S>(arrays));
+              return PyGqa{GqaOf<S>{std::move(layer), rope_table<S>(rope, head_dim, "gqa")}};
+            });
+          }),
+          py::arg("d_model"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+          py::kw_only(), py::arg("w_q"), py::arg("w_k"), py::arg("w_v"), py::arg("w_o"),
+          py::arg("sinks") = py::none(), py::arg("q_norm") = py::none(),
+          py::arg("k_norm") = py::none(), py::arg("qk_norm_eps") = 1e-6,
+          py::arg("max_positions") = 0, py::arg("rope_theta") = 10000.0, py::arg("rotary_dim") = 0,
+          py::arg("rope_pairing") = "interleaved", py::arg("dtype") = "float32",
+          "A layer of config GqaConfig{d_model, num_q_heads, num_kv_heads, head_dim} and the "
+          "given weights (GroupedQueryAttention(config, GqaWeights), copied, converted to "
+          "dtype), applied as x·W (x on the left), row-major:\n"
+          "  w_q [d, H_q·d_h], w_k and w_v [d, H_kv·d_h] (head h in columns [h·d_h, (h+1)·d_h)), "
+          "w_o [H_q·d_h, d];\n"
+          "  sinks: H_q logits (gpt-oss attention sinks) or None; q_norm, k_norm: [d_h] γ of the "
+          "QK-norm (both or neither), with qk_norm_eps.\n"
+          "RoPE: max_positions (0: none), rope_theta, rotary_dim, rope_pairing ('interleaved' "
+          "or 'half_split'). dtype: 'float32' or 'float64'. Raises ValueError with apex's "
+          "message on a bad config or weight shape.")
       .def_static(
           "random",
           [](Index d_model, Index num_q_heads, Index num_kv_heads, Index head_dim,
@@ -523,50 +580,26 @@ void def_gqa(py::module_& m) {
           py::arg("rope_pairing") = "interleaved", py::arg("dtype") = "float32",
           "A layer with random weights (GroupedQueryAttention::random(config, seed)): each entry "
           "of a [rows, cols] weight N(0, 1/rows), drawn in the order W_Q, W_K, W_V, W_O from "
-          "std::mt19937_64(seed); no sinks, no QK-norm. RoPE and dtype as the constructor.")
-      .def_property_readonly("config", visiting<PyGqa>([](const auto& g) {
-                               return gqa_config_dict(g.layer.config());
-                             }),
-                             "The config as a dict: d_model, num_q_heads, num_kv_heads, head_dim.")
-      .def_property_readonly("dtype", visiting<PyGqa>([](const auto& g) {
-                               return numpy_name<typename std::decay_t<decltype(g)>::Scalar>();
-                             }),
-                             "'float32' or 'float64': what x, the weights and the results are.")
-      .def_property_readonly(
-          "weights",
-          visiting<PyGqa>([](const auto& g) { return gqa_weight_arrays(g.layer.weights()); }),
-          "The weights as a dict of new arrays (shapes as the constructor takes them): w_q, w_k, "
-          "w_v, w_o, sinks (a list), q_norm and k_norm (None without a QK-norm), qk_norm_eps.")
-      .def_property_readonly("parameter_count", visiting<PyGqa>([](const auto& g) {
-                               return g.layer.parameter_count();
-                             }),
-                             "d·d_h·(2·H_q + 2·H_kv) (GroupedQueryAttention::parameter_count).")
-      .def_property_readonly("weight_bytes",
-                             visiting<PyGqa>([](const auto& g) { return g.layer.weight_bytes(); }),
-                             "Bytes of the four matrices (parameter_count·itemsize).")
-      .def(
-          "forward",
-          [](const PyGqa& g, const py::array& x, std::optional<Index> batch, bool causal,
-             std::optional<Index> window, Index prefix, std::optional<double> scale, double softcap,
-             Index position_offset) {
-            return std::visit(
-                [&](const auto& layer) {
-                  return gqa_forward(layer, x, batch, {causal, window, prefix, scale, softcap},
-                                     position_offset);
-                },
-                g.any);
-          },
-          py::arg("x"), py::kw_only(), py::arg("batch") = py::none(), APEX_CALL_ARGS,
-          py::arg("position_offset") = 0,
-          (std::string("The forward pass over whole sequences (GroupedQueryAttention::forward), "
-                       "each attending within itself.\n\nx: [B, S, d], or [B*S, d] with batch=B "
-                       "(default 1), of the layer's dtype (read in place when the rows are "
-                       "evenly strided with a contiguous last axis). Row s of each sequence is at "
-                       "position position_offset + s for RoPE. ") +
-           kCallDoc +
-           " Returns a new array of x's shape. Allocates Q, K, V and the [B*S, H_q·d_h] "
-           "concatenation besides the result.")
-              .c_str())
+          "std::mt19937_64(seed); no sinks, no QK-norm. RoPE and dtype as the constructor.");
+  def_layer_common(
+      cls, "gqa", [](const GqaConfig& config) { return gqa_config_dict(config); },
+      [](const auto& w) { return gqa_weight_arrays(w); },
+      {"The config as a dict: d_model, num_q_heads, num_kv_heads, head_dim.",
+       "'float32' or 'float64': what x, the weights and the results are.",
+       "The weights as a dict of new arrays (shapes as the constructor takes them): w_q, w_k, "
+       "w_v, w_o, sinks (a list), q_norm and k_norm (None without a QK-norm), qk_norm_eps.",
+       "d·d_h·(2·H_q + 2·H_kv) (GroupedQueryAttention::parameter_count).",
+       (std::string("The forward pass over whole sequences (GroupedQueryAttention::forward), "
+                    "each attending within itself.\n\nx: [B, S, d], or [B*S, d] with batch=B "
+                    "(default 1), of the layer's dtype (read in place when the rows are "
+                    "evenly strided with a contiguous last axis). Row s of each sequence is at "
+                    "position position_offset + s for RoPE. ") +
+        kCallDoc +
+        " Returns a new array of x's shape. Allocates Q, K, V and the [B*S, H_q·d_h] "
+        "concatenation besides the result.")});
+  cls.def_property_readonly("weight_bytes",
+                            visiting<PyGqa>([](const auto& g) { return g.layer.weight_bytes(); }),
+                            "Bytes of the four matrices (parameter_count·itemsize).")
       .def(
           "make_cache",
           [](const PyGqa& g, Index batch, Index capacity, const std::string& format) {
@@ -703,22 +736,8 @@ void def_latent_cache(py::module_& m) {
           "capacity. Allocates nothing (but a copy of an input whose layout needs one).")
       .def("rows", visiting<PyLatentCache>([](const auto& x) { return latent_rows(x); }),
            "The cached rows [c_kv ‖ K_rope] decoded as attention reads them: a new "
-           "[B, size, d_kv + H_kr·d_r] array of the cache's dtype (LatentCache::rows, widened).")
-      .def(
-          "truncate",
-          [](PyLatentCache& c, Index size) {
-            std::visit([&](auto& x) { x.truncate(size); }, c.any);
-          },
-          py::arg("size"), "Drops the tokens at positions >= size (LatentCache::truncate).")
-      .def(
-          "reserve",
-          [](PyLatentCache& c, Index capacity) {
-            std::visit([&](auto& x) { x.reserve(capacity); }, c.any);
-          },
-          py::arg("capacity"), "Grows the capacity, keeping the tokens (LatentCache::reserve).")
-      .def(
-          "clear", [](PyLatentCache& c) { std::visit([](auto& x) { x.clear(); }, c.any); },
-          "Forgets every token (LatentCache::clear).");
+           "[B, size, d_kv + H_kr·d_r] array of the cache's dtype (LatentCache::rows, widened).");
+  def_upkeep<PyLatentCache, true>(m, "LatentCache", "LatentCache");
 }
 
 template <class S>
@@ -772,18 +791,6 @@ py::dict mla_config_dict(const MlaConfig& c) {
                  std::pair{"num_rope_key_heads", c.rope_key_heads()});
 }
 
-template <class S>
-py::array mla_forward(const MlaOf<S>& g, const py::array& x, std::optional<Index> batch,
-                      const CallArgs& a, Index position_offset) {
-  AttentionMask<S> mask;
-  mask.positions = a.rule();
-  const AttentionLayerParams<S> params = layer_params(g.rope, position_offset, a);
-  return run_rows<S>(x, batch, g.layer.config().d_model, "mla",
-                     [&](const TokenRows<S>& in, RowRef<S> out) {
-                       g.layer.forward(in.rows, in.batch, mask, params, out);
-                     });
-}
-
 template <class S, class Cache>
 py::array mla_cached(const MlaOf<S>& g, Cache& cache, const py::array& x, const CallArgs& a,
                      bool absorbed) {
@@ -800,7 +807,7 @@ py::array mla_cached(const MlaOf<S>& g, Cache& cache, const py::array& x, const 
 }
 
 void def_mla(py::module_& m) {
-  py::class_<PyMla>(
+  py::class_<PyMla> cls(
       m, "MultiHeadLatentAttention",
       "Multi-head latent attention layer (apex::MultiHeadLatentAttention<Scalar>, mla.hpp, §9) "
       "that owns its eight matrices, applied as x·W:\n"
@@ -810,36 +817,36 @@ void def_mla(py::module_& m) {
       "a table [max_positions, d_r] built with the layer);\n"
       "  head h: softmax([Q_h ‖ Q_rope,h]·[K_g ‖ K_rope,g']ᵀ / √(d_h + d_r) + mask)·V_g, "
       "g = ⌊h / (H_q/H_kv)⌋, g' = g (H_kr = H_kv) or 0 (H_kr = 1); out = Concat·W_O.\n"
-      "A decoder caches [c_kv ‖ K_rope] per token (apex.LatentCache).")
-      .def(py::init([](Index d_model, Index d_q, Index d_kv, Index num_q_heads, Index num_kv_heads,
-                       Index head_dim, Index rope_dim, Index num_rope_key_heads,
-                       const py::dict& weights, std::optional<std::vector<double>> sinks,
-                       Index max_positions, double rope_theta, const std::string& rope_pairing,
-                       const std::string& dtype) {
-             const MlaConfig config{d_model,      d_q,      d_kv,     num_q_heads,
-                                    num_kv_heads, head_dim, rope_dim, num_rope_key_heads};
-             const RopeArgs rope{max_positions, rope_theta, 0, rope_pairing};
-             return with_compute(dtype, "mla", [&](auto tag) {
-               using S = typename decltype(tag)::type;
-               return PyMla{mla_of<S>(
-                   MultiHeadLatentAttention<S>(config, mla_weights<S>(weights, sinks)), rope)};
-             });
-           }),
-           py::arg("d_model"), py::arg("d_q"), py::arg("d_kv"), py::arg("num_q_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rope_dim"), py::kw_only(),
-           py::arg("num_rope_key_heads") = 0, py::arg("weights"), py::arg("sinks") = py::none(),
-           py::arg("max_positions"), py::arg("rope_theta") = 10000.0,
-           py::arg("rope_pairing") = "interleaved", py::arg("dtype") = "float32",
-           "A layer of config MlaConfig{d_model, d_q, d_kv, num_q_heads, num_kv_heads, head_dim, "
-           "rope_dim, num_rope_key_heads (H_kr: 0 = H_kv, or 1)} and the given weights "
-           "(MultiHeadLatentAttention(config, MlaWeights), copied, converted to dtype). weights: "
-           "a dict of row-major matrices applied as x·W, head h in columns [h·w, (h+1)·w):\n"
-           "  w_dkv [d, d_kv], w_uk [d_kv, H_kv·d_h], w_uv [d_kv, H_kv·d_h], w_dq [d, d_q], "
-           "w_uq [d_q, H_q·d_h], w_qr [d, H_q·d_r], w_kr [d, H_kr·d_r], w_o [H_q·d_h, d].\n"
-           "sinks: H_q logits or None. RoPE (required, §9.3): max_positions >= 1, rope_theta, "
-           "rope_pairing. The absorbed weights (absorb_mla_weights) are folded at construction. "
-           "dtype: 'float32' or 'float64'. Raises ValueError with apex's message on a bad config "
-           "or weight shape.")
+      "A decoder caches [c_kv ‖ K_rope] per token (apex.LatentCache).");
+  cls.def(py::init([](Index d_model, Index d_q, Index d_kv, Index num_q_heads, Index num_kv_heads,
+                      Index head_dim, Index rope_dim, Index num_rope_key_heads,
+                      const py::dict& weights, std::optional<std::vector<double>> sinks,
+                      Index max_positions, double rope_theta, const std::string& rope_pairing,
+                      const std::string& dtype) {
+            const MlaConfig config{d_model,      d_q,      d_kv,     num_q_heads,
+                                   num_kv_heads, head_dim, rope_dim, num_rope_key_heads};
+            const RopeArgs rope{max_positions, rope_theta, 0, rope_pairing};
+            return with_compute(dtype, "mla", [&](auto tag) {
+              using S = typename decltype(tag)::type;
+              return PyMla{mla_of<S>(
+                  MultiHeadLatentAttention<S>(config, mla_weights<S>(weights, sinks)), rope)};
+            });
+          }),
+          py::arg("d_model"), py::arg("d_q"), py::arg("d_kv"), py::arg("num_q_heads"),
+          py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rope_dim"), py::kw_only(),
+          py::arg("num_rope_key_heads") = 0, py::arg("weights"), py::arg("sinks") = py::none(),
+          py::arg("max_positions"), py::arg("rope_theta") = 10000.0,
+          py::arg("rope_pairing") = "interleaved", py::arg("dtype") = "float32",
+          "A layer of config MlaConfig{d_model, d_q, d_kv, num_q_heads, num_kv_heads, head_dim, "
+          "rope_dim, num_rope_key_heads (H_kr: 0 = H_kv, or 1)} and the given weights "
+          "(MultiHeadLatentAttention(config, MlaWeights), copied, converted to dtype). weights: "
+          "a dict of row-major matrices applied as x·W, head h in columns [h·w, (h+1)·w):\n"
+          "  w_dkv [d, d_kv], w_uk [d_kv, H_kv·d_h], w_uv [d_kv, H_kv·d_h], w_dq [d, d_q], "
+          "w_uq [d_q, H_q·d_h], w_qr [d, H_q·d_r], w_kr [d, H_kr·d_r], w_o [H_q·d_h, d].\n"
+          "sinks: H_q logits or None. RoPE (required, §9.3): max_positions >= 1, rope_theta, "
+          "rope_pairing. The absorbed weights (absorb_mla_weights) are folded at construction. "
+          "dtype: 'float32' or 'float64'. Raises ValueError with apex's message on a bad config "
+          "or weight shape.")
       .def_static(
           "random",
           [](Index d_model, Index d_q, Index d_kv, Index num_q_heads, Index num_kv_heads,
@@ -861,59 +868,34 @@ void def_mla(py::module_& m) {
           py::arg("dtype") = "float32",
           "A layer with random weights (MultiHeadLatentAttention::random(config, seed)): each "
           "entry of a [rows, cols] weight N(0, 1/rows), in the order of the weights listed for "
-          "the constructor, from std::mt19937_64(seed). RoPE and dtype as the constructor.")
-      .def_property_readonly("config", visiting<PyMla>([](const auto& g) {
-                               return mla_config_dict(g.layer.config());
-                             }),
-                             "The config as a dict (num_rope_key_heads resolved: H_kv or 1).")
-      .def_property_readonly("dtype", visiting<PyMla>([](const auto& g) {
-                               return numpy_name<typename std::decay_t<decltype(g)>::Scalar>();
-                             }),
-                             "'float32' or 'float64'.")
-      .def_property_readonly(
-          "weights",
-          visiting<PyMla>([](const auto& g) { return mla_weight_arrays(g.layer.weights()); }),
-          "The weights as a dict of new arrays, named and shaped as the constructor takes them, "
-          "and sinks (a list).")
-      .def_property_readonly("parameter_count", visiting<PyMla>([](const auto& g) {
-                               return g.layer.parameter_count();
-                             }),
-                             "The §9.5 total (mla_parameter_count).")
-      .def(
-          "forward",
-          [](const PyMla& g, const py::array& x, std::optional<Index> batch, bool causal,
-             std::optional<Index> window, Index prefix, std::optional<double> scale, double softcap,
-             Index position_offset) {
-            return std::visit(
-                [&](const auto& layer) {
-                  return mla_forward(layer, x, batch, {causal, window, prefix, scale, softcap},
-                                     position_offset);
-                },
-                g.any);
-          },
-          py::arg("x"), py::kw_only(), py::arg("batch") = py::none(), APEX_CALL_ARGS,
-          py::arg("position_offset") = 0,
-          (std::string("The forward pass over whole sequences (MultiHeadLatentAttention::"
-                       "forward, decompressing K and V).\n\nx: [B, S, d] or [B*S, d] with "
-                       "batch=B, the layer's dtype; row s at position position_offset + s. ") +
-           kCallDoc + " (scale default 1/√(d_h + d_r).) Returns a new array of x's shape.")
-              .c_str())
-      .def(
-          "make_cache",
-          [](const PyMla& g, Index batch, Index capacity, const std::string& format) {
-            return std::visit(
-                [&](const auto& layer) {
-                  using S = typename std::decay_t<decltype(layer)>::Scalar;
-                  check_format_for<S>(format, "mla");
-                  const MlaConfig& c = layer.layer.config();
-                  return make_latent_cache(
-                      {batch, c.d_kv, c.rope_key_heads(), c.rope_dim, capacity}, format);
-                },
-                g.any);
-          },
-          py::arg("batch"), py::arg("capacity"), py::kw_only(), py::arg("format") = "float32",
-          "An empty apex.LatentCache for this layer (MultiHeadLatentAttention::make_cache"
-          "<Storage>), formats as for GroupedQueryAttention.make_cache. Allocates it.")
+          "the constructor, from std::mt19937_64(seed). RoPE and dtype as the constructor.");
+  def_layer_common(
+      cls, "mla", [](const MlaConfig& config) { return mla_config_dict(config); },
+      [](const auto& w) { return mla_weight_arrays(w); },
+      {"The config as a dict (num_rope_key_heads resolved: H_kv or 1).", "'float32' or 'float64'.",
+       "The weights as a dict of new arrays, named and shaped as the constructor takes them, "
+       "and sinks (a list).",
+       "The §9.5 total (mla_parameter_count).",
+       (std::string("The forward pass over whole sequences (MultiHeadLatentAttention::"
+                    "forward, decompressing K and V).\n\nx: [B, S, d] or [B*S, d] with "
+                    "batch=B, the layer's dtype; row s at position position_offset + s. ") +
+        kCallDoc + " (scale default 1/√(d_h + d_r).) Returns a new array of x's shape.")});
+  cls.def(
+         "make_cache",
+         [](const PyMla& g, Index batch, Index capacity, const std::string& format) {
+           return std::visit(
+               [&](const auto& layer) {
+                 using S = typename std::decay_t<decltype(layer)>::Scalar;
+                 check_format_for<S>(format, "mla");
+                 const MlaConfig& c = layer.layer.config();
+                 return make_latent_cache({batch, c.d_kv, c.rope_key_heads(), c.rope_dim, capacity},
+                                          format);
+               },
+               g.any);
+         },
+         py::arg("batch"), py::arg("capacity"), py::kw_only(), py::arg("format") = "float32",
+         "An empty apex.LatentCache for this layer (MultiHeadLatentAttention::make_cache"
+         "<Storage>), formats as for GroupedQueryAttention.make_cache. Allocates it.")
       .def(
           "forward_cached",
           [](const PyMla& g, const py::array& x, PyLatentCache& cache, bool absorbed, bool causal,
@@ -1243,16 +1225,8 @@ void def_stack_cache(py::module_& m) {
           "Bytes of the local layers' rings: B·W·2·H_kv·d_h values a layer, constant.")
       .def_property_readonly(
           "global_bytes", visiting<PyStackCache>([](const auto& x) { return x.global_bytes(); }),
-          "Bytes of the global layers' latent caches: B·C·(d_kv + H_kr·d_r) values a layer.")
-      .def(
-          "reserve",
-          [](PyStackCache& c, Index capacity) {
-            std::visit([&](auto& x) { x.reserve(capacity); }, c.any);
-          },
-          py::arg("capacity"), "Grows the global layers' capacity (StackCache::reserve).")
-      .def(
-          "clear", [](PyStackCache& c) { std::visit([](auto& x) { x.clear(); }, c.any); },
-          "Forgets the sequence (StackCache::clear); the next call must be prefill.");
+          "Bytes of the global layers' latent caches: B·C·(d_kv + H_kr·d_r) values a layer.");
+  def_upkeep<PyStackCache, false>(m, "StackCache", "StackCache");
 }
 
 void def_stack(py::module_& m) {

@@ -54,29 +54,21 @@ void paged_append(Cache& cache, Index id, const py::array& k, const py::array& v
   cache.append(SequenceId{id}, ki.view, vi.view);
 }
 
-/// The keyword arguments of attend: the position rule and the score parameters.
+/// The keyword arguments of attend: those of the layers' calls, and more of apex.sdpa's.
 struct AttendArgs {
-  bool causal = false;
-  std::optional<Index> window, chunk;
-  Index prefix = 0;
-  std::optional<double> scale;
-  double softcap = 0.0;
+  CallArgs call;
+  std::optional<Index> chunk;
   std::optional<std::vector<double>> sinks, alibi_slopes;
   bool cascade = false;
   bool return_lse = false;
 
   PositionMask rule() const {
-    PositionMask m;
-    m.causal = causal;
-    m.window = window;
+    PositionMask m = call.rule();
     m.chunk = chunk;
-    m.prefix = prefix;
     return m;
   }
   SdpaParams params() const {
-    SdpaParams p;
-    p.scale = scale;
-    p.softcap = softcap;
+    SdpaParams p = call.params();
     if (sinks) p.sinks = *sinks;
     if (alibi_slopes) p.alibi_slopes = *alibi_slopes;
     return p;
@@ -229,8 +221,8 @@ void def_attend(py::class_<PyPagedCache>& c) {
          std::optional<Index> chunk, Index prefix, std::optional<double> scale, double softcap,
          std::optional<std::vector<double>> sinks, std::optional<std::vector<double>> alibi,
          bool cascade, bool return_lse) {
-        const AttendArgs a{causal,           window,           chunk,   prefix,    scale, softcap,
-                           std::move(sinks), std::move(alibi), cascade, return_lse};
+        const CallArgs call{causal, window, prefix, scale, softcap};
+        const AttendArgs a{call, chunk, std::move(sinks), std::move(alibi), cascade, return_lse};
         return p.visit([&](const auto& x) { return paged_attend(x, q, ids, cu_seqlens_q, a); });
       },
       py::arg("q"), py::arg("ids"), py::arg("cu_seqlens_q"), py::kw_only(),

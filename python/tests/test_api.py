@@ -166,3 +166,23 @@ def test_the_type_stubs_name_every_public_name_of_the_module():
     stubbed = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
     public = {name for name in dir(apex._core) if not name.startswith("_")}
     assert public == stubbed
+
+
+def test_sdpa_writes_into_out_in_place(rng):
+    q = rng.standard_normal((2, 4, 6, 8)).astype(np.float32)
+    expected = apex.sdpa(q, q, q, causal=True)
+    wide = np.full((2, 4, 6, 12), 7.0, dtype=np.float32)
+    out = wide[..., 2:10]                       # a strided view: rows 12 apart
+    assert apex.sdpa(q, q, q, causal=True, out=out) is out
+    np.testing.assert_array_equal(wide[..., 2:10], expected)
+    assert np.all(wide[..., :2] == 7.0) and np.all(wide[..., 10:] == 7.0)
+    same = np.empty_like(expected)
+    result, lse = apex.sdpa(q, q, q, causal=True, out=same, return_lse=True)
+    assert result is same and lse.shape == (2, 4, 6)
+    for bad, message in [(np.empty((2, 4, 6, 7), np.float32), "out must have q's shape"),
+                         (np.empty((2, 4, 6, 8), np.float64), r"out dtype \(float64\) must be float32"),
+                         (np.empty((2, 4, 6, 16), np.float32)[..., ::2], "contiguous last axis")]:
+        before = bad.copy()
+        with pytest.raises(ValueError, match=message):
+            apex.sdpa(q, q, q, out=bad)
+        np.testing.assert_array_equal(bad, before)

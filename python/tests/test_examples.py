@@ -39,3 +39,15 @@ def test_variants_draws_the_three_panels(tmp_path):
     for name in ("MHA (H_kv 16)", "MLA (d_kv 256, d_r 64)", "GQA + window S/8", "q4_0", "fp8_e4m3"):
         assert name in out
     assert png.stat().st_size > 1000
+
+
+def test_the_readmes_python_command_runs():
+    import apex
+    readme = (EXAMPLES.parent.parent / "README.md").read_text()
+    start = readme.index("PYTHONPATH=build/release/python /usr/bin/python3 -c")
+    command = readme[start:readme.index("\n```", start)]
+    package_dir = pathlib.Path(apex.__file__).resolve().parent.parent
+    command = command.replace("PYTHONPATH=build/release/python", f"PYTHONPATH={package_dir}")
+    command = command.replace("/usr/bin/python3", sys.executable)
+    done = subprocess.run(["bash", "-c", command], check=True, capture_output=True, text=True)
+    assert done.stdout.strip() == "(1, 8, 128, 64)"
