@@ -31,7 +31,7 @@ if [ $mpi = ON ]; then run_mpi "$work/sub/mpi_consumer"; fi
 
 echo "== install + find_package"
 cmake -S "$src" -B "$work/apex" -DAPEX_BUILD_TESTS=OFF -DAPEX_BUILD_EXAMPLES=OFF \
-  -DAPEX_BUILD_BENCHMARKS=OFF -DAPEX_INSTALL=ON >/dev/null
+  -DAPEX_BUILD_BENCHMARKS=OFF -DAPEX_BUILD_PYTHON=OFF -DAPEX_INSTALL=ON >/dev/null
 cmake --install "$work/apex" --prefix "$work/prefix" >/dev/null
 test -f "$work/prefix/share/cmake/apex/apexConfigVersion.cmake"
 cmake -S "$src/tests/package/find_package" -B "$work/found" -DAPEX_SOURCE_DIR="$src" \

@@ -18,8 +18,11 @@ version=$(sed -n 's/^#define APEX_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)$/\2
   "$src/include/apex/config.hpp" | paste -sd.)
 
 echo "== cpack -G DEB"
+# The Python module is off: CPack would build it only to leave it out (its install component is
+# EXCLUDE_FROM_ALL, python/CMakeLists.txt), which costs minutes of compiling.
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DAPEX_BUILD_TESTS=OFF \
-  -DAPEX_BUILD_EXAMPLES=OFF -DAPEX_BUILD_BENCHMARKS=OFF -DAPEX_INSTALL=ON >/dev/null
+  -DAPEX_BUILD_EXAMPLES=OFF -DAPEX_BUILD_BENCHMARKS=OFF -DAPEX_BUILD_PYTHON=OFF \
+  -DAPEX_INSTALL=ON >/dev/null
 (cd "$work/build" && cpack -G DEB >/dev/null)
 deb="$work/build/libapex-dev_${version}_all.deb"
 test -f "$deb" || { echo "check_deb: $deb was not built" >&2; ls "$work/build" >&2; exit 1; }
