@@ -673,6 +673,25 @@ TEST(C7FailedCalls, StackRejectsLayersOfAnotherShape) {
       {"[stack] layer 0", "must have the shape of config.local"});
 }
 
+// The γ a stack was built with are handed back as given; a layer outside [0, L) is refused.
+TEST(C7FailedCalls, StackNormGammaRejectsLayersOutOfRange) {
+  const apex::StackConfig c = tiny_stack();
+  const auto good = apex::AttentionStack<float>::random(c, 1);
+  std::vector<apex::AttentionStack<float>::Layer> layers;
+  for (Index l = 0; l < c.num_layers; ++l) layers.push_back(good.layer(l));
+  std::vector<Vector<float>> gammas;
+  for (Index l = 0; l < c.num_layers; ++l)
+    gammas.push_back(Vector<float>::Constant(8, 0.5f + static_cast<float>(l)));
+  const Vector<float> last = Vector<float>::LinSpaced(8, -1.0f, 1.0f);
+  const apex::AttentionStack<float> stack(c, good.embedding(), gammas, last, layers);
+  for (Index l = 0; l < c.num_layers; ++l)
+    EXPECT_EQ(stack.norm_gamma(l), gammas[static_cast<std::size_t>(l)]) << l;
+  EXPECT_EQ(stack.final_gamma(), last);
+  EXPECT_EQ(good.norm_gamma(0), Vector<float>::Ones(8));  // random(): every γ = 1
+  expect_invalid([&] { (void)stack.norm_gamma(c.num_layers); }, "[stack] layer (3)");
+  expect_invalid([&] { (void)stack.norm_gamma(-1); }, "[stack] layer (-1)");
+}
+
 TEST(C7FailedCalls, FailedStackCallsLeaveTheCacheAsItWas) {
   const apex::StackConfig c = tiny_stack();
   const auto stack = apex::AttentionStack<double>::random(c, 2);

@@ -117,6 +117,10 @@ TEST(StackQuant, CacheMemoryCountsBlocksAndChecksWidths) {
   odd.local = apex::GqaConfig{64, 4, 2, 16};
   apex::testing::expect_invalid([&] { (void)apex::stack_cache_memory<apex::BlockQ8_0>(odd, 1, 8); },
                                 "[stack] local head_dim (16) must be a multiple of the 32");
+  // make_cache makes the same check, named after the stack, before any layer allocates.
+  const auto stack = apex::AttentionStack<float>::random(odd, 5);
+  apex::testing::expect_invalid([&] { (void)stack.make_cache<apex::BlockQ8_0>(1, 8); },
+                                "[stack] local head_dim (16) must be a multiple of the 32");
 }
 
 TEST(StackQuant, Q8_0WindowsAndFlashMlaRowsStayWithinTheirBoundOfFloatCaches) {

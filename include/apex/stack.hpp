@@ -85,6 +85,8 @@ StackCache<Scalar, Storage, Global> make_stack_cache(const AttentionStack<Scalar
   APEX_CHECK(capacity >= 1 && capacity <= config.max_positions,
              "[stack] capacity (" << capacity << ") must lie in [1, max_positions = "
                                   << config.max_positions << "]");
+  // The widths against the formats, and the sizes, checked before any layer allocates.
+  (void)stack_cache_memory<Storage, Global>(config, batch, capacity);
   std::vector<typename StackCache<Scalar, Storage, Global>::LayerCache> caches;
   caches.reserve(static_cast<std::size_t>(config.num_layers));
   for (Index l = 0; l < config.num_layers; ++l) {
@@ -286,6 +288,14 @@ class AttentionStack {
   const StackConfig& config() const { return config_; }
   /// The [V, d] embedding table W_E, which is also the tied LM head (§2.5).
   const RowMatrix<Weight>& embedding() const { return embedding_; }
+  /// γ of the RMSNorm before layer l's attention (§3.2), [d]; throws unless 0 <= l < L.
+  const Vector<Scalar>& norm_gamma(Index l) const {
+    APEX_CHECK(l >= 0 && l < static_cast<Index>(norm_gammas_.size()),
+               "[stack] layer (" << l << ") must lie in [0, " << norm_gammas_.size() << ")");
+    return norm_gammas_[static_cast<std::size_t>(l)];
+  }
+  /// γ of the final RMSNorm before the LM head, [d] (empty for an empty stack).
+  const Vector<Scalar>& final_gamma() const { return final_gamma_; }
 
   /// The same stack with every weight matrix (the embedding table and each layer's projections)
   /// stored as W (Scalar, Eigen::half or Eigen::bfloat16): widened exactly or rounded once to

@@ -1290,6 +1290,19 @@ void def_stack(py::module_& m) {
                                return array_of(s.stack.embedding());
                              }),
                              "W_E, a new [V, d] array.")
+      .def_property_readonly(
+          "norm_gammas", visiting<PyStack>([](const auto& s) {
+            py::list gammas;
+            for (Index l = 0; l < s.stack.config().num_layers; ++l) {
+              gammas.append(array_of(s.stack.norm_gamma(l)));
+            }
+            return gammas;
+          }),
+          "γ_l of the RMSNorm before each layer (AttentionStack::norm_gamma): L new arrays [d].")
+      .def_property_readonly(
+          "final_gamma",
+          visiting<PyStack>([](const auto& s) { return array_of(s.stack.final_gamma()); }),
+          "γ of the final RMSNorm (AttentionStack::final_gamma), a new array [d].")
       .def(
           "layer",
           [](const PyStack& s, Index l) {

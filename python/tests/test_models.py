@@ -444,7 +444,7 @@ STACK = dict(vocab_size=40, d_model=32, num_layers=3, window=3, global_every=3, 
              global_head_dim=8, global_rope_dim=8, global_num_rope_key_heads=1)
 
 
-def stack_reference(stack, tokens, prefix, gammas=None, final_gamma=None):
+def stack_reference(stack, tokens, prefix):
     """The stack on tokens [B, S] from its own weights (stack.hpp's formula)."""
     cfg = stack.config
     d, s_n = cfg["d_model"], tokens.shape[1]
@@ -452,20 +452,19 @@ def stack_reference(stack, tokens, prefix, gammas=None, final_gamma=None):
     x = e[tokens] * np.sqrt(d)
     for l in range(cfg["num_layers"]):
         layer = stack.layer(l)
-        gamma = 1.0 if gammas is None else gammas[l]
-        normed = rms_norm(x, gamma, cfg["norm_eps"])
+        normed = rms_norm(x, stack.norm_gammas[l].astype(np.float64), cfg["norm_eps"])
         if stack.is_global(l):
             ok = allowed(s_n, s_n, causal=True, prefix=prefix)
             x = x + mla_reference(normed, layer.weights, layer.config, ok, dict(base=cfg["rope_theta"]))
         else:
             ok = allowed(s_n, s_n, causal=True, window=cfg["window"], prefix=prefix)
             x = x + gqa_reference(normed, layer.weights, layer.config, ok, 0, dict(base=cfg["rope_theta"]))
-    final = 1.0 if final_gamma is None else final_gamma
-    return rms_norm(x, final, cfg["norm_eps"]) @ e.T
+    return rms_norm(x, stack.final_gamma.astype(np.float64), cfg["norm_eps"]) @ e.T
 
 
 def test_stack_forward_prefill_decode_generate():
     stack = apex.AttentionStack.random(seed=11, **STACK)
+    assert all(np.array_equal(g, np.ones(32, np.float32)) for g in stack.norm_gammas + [stack.final_gamma])
     assert stack.config["window"] == 3 and [stack.is_global(l) for l in range(3)] == [False, False, True]
     tokens = RNG.integers(0, 40, size=(2, 9))
     ref = stack_reference(stack, tokens, prefix=2)
@@ -501,7 +500,9 @@ def test_stack_from_arrays_and_quantized_cache():
     stack = apex.AttentionStack(embedding=base.embedding, norm_gammas=gammas, final_gamma=final,
                                 layers=layers, **STACK)
     tokens = RNG.integers(0, 40, size=(1, 6))
-    close(stack.forward(tokens), stack_reference(stack, tokens, 0, gammas, final), 1e-4)
+    assert len(stack.norm_gammas) == 3 and all(np.array_equal(a, b) for a, b in zip(stack.norm_gammas, gammas))
+    assert np.array_equal(stack.final_gamma, final)
+    close(stack.forward(tokens), stack_reference(stack, tokens, 0), 1e-4)
     # A bfloat16 cache: its bytes, and logits near the float ones (a loose bound: each cached
     # value is within 2^-8 relative, and the stack is 3 layers deep).
     cache = stack.make_cache(1, 6, format="bfloat16")
@@ -510,7 +511,7 @@ def test_stack_from_arrays_and_quantized_cache():
     assert cache.local_bytes == 2 * 3 * (2 * 2 * 8) * 2 and cache.global_bytes == 6 * (16 + 8) * 2
     close(stack.prefill(tokens, cache), stack.forward(tokens).astype(np.float64), 3e-2)
     # q8_0 needs head widths of whole 32-value blocks.
-    with pytest.raises(ValueError, match=r"\[sliding_window_cache\] head_dim \(8\) must be a multiple of the 32"):
+    with pytest.raises(ValueError, match=r"\[stack\] local head_dim \(8\) must be a multiple of the 32"):
         stack.make_cache(1, 6, format="q8_0")
     with pytest.raises(ValueError, match=r"\[stack\] layers\[0\] must be a GroupedQueryAttention"):
         apex.AttentionStack(embedding=base.embedding, norm_gammas=gammas, final_gamma=final,
