@@ -24,6 +24,9 @@ def sdpa(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ..., window
 @overload
 def sdpa(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: bool, **options: object
          ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]: ...
+def reference_sdpa(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: bool = ...,
+                   out: Optional[np.ndarray] = ..., **options: object
+                   ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]: ...
 def sdpa_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
                 cu_seqlens_k: ArrayLike, *, causal: bool = ..., window: Optional[int] = ...,
                 chunk: Optional[int] = ..., prefix: int = ..., query_offset: Optional[int] = ...,

@@ -92,34 +92,45 @@ void check_like_q(const py::array& q, const py::array& k, const py::array& v, co
                  << ") must equal q's rank " << q.ndim());
 }
 
-template <class T>
+/// The two attention calls of the same arguments: apex::sdpa, results in q's dtype, and
+/// apex::reference::sdpa, the double-precision oracle, results in float64.
+enum class Call { kKernel, kReference };
+
+template <class T, class TO>
 py::object sdpa_of(const py::array& q, const py::array& k, const py::array& v, const Rule& rule,
                    const DenseMasks<T>& masks, const SdpaParams& params, bool return_lse,
-                   const std::optional<py::array>& out) {
-  const char* op = "sdpa";
+                   const std::optional<py::array>& out, const char* op) {
   const HeadsInput<T> qi = heads_input<T>(q, op, "q");
   check_like_q<T>(q, k, v, op);
   const HeadsInput<T> ki = heads_input<T>(k, op, "k");
   const HeadsInput<T> vi = heads_input<T>(v, op, "v");
   const AttentionMask<T> mask = masks.with(rule.mask);
-  Outputs<T> r = heads_outputs<T>(q, qi.view.shape(), vi.view.dim(), return_lse, out);
+  Outputs<TO> r = heads_outputs<TO>(q, qi.view.shape(), vi.view.dim(), return_lse, out, op);
   {
     const py::gil_scoped_release release;
-    sdpa(qi.view, ki.view, vi.view, mask, params, r.out_view, r.lse_view);
+    if constexpr (std::is_same_v<T, TO>) {
+      sdpa(qi.view, ki.view, vi.view, mask, params, r.out_view, r.lse_view);
+    } else {
+      reference::sdpa(qi.view, ki.view, vi.view, mask, params, r.out_view, r.lse_view);
+    }
   }
   return r.returned(return_lse);
 }
 
+template <Call kCall>
 py::object sdpa_py(const ArrayLike& q, const ArrayLike& k, const ArrayLike& v,
                    const RuleArgs& rule_args, const std::optional<ArrayLike>& mask,
                    const std::optional<ArrayLike>& bias, const ScoreArgs& score_args,
                    bool return_lse, const std::optional<std::string>& dtype,
                    const std::optional<py::array>& out) {
+  const char* op = kCall == Call::kKernel ? "sdpa" : "reference_sdpa";
   const Rule rule = position_rule(rule_args);
   const SdpaParams params = score_params(score_args);
-  return with_storage(storage_of(q, dtype, "sdpa", "q"), [&](auto tag) {
+  return with_storage(storage_of(q, dtype, op, "q"), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return sdpa_of<T>(q, k, v, rule, DenseMasks<T>(mask, bias, "sdpa"), params, return_lse, out);
+    using TO = std::conditional_t<kCall == Call::kKernel, T, double>;
+    return sdpa_of<T, TO>(q, k, v, rule, DenseMasks<T>(mask, bias, op), params, return_lse, out,
+                          op);
   });
 }
 
@@ -239,11 +250,11 @@ double sdpa_cpp_seconds(const ArrayLike& q, const ArrayLike& k, const ArrayLike&
   return best;
 }
 
-}  // namespace
-
-void def_attention(py::module_& m) {
+/// Registers an attention call taking apex.sdpa's arguments.
+template <Call kCall>
+void def_sdpa_call(py::module_& m, const char* name, const char* doc) {
   m.def(
-      "sdpa",
+      name,
       [](const ArrayLike& q, const ArrayLike& k, const ArrayLike& v, bool causal,
          std::optional<Index> window, std::optional<Index> chunk, Index prefix,
          std::optional<ArrayLike> documents, std::optional<Index> query_offset, Index key_offset,
@@ -251,7 +262,7 @@ void def_attention(py::module_& m) {
          std::optional<double> scale, double softcap, std::optional<std::vector<double>> sinks,
          std::optional<std::vector<double>> alibi_slopes, bool return_lse, bool allow_bf16_products,
          const std::optional<std::string>& dtype, const std::optional<py::array>& out) {
-        return sdpa_py(
+        return sdpa_py<kCall>(
             q, k, v,
             {causal, window, chunk, prefix, std::move(documents), query_offset, key_offset}, mask,
             bias, {scale, softcap, std::move(sinks), std::move(alibi_slopes), allow_bf16_products},
@@ -264,8 +275,12 @@ void def_attention(py::module_& m) {
       py::arg("scale") = py::none(), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
       py::arg("alibi_slopes") = py::none(), py::arg("return_lse") = false,
       py::arg("allow_bf16_products") = false, py::arg("dtype") = py::none(),
-      py::arg("out") = py::none(),
-      R"doc(Scaled dot-product attention (apex::sdpa, §6, §8): softmax(softcap(scale·q·kᵀ) + ALiBi + bias, forbidden → -inf) · v.
+      py::arg("out") = py::none(), doc);
+}
+
+/// apex.sdpa's docstring.
+constexpr const char* kSdpaDoc =
+    R"doc(Scaled dot-product attention (apex::sdpa, §6, §8): softmax(softcap(scale·q·kᵀ) + ALiBi + bias, forbidden → -inf) · v.
 
 q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v], or without B
 ([H, S, D]) or without B and H ([S, D]); all three of one rank and one dtype. H_q must be a
@@ -295,7 +310,21 @@ a large new array pays for the operating system's first touch of its pages; out 
 A row with no allowed key is zeros (lse -inf). Arrays whose strides are whole elements with a
 contiguous last axis are read in place; others are copied once. Raises ValueError (apex's
 std::invalid_argument, same message) on a bad shape or parameter. Releases the GIL; threads
-follow OMP_NUM_THREADS and the result is bit-identical for any number.)doc");
+follow OMP_NUM_THREADS and the result is bit-identical for any number.)doc";
+
+}  // namespace
+
+void def_attention(py::module_& m) {
+  def_sdpa_call<Call::kKernel>(m, "sdpa", kSdpaDoc);
+  def_sdpa_call<Call::kReference>(
+      m, "reference_sdpa",
+      R"doc(The plain double-precision oracle apex's kernels are tested against (apex::reference::sdpa).
+
+The arguments of apex.sdpa, the same rule and score terms, computed one row at a time in
+double from the inputs as stored (q, k, v of any dtype apex.sdpa takes); returns float64 out
+(and lse), and out= must be float64. allow_bf16_products is ignored (the oracle's products are
+exact). Allocates O(S_k · (d_qk + d_v)) doubles per head; never S_q × S_k. Slow: for checking,
+not for use.)doc");
 
   m.def(
       "sdpa_varlen",

@@ -117,6 +117,23 @@ def test_merge_of_two_key_halves_is_attention_over_all_keys(rng):
     assert_normwise(lse, whole_lse, ATTENTION["float64"], floor=1.0)
 
 
+def test_the_reference_oracle_is_the_float64_loop_and_the_kernel_within_tolerance(rng):
+    for dtype in (np.float32, np.float16):
+        q, k, v = qkv(rng, 1, 4, 2, 6, 9, 8, dtype=dtype)
+        options = dict(causal=True, window=4, softcap=3.0, sinks=[0.1, 0.2, -1.0, 0.0],
+                       alibi_slopes=apex.alibi_slopes(4), mask=rng.random((6, 9)) < 0.8)
+        oracle, lse = apex.reference_sdpa(q, k, v, return_lse=True, **options)
+        assert oracle.dtype == np.float64 and lse.dtype == np.float64
+        mask = options.pop("mask")
+        ref, ref_lse = reference.sdpa(q, k, v, mask=mask[None, None], **options)
+        assert_normwise(oracle, ref, 1e-12)
+        assert_normwise(lse, ref_lse, 1e-12, floor=1.0)
+        kernel = apex.sdpa(q, k, v, mask=mask, **options)
+        assert_normwise(kernel, oracle, ATTENTION[np.dtype(dtype).name])
+    with pytest.raises(ValueError, match=r"\[reference_sdpa\] out dtype \(float32\) must be float64"):
+        apex.reference_sdpa(q, k, v, out=np.empty((1, 4, 6, 8), np.float32))
+
+
 def test_alibi_slopes_are_the_geometric_sequence():
     assert apex.alibi_slopes(8) == [2.0 ** (-(h + 1)) for h in range(8)]
     assert len(apex.alibi_slopes(12)) == 12
