@@ -323,6 +323,23 @@ py::array contiguous_as(const py::handle& a) {
       .template cast<py::array>();
 }
 
+/// A new array of x's shape with `width` last, and the [rows, width] map apex writes it by.
+template <class T>
+std::pair<py::array, Eigen::Map<RowMatrix<T>>> rows_output(const py::array& x, Index rows,
+                                                           Index width) {
+  std::vector<py::ssize_t> shape(x.shape(), x.shape() + x.ndim());
+  shape.back() = static_cast<py::ssize_t>(width);
+  py::array out = new_array<T>(shape);
+  return {out, Eigen::Map<RowMatrix<T>>(mutable_data<T>(out), rows, width)};
+}
+
+/// Integers (cu_seqlens, lengths) as apex's Index list.
+inline std::vector<Index> index_list(const py::handle& values) {
+  const py::array c = contiguous_as<std::int64_t>(values);
+  const auto* p = static_cast<const std::int64_t*>(c.data());
+  return {p, p + c.size()};
+}
+
 /// The registration of each source of the module.
 void def_attention(py::module_& m);
 void def_tables(py::module_& m);

@@ -134,13 +134,6 @@ py::object sdpa_py(const ArrayLike& q, const ArrayLike& k, const ArrayLike& v,
   });
 }
 
-/// cu_seqlens as apex's offsets.
-std::vector<Index> offsets_of(const py::array& cu) {
-  const py::array c = contiguous_as<std::int64_t>(cu);
-  const auto* p = static_cast<const std::int64_t*>(c.data());
-  return {p, p + c.size()};
-}
-
 template <class T>
 py::object varlen_of(const py::array& q, const py::array& k, const py::array& v,
                      const RaggedBatch& batch, const Rule& rule, const DenseMasks<T>& masks,
@@ -172,8 +165,8 @@ py::object varlen_py(const ArrayLike& q, const ArrayLike& k, const ArrayLike& v,
   if (mask) check_rank(*mask, 2, 3, op, "mask", "2 ([total_q, max_k]) or 3 ([H, total_q, max_k])");
   if (bias) check_rank(*bias, 2, 3, op, "bias", "2 ([total_q, max_k]) or 3 ([H, total_q, max_k])");
   RaggedBatch batch;
-  batch.cu_seqlens_q = offsets_of(cu_seqlens_q);
-  batch.cu_seqlens_k = offsets_of(cu_seqlens_k);
+  batch.cu_seqlens_q = index_list(cu_seqlens_q);
+  batch.cu_seqlens_k = index_list(cu_seqlens_k);
   const Rule rule = position_rule(rule_args);
   const SdpaParams params = score_params(score_args);
   return with_storage(storage_of(q, dtype, op, "q"), [&](auto tag) {

@@ -67,16 +67,6 @@ TokenRows<T> token_rows(const py::array& x, std::optional<Index> batch, const ch
   return in;
 }
 
-/// A new array of x's shape with `width` last, and the [rows, width] map a layer writes it by.
-template <class T>
-std::pair<py::array, Eigen::Map<RowMatrix<T>>> layer_output(const py::array& x, Index rows,
-                                                            Index width) {
-  std::vector<py::ssize_t> shape(x.shape(), x.shape() + x.ndim());
-  shape.back() = static_cast<py::ssize_t>(width);
-  py::array out = new_array<T>(shape);
-  return {out, Eigen::Map<RowMatrix<T>>(mutable_data<T>(out), rows, width)};
-}
-
 /// `a` as a new row-major matrix of T (converted from any numeric dtype); rank 2 required.
 template <class T>
 RowMatrix<T> matrix_of(const py::handle& a, const char* op, const char* name) {
@@ -370,7 +360,7 @@ template <class S, class Run>
 py::array run_rows(const py::array& x, std::optional<Index> batch, Index d_model, const char* op,
                    const Run& run) {
   const TokenRows<S> in = token_rows<S>(x, batch, op, "x");
-  auto [out, rows] = layer_output<S>(x, in.rows.rows(), d_model);
+  auto [out, rows] = rows_output<S>(x, in.rows.rows(), d_model);
   {
     const py::gil_scoped_release release;
     run(in, RowRef<S>(rows));

@@ -82,9 +82,7 @@ py::object paged_attend(const Cache& cache, const py::array& q, const std::vecto
   const char* op = a.cascade ? "sdpa_cascade" : "sdpa_paged";
   check_dtype<S>(q, op, "q", "the cache's dtype");
   const HeadsInput<S> qi = packed_input<S>(q, op, "q");
-  const py::array cu = contiguous_as<std::int64_t>(cu_seqlens_q);
-  const auto* first = static_cast<const std::int64_t*>(cu.data());
-  const std::vector<Index> offsets(first, first + cu.size());
+  const std::vector<Index> offsets = index_list(cu_seqlens_q);
   const std::vector<SequenceId> sequences = sequence_ids(ids);
   const PositionMask rule = a.rule();
   const SdpaParams params = a.params();

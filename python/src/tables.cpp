@@ -44,13 +44,6 @@ struct RowsInput {
   }
 };
 
-/// A new array of x's shape and dtype T, as a [rows, d] matrix.
-template <class T>
-std::pair<py::array, Eigen::Map<RowMatrix<T>>> like_rows(const py::array& x, Index rows, Index d) {
-  py::array out = new_array<T>({x.shape(), x.shape() + x.ndim()});
-  return {out, Eigen::Map<RowMatrix<T>>(mutable_data<T>(out), rows, d)};
-}
-
 /// A norm's γ or β as float64 (exact for every float dtype; apex forms the output in double).
 Vector<double> norm_vector(const py::array& v) {
   const py::array a = contiguous_as<double>(v);
@@ -66,7 +59,7 @@ py::array rms_norm_py(const ArrayLike& x, const ArrayLike& gamma, double eps, bo
   return with_storage(storage_of(x, dtype, op, "x"), [&](auto tag) {
     using T = typename decltype(tag)::type;
     const RowsInput<T> in(x, op, "x");
-    auto [out, rows] = like_rows<T>(x, in.rows, in.cols);
+    auto [out, rows] = rows_output<T>(x, in.rows, in.cols);
     const py::gil_scoped_release release;
     rms_norm(in.map(), g, params, rows);
     return out;
@@ -83,7 +76,7 @@ py::array layer_norm_py(const ArrayLike& x, const std::optional<ArrayLike>& gamm
   return with_storage(storage_of(x, dtype, op, "x"), [&](auto tag) {
     using T = typename decltype(tag)::type;
     const RowsInput<T> in(x, op, "x");
-    auto [out, rows] = like_rows<T>(x, in.rows, in.cols);
+    auto [out, rows] = rows_output<T>(x, in.rows, in.cols);
     const py::gil_scoped_release release;
     layer_norm(in.map(), g, b, LayerNormParams{eps}, rows);
     return out;
