@@ -42,7 +42,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <fstream>
 #include <random>
 #include <string>
 #include <thread>
@@ -246,25 +245,6 @@ void run_decode(benchmark::State& state, Precision precision) {
   state.counters["GBps"] = apex::bench::gbps(state, kv_bytes);
 }
 
-/// A field of /proc/self/status in KiB (VmRSS, VmHWM), or -1 if unavailable.
-double status_kib(const std::string& field) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.compare(0, field.size() + 1, field + ":") == 0)
-      return std::stod(line.substr(field.size() + 1));
-  }
-  return -1.0;
-}
-
-/// Resets the peak resident set (VmHWM) to the current one; false if the kernel refuses.
-bool reset_peak_rss() {
-  std::ofstream clear("/proc/self/clear_refs");
-  clear << "5";
-  clear.flush();
-  return static_cast<bool>(clear);
-}
-
 // Causal attention over S tokens, one head, d_h = 128: the growth of the peak resident set
 // during each call, beyond the inputs and the output, which exist (and are touched) before.
 void run_peak_memory(benchmark::State& state) {
@@ -279,11 +259,11 @@ void run_peak_memory(benchmark::State& state) {
   double extra_kib = 0.0;
   for (auto _ : state) {
     state.PauseTiming();
-    if (!reset_peak_rss()) {
+    if (!apex::bench::reset_peak_rss()) {
       state.SkipWithError("cannot reset the peak resident set (/proc/self/clear_refs)");
       break;
     }
-    const double before = status_kib("VmRSS");
+    const double before = apex::bench::status_kib("VmRSS");
     state.ResumeTiming();
     // From a new thread, whose OpenMP team is new too: every thread-local buffer of the kernel
     // starts empty, so its growth is measured whatever ran before in this process.
@@ -293,7 +273,7 @@ void run_peak_memory(benchmark::State& state) {
     benchmark::DoNotOptimize(out.data.data());
     benchmark::ClobberMemory();
     state.PauseTiming();
-    extra_kib = std::max(extra_kib, status_kib("VmHWM") - before);
+    extra_kib = std::max(extra_kib, apex::bench::status_kib("VmHWM") - before);
     state.ResumeTiming();
   }
   state.counters["extra_MiB"] = extra_kib / 1024.0;

@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <fstream>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace apex::bench {
@@ -62,6 +64,25 @@ inline std::vector<Index> random_lengths(Index total, Index count, std::uint64_t
   std::vector<Index> lengths;
   for (std::size_t i = 0; i + 1 < cuts.size(); ++i) lengths.push_back(cuts[i + 1] - cuts[i]);
   return lengths;
+}
+
+/// A field of /proc/self/status in KiB (VmRSS, VmHWM), or -1 if unavailable.
+inline double status_kib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.compare(0, field.size() + 1, field + ":") == 0)
+      return std::stod(line.substr(field.size() + 1));
+  }
+  return -1.0;
+}
+
+/// Resets the peak resident set (VmHWM) to the current one; false if the kernel refuses.
+inline bool reset_peak_rss() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
 }
 
 }  // namespace apex::bench

@@ -248,32 +248,44 @@ struct Problem {
            -std::numeric_limits<Scalar>::infinity();
   }
 
-  /// The plain loops for batch b, query head h, which reads key/value head ⌊h / G⌋ (§8.2).
-  /// ALiBi is a bias of −slope·(qp − kp) added to the stored one; the sink goes to the loops.
-  apex_test::AttentionResult expected(Index b, Index h) const {
-    const Index kv = apex_test::kv_head_of(h, shape.q_heads, shape.kv_heads);
-    const bool biased = bias_batch > 0 || !params.alibi_slopes.empty();
-    apex_test::MatrixD bias_d = apex_test::MatrixD::Zero(shape.s_q, shape.s_k);
+  /// What the plain loops take for batch b and query head h besides Q, K and V: the bias (the
+  /// stored one plus ALiBi's −slope·(qp − kp); unset without either), the scale and the sink.
+  struct HeadTerms {
+    std::optional<apex_test::MatrixD> bias;
+    double scale = 1.0;
+    double sink = -std::numeric_limits<double>::infinity();
+  };
+  HeadTerms head_terms(Index b, Index h) const {
+    HeadTerms t;
+    if (bias_batch > 0 || !params.alibi_slopes.empty()) {
+      t.bias = apex_test::MatrixD::Zero(shape.s_q, shape.s_k);
+    }
     for (Index i = 0; i < shape.s_q && bias_batch > 0; ++i) {
-      bias_d.row(i) = bias.row(broadcast_row(b, h, i, bias_batch, bias_heads, shape.s_q))
-                          .template cast<double>();
+      t.bias->row(i) = bias.row(broadcast_row(b, h, i, bias_batch, bias_heads, shape.s_q))
+                           .template cast<double>();
     }
     if (!params.alibi_slopes.empty()) {
       const double slope = params.alibi_slopes[std::size_t(h)];
       for (Index i = 0; i < shape.s_q; ++i) {
         for (Index j = 0; j < shape.s_k; ++j) {
-          bias_d(i, j) -= slope * static_cast<double>((first_query() + i) - (key_offset + j));
+          (*t.bias)(i, j) -= slope * static_cast<double>((first_query() + i) - (key_offset + j));
         }
       }
     }
-    const double scale =
-        params.scale ? *params.scale : 1.0 / std::sqrt(static_cast<double>(shape.d_qk));
-    const double sink = params.sinks.empty() ? -std::numeric_limits<double>::infinity()
-                                             : params.sinks[std::size_t(h)];
+    t.scale = params.scale ? *params.scale : 1.0 / std::sqrt(static_cast<double>(shape.d_qk));
+    if (!params.sinks.empty()) t.sink = params.sinks[std::size_t(h)];
+    return t;
+  }
+
+  /// The plain loops for batch b, query head h, which reads key/value head ⌊h / G⌋ (§8.2).
+  /// ALiBi is a bias of −slope·(qp − kp) added to the stored one; the sink goes to the loops.
+  apex_test::AttentionResult expected(Index b, Index h) const {
+    const Index kv = apex_test::kv_head_of(h, shape.q_heads, shape.kv_heads);
+    const HeadTerms t = head_terms(b, h);
     return apex_test::attention(
         q.head(b, h), k.head(b, kv), v.head(b, kv),
-        [&](Index i, Index j) { return allows(b, h, i, j); }, biased ? &bias_d : nullptr, scale,
-        params.softcap, sink);
+        [&](Index i, Index j) { return allows(b, h, i, j); }, t.bias ? &*t.bias : nullptr, t.scale,
+        params.softcap, t.sink);
   }
 
  private:

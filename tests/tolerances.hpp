@@ -57,6 +57,15 @@
 // kAbsorbedMla  Absorbed against naive MLA: the same attention with its products associated
 //               differently, O(1) values through at most three chained products of ≤ 16 terms:
 //               tens of ulps, 2e-5 in float, 1e-12 in double. decode_test.
+// kBackward    The gradients of sdpa_backward (dq, dk, dv, d_bias, d_sinks) against the plain
+//               backward loop of reference/attention_backward.hpp, normwise: max |g − ref| ≤
+//               tol · max(1, max |ref|) over a whole gradient (O(1) inputs from N(0, 1), so a
+//               gradient much smaller than 1 is a cancellation, ds = p(dp − D), whose error is
+//               that of the O(1) terms). The chain is the forward's (scores, an exp per weight)
+//               plus dp = do·v, D = do·o from the rounded output, and sums over the keys or the
+//               queries and the group's heads: the same length as kAttention's, so its value.
+//               Measured on sdpa_backward_test's problems (≤ 30 keys): 7 u in float, 9 u in
+//               double. sdpa_backward_test.
 #pragma once
 
 namespace apex::testing {
@@ -74,6 +83,7 @@ struct Tolerances<float> {
   static constexpr double kMlaLayer = 8e-6;     // 20 · u · 4 ≈ 5e-6, and room for the chain
   static constexpr double kDecode = 1e-4;       // a few hundred u, with room
   static constexpr double kAbsorbedMla = 2e-5;  // tens of u
+  static constexpr double kBackward = 1e-5;     // ≈ 170 u, as kAttention
 };
 
 template <>
@@ -86,6 +96,7 @@ struct Tolerances<double> {
   static constexpr double kMlaLayer = 2e-14;    // 20 · u · 4 ≈ 1e-14, and room for the chain
   static constexpr double kDecode = 1e-11;
   static constexpr double kAbsorbedMla = 1e-12;
+  static constexpr double kBackward = 1e-12;
 };
 
 }  // namespace apex::testing

@@ -106,6 +106,8 @@ struct AttentionRules {
   Classify classify;  ///< BlockCoverage(b, h, q_range, k_range), exact for kNone and kAll
   Score score;        ///< s'(b, h, q_pos, k_pos, s), s float or double
 
+  using ScoreRule = Score;  ///< the score rule's type
+
   /// Whether there is a mask rule (the kernel compiles its calls in only then).
   static constexpr bool kMasks = !std::is_same_v<Allows, AllowAll>;
   /// Whether there is a score rule.
@@ -139,6 +141,49 @@ AttentionRules<Allows, Classify, Score> attention_rules(Allows allows, Classify 
                                                         Score score) {
   return {std::move(allows), std::move(classify), std::move(score)};
 }
+
+/// A score rule with its derivative, for the backward pass (sdpa_backward.hpp), which needs
+/// ds'/ds at every score the rule was given: derivative(b, h, q_pos, k_pos, s) -> ds'/ds, taken
+/// at the rule's input s. A rule without one is a compile-time error there, and works as before
+/// everywhere else. Build it with with_derivative; it goes wherever a score rule goes:
+///   // Gemma 2's soft-cap written as a rule: s' = c·tanh(s/c), ds'/ds = 1 − tanh²(s/c)
+///   auto capped = apex::score_rule(apex::with_derivative(
+///       [c](Index, Index, Index, Index, auto s) { return c * std::tanh(s / c); },
+///       [c](Index, Index, Index, Index, auto s) {
+///         const auto t = std::tanh(s / c);
+///         return 1 - t * t;
+///       }));
+template <class Score, class Derivative>
+struct DifferentiableScore {
+  Score score;            ///< s'(b, h, q_pos, k_pos, s)
+  Derivative derivative;  ///< ds'/ds (b, h, q_pos, k_pos, s)
+
+  /// The score rule itself.
+  template <class S>
+  S operator()(Index b, Index h, Index q_pos, Index k_pos, S s) const {
+    return static_cast<S>(score(b, h, q_pos, k_pos, s));
+  }
+  /// Its derivative at the rule's input s.
+  template <class S>
+  S slope(Index b, Index h, Index q_pos, Index k_pos, S s) const {
+    return static_cast<S>(derivative(b, h, q_pos, k_pos, s));
+  }
+};
+
+/// A score rule and its derivative, both s'(b, h, q_pos, k_pos, s) in float or double (generic
+/// lambdas), as one score rule (DifferentiableScore).
+template <class Score, class Derivative>
+DifferentiableScore<Score, Derivative> with_derivative(Score score, Derivative derivative) {
+  return {std::move(score), std::move(derivative)};
+}
+
+/// Whether a score rule can be differentiated: no rule (KeepScore), or one built with
+/// with_derivative.
+template <class Score>
+inline constexpr bool kDifferentiableScore = std::is_same_v<Score, KeepScore>;
+/// A score rule built with with_derivative can be differentiated.
+template <class Score, class Derivative>
+inline constexpr bool kDifferentiableScore<DifferentiableScore<Score, Derivative>> = true;
 
 // ---------------------------------------------------------------------------------------------
 // Checking a classifier (a debug and test mode)

@@ -110,6 +110,21 @@ C sink_of(const P& p, Index h) {
   return p.sinks != nullptr ? static_cast<C>(p.sinks[h]) : -std::numeric_limits<C>::infinity();
 }
 
+/// The (b, kv head, block) of task `task` of a list that gives each (b, kv head) pair `blocks`
+/// consecutive tasks, its blocks taken in the order 0, n−1, 1, n−2, … so that OpenMP's static
+/// schedule gives every thread a similar share of a causal triangle.
+struct PairBlock {
+  Index b = 0;
+  Index kv_head = 0;
+  Index block = 0;
+};
+inline PairBlock pair_block(Index task, Index blocks, Index kv_heads) {
+  const Index pair = task / blocks;
+  const Index k = task - pair * blocks;
+  const Index b = pair / kv_heads;
+  return {b, pair - b * kv_heads, k % 2 == 0 ? k / 2 : blocks - 1 - k / 2};
+}
+
 /// How a call is cut into tasks, from the shapes and the blocking alone (never the thread count).
 struct AttentionPlan {
   Index query_block = 1;   ///< Bq

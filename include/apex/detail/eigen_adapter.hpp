@@ -462,7 +462,8 @@ bool all_finite(const T* x, Index rows, Index n, Index ld) {
 // One product on one thread
 // ---------------------------------------------------------------------------------------------
 
-/// c [rows × cols] (row-major, leading dimension ldc) = a [rows × depth] (row-major, lda) ·
+/// c [rows × cols] (row-major, leading dimension ldc) = a [rows × depth] (stored in LhsOrder with
+/// leading dimension lda: a column-major a is the transpose of a row-major depth × rows matrix) ·
 /// b [depth × cols] (stored in RhsOrder with leading dimension ldb), computed on the calling
 /// thread with a blocking that depends on the shapes (and the CPU's cache sizes) only, never on
 /// the number of threads: Eigen's own products choose theirs from the thread count, so their
@@ -470,12 +471,14 @@ bool all_finite(const T* x, Index rows, Index n, Index ld) {
 /// With `accumulate` the product is added to c (c += a·b) instead of replacing it.
 /// Without Eigen's internals this is Eigen's public product, which Eigen may thread itself
 /// (define EIGEN_DONT_PARALLELIZE to keep results independent of the thread count then).
-template <class C, int RhsOrder>
+template <class C, int RhsOrder, int LhsOrder = Eigen::RowMajor>
 void matmul_serial(Index rows, Index cols, Index depth, const C* a, Index lda, const C* b,
                    Index ldb, C* c, Index ldc, bool accumulate = false) {
+  using Lhs = Eigen::Matrix<C, Eigen::Dynamic, Eigen::Dynamic, LhsOrder>;
   using Rhs = Eigen::Matrix<C, Eigen::Dynamic, Eigen::Dynamic, RhsOrder>;
   RowMap<C> out(c, rows, cols, Eigen::OuterStride<>(ldc));
-  const ConstRowMap<C> lhs(a, rows, depth, Eigen::OuterStride<>(lda));
+  const Eigen::Map<const Lhs, 0, Eigen::OuterStride<>> lhs(a, rows, depth,
+                                                           Eigen::OuterStride<>(lda));
   const Eigen::Map<const Rhs, 0, Eigen::OuterStride<>> rhs(b, depth, cols,
                                                            Eigen::OuterStride<>(ldb));
 #if APEX_EIGEN_INTERNALS
@@ -485,7 +488,7 @@ void matmul_serial(Index rows, Index cols, Index depth, const C* a, Index lda, c
     ei::gemm_blocking_space<Eigen::RowMajor, C, C, Eigen::Dynamic, Eigen::Dynamic, Eigen::Dynamic,
                             1, false>
         blocking(rows, cols, depth, 1, true);
-    ei::general_matrix_matrix_product<Index, C, Eigen::RowMajor, false, C, RhsOrder, false,
+    ei::general_matrix_matrix_product<Index, C, LhsOrder, false, C, RhsOrder, false,
                                       Eigen::RowMajor, 1>::run(rows, cols, depth, a, lda, b, ldb, c,
                                                                1, ldc, C(1), blocking, nullptr);
     return;

@@ -76,16 +76,13 @@ void write_row_stats(const AttentionOutputs<TO>& o, Index b, Index h, Index i,
 template <class C, class P, class TO>
 bool prefill_task(const P& p, const JobTasks& t, const AttentionOutputs<TO>& o, Index task,
                   const FlashBlocking& blocking) {
-  const Index blocks = t.plan.query_blocks;
-  const Index pair = task / blocks;
-  const Index n = task - pair * blocks;
-  const Index block = n % 2 == 0 ? n / 2 : blocks - 1 - n / 2;
-  const Index b = pair / t.kv_heads;
+  const PairBlock where = pair_block(task, t.plan.query_blocks, t.kv_heads);
+  const Index b = where.b, kv_head = where.kv_head, block = where.block;
   const Index q0 = block * t.plan.query_block;
   const Index bq = std::min(t.plan.query_block, p.s_q - q0);
   const bool streaming = p.group * bq <= blocking.stream_rows;
   const Index key_block = key_block_for(p, streaming, blocking, p.s_k);
-  AttentionTile<C, P> tile(p, b, pair - b * t.kv_heads, q0, bq, key_block, streaming, blocking);
+  AttentionTile<C, P> tile(p, b, kv_head, q0, bq, key_block, streaming, blocking);
   for_each_key_block(p, 0, p.s_k, visible_keys_of(p, q0, bq), key_block,
                      [&](const auto& keys) { tile.add_keys(keys); });
   for (Index r = 0; r < tile.rows(); ++r) {

@@ -60,6 +60,12 @@ struct Softcap {
 
   bool on() const { return cap > C(0); }
   void apply(ScoreArray<C>& s) const { s = cap * (s * (C(1) / cap)).tanh(); }
+  /// apply(), and slope *= its derivative 1 − tanh²(x / c) at each score x.
+  void apply_with_slope(ScoreArray<C>& s, ScoreArray<C>& slope) const {
+    s = (s * (C(1) / cap)).tanh();
+    slope *= C(1) - s.square();
+    s *= cap;
+  }
 };
 
 /// ALiBi's slope_h·(kp − qp) (Press et al. 2022). A tile forms the key distances of its first
@@ -144,6 +150,15 @@ struct UserRules {
       }
     }
   }
+  /// score(), and slope *= the rule's derivative at each score (kDifferentiableScore).
+  void score_with_slope(ScoreArray<C>& s, ScoreArray<C>& slope, const ScoreRow& r) const {
+    if constexpr (R::kScores) {
+      for (Index j = 0; j < r.n; ++j) {
+        slope[j] *= static_cast<C>(rules->score.slope(r.b, r.h, r.qp, r.kp + j, s[j]));
+        s[j] = static_cast<C>(rules->score(r.b, r.h, r.qp, r.kp + j, s[j]));
+      }
+    }
+  }
   void forbid(ScoreArray<C>& s, const ScoreRow& r) const {
     if constexpr (R::kMasks) {
       for (Index j = 0; j < r.n; ++j) {
@@ -175,6 +190,9 @@ struct ScoreTerms {
   bool modifies() const { return softcap.on() || alibi.on() || P::Rules::kScores; }
   /// Whether some dense term applies to every block (the bias and the dense mask).
   bool dense() const { return bias.on() || allowed.on(); }
+  /// Whether transform() is more than adding a constant to each score (the soft-cap or a score
+  /// rule), so that a backward pass needs its derivative (transform_with_slope).
+  bool curves() const { return softcap.on() || P::Rules::kScores; }
 
   /// softcap, ALiBi (the distances of alibi.fill, the row at offset qp − qp0) and the user's
   /// score rule. `distance` is read only with ALiBi.
@@ -182,6 +200,16 @@ struct ScoreTerms {
     if (softcap.on()) softcap.apply(s);
     if (alibi.on()) alibi.apply(s, r.h, distance, offset);
     rules.score(s, r);
+  }
+  /// transform(), and in `slope` the derivative of each logit by its raw score, ds'/ds (the
+  /// soft-cap's 1 − tanh², times the score rule's slope; ALiBi adds a constant). The same
+  /// logits as transform(), bit for bit. Needs a differentiable score rule (with_derivative).
+  void transform_with_slope(ScoreArray<C>& s, ScoreArray<C>& slope, const ScoreRow& r,
+                            const C* distance, Index offset) const {
+    slope.setOnes();
+    if (softcap.on()) softcap.apply_with_slope(s, slope);
+    if (alibi.on()) alibi.apply(s, r.h, distance, offset);
+    rules.score_with_slope(s, slope, r);
   }
   /// The bias, then the position tile's row (null: the block is not partial for the position
   /// rule), the dense mask and, where `user_partial`, the user's mask rule.

@@ -76,6 +76,8 @@ enum class ScratchSlot : int {
   kJobTasks,        ///< n JobTasks, for n > 1 sequences
   kJobFlags,        ///< 2·n bytes, for n > 1 sequences
   kTaskFlags,       ///< tasks + merges bytes, in whole pages (whole_pages)
+  kBackwardTile,    ///< (sdpa_backward: one task's buffers, attention_backward.hpp, MEMORY)
+  kBackwardSinks,   ///< (sdpa_backward: G doubles per query task, with sinks)
   kCount
 };
 
