@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "finite_differences.hpp"
 #include "reference/embedding.hpp"
 #include "test_util.hpp"
 
@@ -280,6 +281,121 @@ TYPED_TEST(EmbeddingTyped, LmHeadMatchesReference) {
     }
     EXPECT_EQ(apex::lm_head(h, table), out);
   }
+}
+
+// ---- The backward passes ------------------------------------------------------------------------
+
+TEST(EmbeddingBackward, ReferencesMatchFiniteDifferences) {
+  RowMatrix<double> table = random_matrix<double>(6, 4, 400);
+  RowMatrix<double> h = random_matrix<double>(5, 4, 401);
+  const TokenMatrix ids = random_tokens(1, 5, 6, 402);
+  const RowMatrix<double> d_out = random_matrix<double>(5, 4, 403);
+  const RowMatrix<double> d_logits = random_matrix<double>(5, 6, 404);
+  // One loss through both uses of the tied table, as a model with weight tying has.
+  const auto loss = [&] {
+    return (apex::reference::embed(table, ids, 1.7).array() * d_out.array()).sum() +
+           (apex::reference::lm_head(h, table).array() * d_logits.array()).sum();
+  };
+  const auto head = apex::reference::lm_head_backward(h, table, d_logits);
+  const RowMatrix<double> d_table =
+      apex::reference::embed_backward(ids, 6, 1.7, d_out) + head.d_table;
+  apex::testing::expect_matches_differences(table, d_table, loss, "d_table");
+  apex::testing::expect_matches_differences(h, head.d_h, loss, "d_h");
+}
+
+// Each row of d_table is a sum of its tokens' rows times the scale, and the head's gradients are
+// products of length V (d_h) and T (d_table) in Scalar: each within n·u·Σ|terms| of the plain
+// loop (the magnitude: the same sums on absolute values), the classical bound of a sum.
+TYPED_TEST(EmbeddingTyped, BackwardMatchesReferenceAndTheTiedTableSumsBothUses) {
+  using Scalar = TypeParam;
+  struct Shape {
+    Index vocab, d, batch, seq;
+  };
+  const Shape shapes[] = {{1, 1, 1, 1}, {7, 3, 2, 5}, {50, 17, 2, 40}, {1100, 24, 3, 70}};
+  std::uint32_t seed = 410;
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE(::testing::Message() << "V=" << s.vocab << " d=" << s.d);
+    const Index tokens = s.batch * s.seq;
+    const TokenMatrix ids = random_tokens(s.batch, s.seq, s.vocab, ++seed);
+    const RowMatrix<Scalar> table = random_matrix<Scalar>(s.vocab, s.d, ++seed);
+    const RowMatrix<Scalar> h = random_matrix<Scalar>(tokens, s.d, ++seed);
+    const RowMatrix<Scalar> d_out = random_matrix<Scalar>(tokens, s.d, ++seed);
+    const RowMatrix<Scalar> d_logits = random_matrix<Scalar>(tokens, s.vocab, ++seed);
+    RowMatrix<Scalar> d_table(s.vocab, s.d), d_h(tokens, s.d);
+    apex::embed_backward(ids, EmbeddingParams{}, d_out, d_table);
+    const double scale = std::sqrt(static_cast<double>(s.d));
+    const RowMatrix<double> embed_ref =
+        apex::reference::embed_backward(ids, s.vocab, scale, d_out.template cast<double>());
+    const RowMatrix<double> embed_magnitude = apex::reference::embed_backward(
+        ids, s.vocab, scale, d_out.template cast<double>().cwiseAbs());
+    const double u = kUnitRoundoff<Scalar>;
+    for (Index v = 0; v < s.vocab; ++v) {
+      for (Index j = 0; j < s.d; ++j) {
+        ASSERT_NEAR(double(d_table(v, j)), embed_ref(v, j),
+                    double(tokens + 2) * u * embed_magnitude(v, j) + 1e-300);
+      }
+    }
+    apex::lm_head_backward(h, table, d_logits, d_h, d_table, apex::GradientUpdate::kAdd);
+    const auto head = apex::reference::lm_head_backward(
+        h.template cast<double>(), table.template cast<double>(), d_logits.template cast<double>());
+    const auto magnitude = apex::reference::lm_head_backward(
+        h.template cast<double>().cwiseAbs(), table.template cast<double>().cwiseAbs(),
+        d_logits.template cast<double>().cwiseAbs());
+    for (Index t = 0; t < tokens; ++t) {
+      for (Index j = 0; j < s.d; ++j) {
+        ASSERT_NEAR(double(d_h(t, j)), head.d_h(t, j),
+                    double(s.vocab) * u * magnitude.d_h(t, j) + 1e-300);
+      }
+    }
+    // d_table = embed's part (rounded) + the head's part: the sum adds one rounding.
+    for (Index v = 0; v < s.vocab; ++v) {
+      for (Index j = 0; j < s.d; ++j) {
+        ASSERT_NEAR(
+            double(d_table(v, j)), embed_ref(v, j) + head.d_table(v, j),
+            double(tokens + 2) * u * (magnitude.d_table(v, j) + embed_magnitude(v, j)) + 1e-300)
+            << "(" << v << ", " << j << ")";
+      }
+    }
+  }
+}
+
+TEST(EmbeddingBackward, BitIdenticalForAnyThreadCount) {
+  const TokenMatrix ids = random_tokens(3, 200, 1100, 420);
+  const RowMatrix<float> table = random_matrix<float>(1100, 40, 421);
+  const RowMatrix<float> h = random_matrix<float>(600, 40, 422);
+  const RowMatrix<float> d_out = random_matrix<float>(600, 40, 423);
+  const RowMatrix<float> d_logits = random_matrix<float>(600, 1100, 424);
+  RowMatrix<float> t1(1100, 40), t2(1100, 40), h1(600, 40), h2(600, 40);
+  {
+    const apex::testing::OneThread one;
+    apex::embed_backward(ids, {}, d_out, t1);
+    apex::lm_head_backward(h, table, d_logits, h1, t1, apex::GradientUpdate::kAdd);
+  }
+  apex::embed_backward(ids, {}, d_out, t2);
+  apex::lm_head_backward(h, table, d_logits, h2, t2, apex::GradientUpdate::kAdd);
+  EXPECT_TRUE(t1 == t2 && h1 == h2);
+}
+
+TEST(EmbeddingBackward, RejectsBadInputBeforeWriting) {
+  const TokenMatrix ids = random_tokens(2, 3, 10, 430);
+  const RowMatrix<float> d_out = random_matrix<float>(6, 4, 431);
+  RowMatrix<float> d_table = RowMatrix<float>::Constant(10, 4, 7.0f);
+  TokenMatrix bad = ids;
+  bad(1, 2) = 10;
+  expect_invalid([&] { apex::embed_backward(bad, {}, d_out, d_table); },
+                 {"[embed_backward] token id (10)", "[0, 10)"});
+  expect_invalid([&] { apex::embed_backward(ids, {}, d_out.topRows(5), d_table); },
+                 {"[embed_backward] d_out (5 x 4)", "6 x 4"});
+  EXPECT_TRUE((d_table.array() == 7.0f).all());
+  const RowMatrix<float> h = random_matrix<float>(6, 4, 432);
+  const RowMatrix<float> d_logits = random_matrix<float>(6, 10, 433);
+  RowMatrix<float> d_h = RowMatrix<float>::Constant(6, 4, 7.0f);
+  expect_invalid([&] { apex::lm_head_backward(h, d_table, d_logits.leftCols(9), d_h, d_table); },
+                 {"[lm_head_backward] d_logits (6 x 9)"});
+  RowMatrix<float> table = random_matrix<float>(10, 4, 434);
+  expect_invalid([&] { apex::lm_head_backward(h, table, d_logits, d_h, table); },
+                 {"[lm_head_backward] d_h and d_table must not overlap"});
+  EXPECT_TRUE((d_table.array() == 7.0f).all() && (d_h.array() == 7.0f).all());
 }
 
 }  // namespace

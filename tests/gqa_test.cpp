@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "finite_differences.hpp"
 #include "reference/attention.hpp"
 #include "reference/rms_norm.hpp"
 #include "reference/rope.hpp"
@@ -566,6 +567,86 @@ TEST(Gqa, RejectsWrongMaskAndOutputShapes) {
   expect_invalid([&] { f.layer.forward(x, 2, {}, {}, wide); },
                  {"[gqa] out shape [6, 17] must be [B*S, d] = [6, 16]"});
   EXPECT_TRUE((wide.array() == kSentinel).all());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The backward pass, against finite differences of the layer's own forward pass in double
+// (finite_differences.hpp: within 1e-7 of the largest gradient)
+// ---------------------------------------------------------------------------------------------
+
+TEST(GqaBackward, MatchesFiniteDifferencesWithRopeQkNormSinksAndAWindow) {
+  const GqaConfig config{8, 4, 2, 4};
+  const Index batch = 2, seq = 5;
+  GqaWeights<double> w = GroupedQueryAttention<double>::random(config, 31).weights();
+  w.sinks = {0.3, -0.2, 0.1, 0.5};
+  w.qk_norm = apex::QkNorm<double>{random_matrix<double>(4, 1, 32, 0.5, 1.5),
+                                   random_matrix<double>(4, 1, 33, 0.5, 1.5), 1e-3};
+  RowMatrix<double> x = random_matrix<double>(batch * seq, config.d_model, 34);
+  const RowMatrix<double> d_out = random_matrix<double>(batch * seq, config.d_model, 35);
+  const RopeTable<double> table(16, config.head_dim, RopeParams{100.0, 0, RopePairing::kHalfSplit});
+  AttentionLayerParams<double> params;
+  params.rope = &table;
+  params.position_offset = 2;
+  params.attention.softcap = 3.0;
+  AttentionMask<double> mask;
+  mask.positions = apex::sliding_window_mask(3);
+  const auto loss = [&] {
+    const GroupedQueryAttention<double> layer(config, w);
+    return (layer.forward(x, batch, mask, params).array() * d_out.array()).sum();
+  };
+  const GroupedQueryAttention<double> layer(config, w);
+  RowMatrix<double> d_x(batch * seq, config.d_model);
+  GqaWeights<double> g;
+  layer.backward(x, batch, mask, params, d_out, d_x, g);
+  apex::testing::expect_matches_differences(x, d_x, loss, "d_x");
+  apex::testing::expect_matches_differences(w.w_q, g.w_q, loss, "d_w_q");
+  apex::testing::expect_matches_differences(w.w_k, g.w_k, loss, "d_w_k");
+  apex::testing::expect_matches_differences(w.w_v, g.w_v, loss, "d_w_v");
+  apex::testing::expect_matches_differences(w.w_o, g.w_o, loss, "d_w_o");
+  apex::testing::expect_matches_differences(w.qk_norm->q_gamma, g.qk_norm->q_gamma, loss,
+                                            "d_q_gamma");
+  apex::testing::expect_matches_differences(w.qk_norm->k_gamma, g.qk_norm->k_gamma, loss,
+                                            "d_k_gamma");
+  Eigen::Map<Eigen::VectorXd> sinks(w.sinks.data(), 4);
+  apex::testing::expect_matches_differences(
+      sinks, Eigen::Map<const Eigen::VectorXd>(g.sinks.data(), 4), loss, "d_sinks");
+}
+
+TEST(GqaBackward, FloatMatchesDoubleAndRejectsBadShapes) {
+  const GqaConfig config{12, 6, 2, 4};
+  const auto layer = GroupedQueryAttention<float>::random(config, 41);
+  const auto wide =
+      GroupedQueryAttention<double>(config, apex::converted_weights<double>(layer.weights()));
+  const RowMatrix<float> x = random_matrix<float>(14, 12, 42);
+  const RowMatrix<float> d_out = random_matrix<float>(14, 12, 43);
+  const AttentionMask<float> mask = causal_if<float>(true);
+  RowMatrix<float> d_x(14, 12);
+  GqaWeights<float> g;
+  layer.backward(x, 2, mask, {}, d_out, d_x, g);
+  RowMatrix<double> d_x_wide(14, 12);
+  GqaWeights<double> g_wide;
+  wide.backward(RowMatrix<double>(x.cast<double>()), 2, causal_if<double>(true), {},
+                RowMatrix<double>(d_out.cast<double>()), d_x_wide, g_wide);
+  // Float against double on the same inputs: the chain of kGqaLayer and the backward's own
+  // products, within kBackward of the largest gradient.
+  const auto close = [](const auto& a, const auto& b) {
+    const double scale = std::max(1.0, b.cwiseAbs().maxCoeff());
+    return (a.template cast<double>() - b).cwiseAbs().maxCoeff() <=
+           Tolerances<float>::kBackward * scale;
+  };
+  EXPECT_TRUE(close(d_x, d_x_wide));
+  EXPECT_TRUE(close(g.w_q, g_wide.w_q) && close(g.w_k, g_wide.w_k) && close(g.w_v, g_wide.w_v) &&
+              close(g.w_o, g_wide.w_o));
+  EXPECT_TRUE(g.sinks.empty() && !g.qk_norm);
+  RowMatrix<float> before = d_x;
+  expect_invalid([&] { layer.backward(x, 2, mask, {}, d_out.topRows(12), d_x, g); },
+                 {"[gqa] d_out shape [12, 12]"});
+  expect_invalid([&] { layer.backward(x, 2, mask, {}, d_out, d_x.topRows(12), g); },
+                 {"[gqa] out shape [12, 12]"});
+  RowMatrix<float> x_copy = x;
+  expect_invalid([&] { layer.backward(x_copy, 2, mask, {}, d_out, x_copy, g); },
+                 {"[gqa] d_x must not overlap x or d_out"});
+  EXPECT_EQ(d_x, before);
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 // Tests for LayerNorm (layer_norm.hpp): against a plain double loop written for clarity, with
 // and without γ and β, on float, double and 16-bit rows; constant rows; double rows at the ends
 // of the range; in place; thread counts; the fused residual add + LayerNorm against its two
-// steps; bad input.
+// steps; the backward pass against its plain loop (itself against finite differences); bad
+// input.
 #include <apex/layer_norm.hpp>
 
 #include <gtest/gtest.h>
@@ -13,7 +14,9 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
+#include "finite_differences.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -497,6 +500,117 @@ TEST(AddLayerNormErrors, RejectsBadInputBeforeWriting) {
   expect_invalid([&] { apex::add_layer_norm(x, residual, out.row(0), none, {}, out); },
                  {"[add_layer_norm] gamma must not overlap out"});
   EXPECT_TRUE(untouched());
+}
+
+// ---- The backward pass ------------------------------------------------------------------------
+
+// The gradients of L = Σ d_out ∘ layer_norm(x, γ, β) from the chain rule on the plain loop's
+// formula, with σ = sqrt(mean((x − μ)²) + ε) and z = (x − μ)/σ:
+//   ∂out[t, j]/∂x[t, k] = γ_j (δ_jk − 1/d − z_j z_k / d) / σ,
+//   dγ[j] = Σ_t d_out[t, j] z[t, j],  dβ[j] = Σ_t d_out[t, j].
+struct LayerGradients {
+  RowMatrix<double> dx;
+  Vector<double> d_gamma, d_beta;
+};
+LayerGradients reference_backward(const RowMatrix<double>& x, const Vector<double>& gamma,
+                                  double eps, const RowMatrix<double>& d_out) {
+  const Index d = x.cols();
+  const double n = static_cast<double>(d);
+  LayerGradients g{RowMatrix<double>::Zero(x.rows(), d), Vector<double>::Zero(d),
+                   Vector<double>::Zero(d)};
+  for (Index t = 0; t < x.rows(); ++t) {
+    const double mean = x.row(t).sum() / n;
+    const double sigma = std::sqrt((x.row(t).array() - mean).square().sum() / n + eps);
+    for (Index k = 0; k < d; ++k) {
+      const double z_k = (x(t, k) - mean) / sigma;
+      for (Index j = 0; j < d; ++j) {
+        const double z_j = (x(t, j) - mean) / sigma;
+        const double delta = j == k ? 1.0 : 0.0;
+        g.dx(t, k) += d_out(t, j) * gamma(j) * (delta - 1.0 / n - z_j * z_k / n) / sigma;
+      }
+      g.d_gamma(k) += d_out(t, k) * z_k;
+      g.d_beta(k) += d_out(t, k);
+    }
+  }
+  return g;
+}
+
+TEST(LayerNormBackward, ReferenceMatchesFiniteDifferences) {
+  RowMatrix<double> x = random_input<double>(3, 6, 800);
+  Vector<double> gamma = random_gamma<double>(6, 801);
+  Vector<double> beta = random_beta<double>(6, 802);
+  const RowMatrix<double> d_out = random_matrix<double>(3, 6, 803);
+  const auto loss = [&] {
+    return (reference_layer_norm(x, gamma, beta, 0.05).out.array() * d_out.array()).sum();
+  };
+  const LayerGradients g = reference_backward(x, gamma, 0.05, d_out);
+  apex::testing::expect_matches_differences(x, g.dx, loss, "dx");
+  apex::testing::expect_matches_differences(gamma, g.d_gamma, loss, "d_gamma");
+  apex::testing::expect_matches_differences(beta, g.d_beta, loss, "d_beta");
+}
+
+// Formed in double and rounded once: within Tolerance::kRel of the plain loop, relative above 1
+// and absolute below.
+TYPED_TEST(LayerNormTyped, BackwardMatchesReferenceWithAndWithoutGammaAndBeta) {
+  using Scalar = TypeParam;
+  std::uint32_t seed = 810;
+  for (const auto& [tokens, d] : {std::pair<Index, Index>{1, 1}, {3, 17}, {70, 33}, {5, 130}}) {
+    SCOPED_TRACE(::testing::Message() << "tokens=" << tokens << " d=" << d);
+    const RowMatrix<Scalar> x = random_input<Scalar>(tokens, d, ++seed);
+    const Vector<Scalar> gamma = random_gamma<Scalar>(d, ++seed);
+    const Vector<Scalar> beta = random_beta<Scalar>(d, ++seed);
+    const RowMatrix<Scalar> d_out = random_matrix<Scalar>(tokens, d, ++seed);
+    RowMatrix<Scalar> dx(tokens, d);
+    Vector<Scalar> dg(d), db(d);
+    apex::layer_norm_backward(x, gamma, beta, LayerNormParams{0.1}, d_out, dx, dg, db);
+    const LayerGradients g = reference_backward(wide(x), wide(gamma), 0.1, wide(d_out));
+    apex::testing::expect_close(dx, g.dx, Tolerance<Scalar>::kRel);
+    apex::testing::expect_close(dg, g.d_gamma, Tolerance<Scalar>::kRel);
+    apex::testing::expect_close(db, g.d_beta, Tolerance<Scalar>::kRel);
+    // No γ (OLMo's non-parametric norm) and no gradients asked for but dx.
+    RowMatrix<Scalar> dx_plain(tokens, d);
+    apex::layer_norm_backward(x, std::nullopt, std::nullopt, LayerNormParams{0.1}, d_out, dx_plain,
+                              std::nullopt, std::nullopt);
+    const LayerGradients plain =
+        reference_backward(wide(x), Vector<double>::Ones(d), 0.1, wide(d_out));
+    apex::testing::expect_close(dx_plain, plain.dx, Tolerance<Scalar>::kRel);
+  }
+}
+
+TEST(LayerNormBackward, BitIdenticalForAnyThreadCount) {
+  const RowMatrix<float> x = random_input<float>(300, 40, 820);
+  const RowMatrix<float> d_out = random_matrix<float>(300, 40, 821);
+  const Vector<float> gamma = random_gamma<float>(40, 822);
+  RowMatrix<float> dx1(300, 40), dx2(300, 40);
+  Vector<float> dg1(40), dg2(40), db1(40), db2(40);
+  {
+    const apex::testing::OneThread one;
+    apex::layer_norm_backward(x, gamma, std::nullopt, {}, d_out, dx1, dg1, db1);
+  }
+  apex::layer_norm_backward(x, gamma, std::nullopt, {}, d_out, dx2, dg2, db2);
+  EXPECT_TRUE(same_bits(dx1, dx2) && dg1 == dg2 && db1 == db2);
+}
+
+TEST(LayerNormBackward, RejectsBadInputBeforeWriting) {
+  const RowMatrix<float> x = random_input<float>(3, 5, 830);
+  const Vector<float> gamma = random_gamma<float>(5, 831);
+  const RowMatrix<float> d_out = random_matrix<float>(3, 5, 832);
+  RowMatrix<float> dx = RowMatrix<float>::Constant(3, 5, 9.0f);
+  Vector<float> dg = Vector<float>::Constant(5, 9.0f);
+  Vector<float> db = Vector<float>::Constant(5, 9.0f);
+  expect_invalid(
+      [&] { apex::layer_norm_backward(x, gamma, std::nullopt, {}, d_out, dx, dg, db.head(4)); },
+      {"[layer_norm_backward] d_beta length (4)"});
+  expect_invalid(
+      [&] {
+        apex::layer_norm_backward(x, Vector<float>(gamma.head(3)), std::nullopt, {}, d_out, dx, dg,
+                                  db);
+      },
+      {"[layer_norm_backward] gamma length (3)"});
+  expect_invalid([&] { apex::layer_norm_backward(x, gamma, std::nullopt, {}, d_out, dx, dg, dg); },
+                 {"[layer_norm_backward] d_gamma must not overlap d_beta"});
+  EXPECT_TRUE((dx.array() == 9.0f).all() && (dg.array() == 9.0f).all() &&
+              (db.array() == 9.0f).all());
 }
 
 }  // namespace

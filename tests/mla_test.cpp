@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "finite_differences.hpp"
 #include "reference/attention.hpp"
 #include "reference/rope.hpp"
 #include "test_util.hpp"
@@ -545,6 +546,67 @@ TEST(Mla, RejectsWrongOutputShape) {
   expect_invalid([&] { f.layer.forward(x, 2, {}, f.params(), out); },
                  {"[mla] out shape [6, 13] must be [B*S, d] = [6, 14]"});
   EXPECT_TRUE((out.array() == kSentinel).all());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The backward pass, against finite differences of the layer's own forward pass in double
+// (finite_differences.hpp: within 1e-7 of the largest gradient)
+// ---------------------------------------------------------------------------------------------
+
+TEST(MlaBackward, MatchesFiniteDifferencesForPerHeadAndSharedRopeKeys) {
+  const RopeTable<double> table(32, 4);
+  for (const Index rope_key_heads : {0, 1}) {
+    SCOPED_TRACE(::testing::Message() << "num_rope_key_heads " << rope_key_heads);
+    const MlaConfig config = small_config(rope_key_heads);
+    MlaWeights<double> w = MultiHeadLatentAttention<double>::random(config, 60).weights();
+    w.sinks.assign(std::size_t(config.num_q_heads), 0.25);
+    const Index batch = 2, seq = 4;
+    RowMatrix<double> x = random_matrix<double>(batch * seq, config.d_model, 61);
+    const RowMatrix<double> d_out = random_matrix<double>(batch * seq, config.d_model, 62);
+    AttentionLayerParams<double> params;
+    params.rope = &table;
+    params.position_offset = 3;
+    const AttentionMask<double> mask = causal_if<double>(true);
+    const auto loss = [&] {
+      const MultiHeadLatentAttention<double> layer(config, w);
+      return (layer.forward(x, batch, mask, params).array() * d_out.array()).sum();
+    };
+    const MultiHeadLatentAttention<double> layer(config, w);
+    RowMatrix<double> d_x(batch * seq, config.d_model);
+    MlaWeights<double> g;
+    layer.backward(x, batch, mask, params, d_out, d_x, g);
+    apex::testing::expect_matches_differences(x, d_x, loss, "d_x");
+    const char* names[] = {"d_w_dkv", "d_w_uk", "d_w_uv", "d_w_dq",
+                           "d_w_uq",  "d_w_qr", "d_w_kr", "d_w_o"};
+    RowMatrix<double>* weights[] = {&w.w_dkv, &w.w_uk, &w.w_uv, &w.w_dq,
+                                    &w.w_uq,  &w.w_qr, &w.w_kr, &w.w_o};
+    const RowMatrix<double>* grads[] = {&g.w_dkv, &g.w_uk, &g.w_uv, &g.w_dq,
+                                        &g.w_uq,  &g.w_qr, &g.w_kr, &g.w_o};
+    for (int i = 0; i < 8; ++i) {
+      apex::testing::expect_matches_differences(*weights[i], *grads[i], loss, names[i]);
+    }
+    Eigen::Map<Eigen::VectorXd> sinks(w.sinks.data(), config.num_q_heads);
+    apex::testing::expect_matches_differences(
+        sinks, Eigen::Map<const Eigen::VectorXd>(g.sinks.data(), config.num_q_heads), loss,
+        "d_sinks");
+  }
+}
+
+TEST(MlaBackward, RejectsBadShapesBeforeWriting) {
+  const RopeTable<float> table(32, 4);
+  const MlaConfig config = small_config(0);
+  const auto layer = MultiHeadLatentAttention<float>::random(config, 70);
+  const RowMatrix<float> x = random_matrix<float>(8, config.d_model, 71);
+  const RowMatrix<float> d_out = random_matrix<float>(8, config.d_model, 72);
+  AttentionLayerParams<float> params;
+  params.rope = &table;
+  RowMatrix<float> d_x = RowMatrix<float>::Constant(8, config.d_model, 3.0f);
+  MlaWeights<float> g;
+  const AttentionMask<float> mask = causal_if<float>(true);
+  expect_invalid([&] { layer.backward(x, 2, mask, params, d_out.topRows(6), d_x, g); },
+                 {"[mla] d_out shape [6,"});
+  expect_invalid([&] { layer.backward(x, 2, mask, {}, d_out, d_x, g); }, {"[mla]", "RoPE"});
+  EXPECT_TRUE((d_x.array() == 3.0f).all());
 }
 
 }  // namespace

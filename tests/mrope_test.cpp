@@ -576,4 +576,30 @@ TEST_F(MropeBadInput, EmptyTable) {
   EXPECT_EQ(x_, before_);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The backward pass: each pair turned back, the reference at the negated ids.
+
+TYPED_TEST(MropeTyped, BackwardIsTheTransposedRotation) {
+  using Scalar = TypeParam;
+  std::mt19937 rng(909);
+  const Index positions = 3000, tokens = 23;
+  for (const Case& c : kCases) {
+    for (const RopePairing pairing : {RopePairing::kInterleaved, RopePairing::kHalfSplit}) {
+      const bool half = pairing == RopePairing::kHalfSplit;
+      SCOPED_TRACE(::testing::Message() << c.name << " half_split " << half);
+      const RopeTable<Scalar> table(positions, c.head_dim, RopeParams{1e6, c.rotary_dim, pairing});
+      const MropeSections m{c.sections, c.layout};
+      const RowMatrix<Scalar> dy = random_matrix<Scalar>(tokens, c.heads * c.head_dim, rng);
+      const Ids ids = random_ids(tokens, positions, rng);
+      RowMatrix<Scalar> dx = dy;
+      apex::apply_mrope_backward(table, m, ids, dx);
+      const Ids negated = -ids;
+      const Eigen::MatrixXd expected =
+          reference_mrope(dy.template cast<double>(), negated, plain_theta(c.rotary_dim, 1e6),
+                          reference_streams(c.sections, c.layout), c.head_dim, half);
+      EXPECT_LE(max_abs_diff(dx.template cast<double>(), expected), tolerance<Scalar>());
+    }
+  }
+}
+
 }  // namespace

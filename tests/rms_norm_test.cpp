@@ -11,6 +11,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "finite_differences.hpp"
 #include "reference/rms_norm.hpp"
 #include "test_util.hpp"
 
@@ -717,6 +718,106 @@ TEST(RmsNormErrors, OnePlusGammaChecksAsBefore) {
   expect_invalid([&] { apex::rms_norm(x, Vector<float>::Ones(5), one_plus_gamma(0.0), out); },
                  {"[rms_norm] eps (0)"});
   EXPECT_TRUE((out.array() == -7.0f).all());
+}
+
+// ---- The backward pass ------------------------------------------------------------------------
+
+TEST(RmsNormBackward, ReferenceMatchesFiniteDifferences) {
+  RowMatrix<double> x = random_input<double>(3, 7, 500);
+  Vector<double> gamma = random_gamma<double>(7, 501);
+  const RowMatrix<double> d_out = random_input<double>(3, 7, 502);
+  const double eps = 0.1;
+  const auto loss = [&] {
+    return (apex::reference::rms_norm(x, gamma, eps).array() * d_out.array()).sum();
+  };
+  const auto g = apex::reference::rms_norm_backward(x, gamma, eps, d_out);
+  apex::testing::expect_matches_differences(x, g.dx, loss, "dx");
+  apex::testing::expect_matches_differences(gamma, g.d_gamma, loss, "d_gamma");
+}
+
+// Each gradient is formed in double and rounded once: within Tolerance::kRel of the plain
+// backward loop, relative above 1 and absolute below (dx cancels, g − z·mean(g∘z)).
+TYPED_TEST(RmsNormTyped, BackwardMatchesReferenceOnRandomShapes) {
+  using Scalar = TypeParam;
+  std::uint32_t seed = 600;
+  for (const Shape& s : kShapes) {
+    for (const apex::RmsNormGamma scale :
+         {apex::RmsNormGamma::kGamma, apex::RmsNormGamma::kOnePlusGamma}) {
+      SCOPED_TRACE(::testing::Message() << "tokens=" << s.tokens << " d=" << s.d);
+      const RowMatrix<Scalar> x = random_input<Scalar>(s.tokens, s.d, ++seed);
+      const Vector<Scalar> gamma = random_gamma<Scalar>(s.d, ++seed);
+      const RowMatrix<Scalar> d_out = random_input<Scalar>(s.tokens, s.d, ++seed);
+      RowMatrix<Scalar> d_x(s.tokens, s.d);
+      Vector<Scalar> d_gamma(s.d);
+      apex::rms_norm_backward(x, gamma, RmsNormParams{0.25, scale}, d_out, d_x, d_gamma);
+      Vector<double> gamma_prime = gamma.template cast<double>();
+      if (scale == apex::RmsNormGamma::kOnePlusGamma) gamma_prime.array() += 1.0;
+      const auto g = apex::reference::rms_norm_backward(x.template cast<double>(), gamma_prime,
+                                                        0.25, d_out.template cast<double>());
+      apex::testing::expect_close(d_x, g.dx, Tolerance<Scalar>::kRel);
+      apex::testing::expect_close(d_gamma, g.d_gamma, Tolerance<Scalar>::kRel);
+    }
+  }
+}
+
+TEST(RmsNormBackward, BitIdenticalForAnyThreadCountAnd16BitRows) {
+  // 300 rows: five chunks of d_gamma's partial sums. bfloat16 x and d_out, float gradients.
+  const RowMatrix<Eigen::bfloat16> x =
+      random_input<float>(300, 70, 700).template cast<Eigen::bfloat16>();
+  const RowMatrix<Eigen::bfloat16> d_out =
+      random_input<float>(300, 70, 701).template cast<Eigen::bfloat16>();
+  const Vector<float> gamma = random_gamma<float>(70, 702);
+  RowMatrix<float> dx1(300, 70), dx2(300, 70);
+  Vector<float> dg1(70), dg2(70);
+  {
+    const apex::testing::OneThread one;
+    apex::rms_norm_backward(x, gamma, {}, d_out, dx1, dg1);
+  }
+  apex::rms_norm_backward(x, gamma, {}, d_out, dx2, dg2);
+  EXPECT_TRUE(dx1 == dx2 && dg1 == dg2);
+  const auto g = apex::reference::rms_norm_backward(x.cast<double>(), gamma.cast<double>(), 1e-6,
+                                                    d_out.cast<double>());
+  apex::testing::expect_close(dx2, g.dx, Tolerance<float>::kRel);
+  apex::testing::expect_close(dg2, g.d_gamma, Tolerance<float>::kRel);
+}
+
+TEST(RmsNormBackward, DoubleRowsWhoseSquaresOverflow) {
+  // RMSNorm is scale-invariant up to ε: x·2^600 has the gradient of x divided by 2^600.
+  const RowMatrix<double> x = random_input<double>(2, 9, 710);
+  const Vector<double> gamma = random_gamma<double>(9, 711);
+  const RowMatrix<double> d_out = random_input<double>(2, 9, 712);
+  const double big = std::ldexp(1.0, 600);
+  RowMatrix<double> dx(2, 9), dx_big(2, 9);
+  Vector<double> dg(9), dg_big(9);
+  apex::rms_norm_backward(x, gamma, RmsNormParams{1e-300}, d_out, dx, dg);
+  apex::rms_norm_backward(RowMatrix<double>(x * big), gamma, RmsNormParams{1e-300}, d_out, dx_big,
+                          dg_big);
+  apex::testing::expect_close(RowMatrix<double>(dx_big * big), dx, 1e-13);
+  apex::testing::expect_close(dg_big, dg, 1e-13);
+}
+
+TEST(RmsNormBackward, RejectsBadInputBeforeWriting) {
+  const RowMatrix<float> x = random_input<float>(3, 5, 720);
+  const Vector<float> gamma = random_gamma<float>(5, 721);
+  RowMatrix<float> d_out = random_input<float>(3, 5, 722);
+  RowMatrix<float> dx = RowMatrix<float>::Constant(3, 5, 9.0f);
+  Vector<float> dg = Vector<float>::Constant(5, 9.0f);
+  const auto untouched = [&] { return (dx.array() == 9.0f).all() && (dg.array() == 9.0f).all(); };
+  expect_invalid(
+      [&] { apex::rms_norm_backward(x, Vector<float>(gamma.head(4)), {}, d_out, dx, dg); },
+      {"[rms_norm_backward] gamma length (4)"});
+  expect_invalid([&] { apex::rms_norm_backward(x, gamma, {}, d_out.topRows(2), dx, dg); },
+                 {"[rms_norm_backward] d_out (2 x 5)"});
+  expect_invalid([&] { apex::rms_norm_backward(x, gamma, {}, d_out, dx.leftCols(4), dg); },
+                 {"[rms_norm_backward] d_x (3 x 4)"});
+  expect_invalid([&] { apex::rms_norm_backward(x, gamma, {}, d_out, dx, dg.head(3)); },
+                 {"[rms_norm_backward] d_gamma length (3)"});
+  expect_invalid([&] { apex::rms_norm_backward(x, gamma, RmsNormParams{0.0}, d_out, dx, dg); },
+                 {"[rms_norm_backward] eps (0)"});
+  EXPECT_TRUE(untouched());
+  expect_invalid([&] { apex::rms_norm_backward(x, gamma, {}, d_out, d_out, dg); },
+                 {"[rms_norm_backward] d_x must not overlap d_out"});
+  EXPECT_TRUE(untouched());
 }
 
 }  // namespace

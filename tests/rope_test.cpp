@@ -747,4 +747,85 @@ TYPED_TEST(Rope16Bit, ChecksPositionsBeforeTouchingTheRows) {
   EXPECT_TRUE((x.template cast<float>().array() == 1.5f).all());
 }
 
+// ---------------------------------------------------------------------------------------------
+// The backward pass: the transposed rotation, which is the rotation by the negated angle (times
+// the same magnitude): the reference at positions −m.
+
+std::vector<long long> negated(std::vector<long long> positions) {
+  for (long long& p : positions) p = -p;
+  return positions;
+}
+
+TYPED_TEST(RopeTyped, BackwardIsTheTransposedRotation) {
+  using Scalar = TypeParam;
+  std::mt19937 rng(4321);
+  for (const Shape& s : kShapes) {
+    for (const RopePairing pairing : {RopePairing::kInterleaved, RopePairing::kHalfSplit}) {
+      const bool half = pairing == RopePairing::kHalfSplit;
+      SCOPED_TRACE(::testing::Message() << "rows " << s.rows << " head_dim " << s.head_dim
+                                        << " rotary " << s.rotary_dim << " half_split " << half);
+      const RopeTable<Scalar> table(s.max_positions, s.head_dim,
+                                    RopeParams{s.base, s.rotary_dim, pairing});
+      const RowMatrix<Scalar> dy = random_matrix<Scalar>(s.rows, s.heads * s.head_dim, rng);
+      RowMatrix<Scalar> dx = dy;
+      apex::apply_rope_backward(table, s.offset, dx);
+      const std::vector<double> theta = apex::reference::rope_theta(s.rotary_dim, s.base);
+      const std::vector<long long> positions = offset_positions(s.offset, s.rows);
+      EXPECT_LE(max_abs_diff(to_double(dx), apex::reference::rope(to_double(dy), negated(positions),
+                                                                  theta, s.head_dim, half)),
+                kernel_tolerance<Scalar>());
+      // The adjoint identity ⟨rope(x), dy⟩ = ⟨x, rope_backward(dy)⟩, on the reference's rope.
+      const RowMatrix<Scalar> x = random_matrix<Scalar>(s.rows, s.heads * s.head_dim, rng);
+      const double forward =
+          (apex::reference::rope(to_double(x), positions, theta, s.head_dim, half).array() *
+           to_double(dy).array())
+              .sum();
+      const double backward = (to_double(x).array() * to_double(dx).array()).sum();
+      EXPECT_NEAR(forward, backward, kernel_tolerance<Scalar>() * static_cast<double>(dy.size()));
+      // Explicit positions: the same bits as the offset form.
+      Vector<Index> ids(s.rows);
+      for (Index t = 0; t < s.rows; ++t) ids(t) = s.offset + t;
+      RowMatrix<Scalar> by_ids = dy;
+      apex::apply_rope_backward(table, ids, by_ids);
+      EXPECT_EQ(by_ids, dx);
+    }
+  }
+}
+
+TEST(RopeBackward, MagnitudeTablesAnd16BitRows) {
+  // A YaRN-style table (magnitude 1.25): the transpose carries the same magnitude. bfloat16
+  // gradients are turned in float and rounded once, as apply_rope turns bfloat16 rows.
+  std::mt19937 rng(77);
+  Vector<double> theta(4);
+  theta << 1.0, 0.3, 0.05, 0.001;
+  const auto table =
+      RopeTable<float>::from_frequencies(theta, 40, 10, RopePairing::kHalfSplit, 1.25);
+  const RowMatrix<float> dy = random_matrix<float>(9, 20, rng);
+  RowMatrix<float> dx = dy;
+  apex::apply_rope_backward(table, 30, dx);
+  const std::vector<double> theta_ref(theta.data(), theta.data() + 4);
+  EXPECT_LE(max_abs_diff(to_double(dx),
+                         apex::reference::rope(to_double(dy), negated(offset_positions(30, 9)),
+                                               theta_ref, 10, true, 1.25)),
+            kernel_tolerance<float>(1.25));
+  RowMatrix<Eigen::bfloat16> narrow = dy.cast<Eigen::bfloat16>();
+  const RowMatrix<float> widened = narrow.cast<float>();
+  RowMatrix<float> expected = widened;
+  apex::apply_rope_backward(table, 30, expected);
+  apex::apply_rope_backward(table, 30, narrow);
+  EXPECT_EQ(narrow, RowMatrix<Eigen::bfloat16>(expected.cast<Eigen::bfloat16>()));
+}
+
+TEST(RopeBackward, RejectsBadPositionsBeforeWriting) {
+  const RopeTable<float> table(8, 4);
+  RowMatrix<float> dx = RowMatrix<float>::Constant(3, 8, 5.0f);
+  expect_invalid([&] { apex::apply_rope_backward(table, 6, dx); }, {"[rope] position id (8)"});
+  Vector<Index> ids(3);
+  ids << 0, 9, 1;
+  expect_invalid([&] { apex::apply_rope_backward(table, ids, dx); }, {"[rope] position id (9)"});
+  expect_invalid([&] { apex::apply_rope_backward(table, 0, dx.leftCols(6)); },
+                 {"[rope] x.cols() (6)"});
+  EXPECT_TRUE((dx.array() == 5.0f).all());
+}
+
 }  // namespace

@@ -34,6 +34,7 @@
 #include <apex/rope_config.hpp>
 #include <apex/rope_scaling.hpp>
 #include <apex/sdpa.hpp>
+#include <apex/sdpa_backward.hpp>
 #include <apex/sdpa_params.hpp>
 #include <apex/serving_cache.hpp>
 #include <apex/stack.hpp>
@@ -41,6 +42,7 @@
 #include <apex/stack_config.hpp>
 #include <apex/stack_serving.hpp>
 #include <apex/stack_speculative.hpp>
+#include <apex/stack_training.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 #include <apex/tree_mask.hpp>

@@ -136,6 +136,35 @@ class GroupedQueryAttention {
     return out;
   }
 
+  /// The layer's backward pass: for out = forward(x, batch, mask, params) and d_out = ∂L/∂out,
+  /// the gradient by x into d_x and by every weight into `grads`, in the weights' own layout
+  /// (GqaWeights<Scalar>: w_q, w_k, w_v, w_o; sinks and the QK-norm's γ where the layer has
+  /// them, each resized here):
+  ///   d_concat = d_out·W_Oᵀ, dW_O = concatᵀ·d_out; dq, dk, dv and d sinks by sdpa_backward;
+  ///   RoPE's and the QK-norm's backward on dq and dk; dW_Q = xᵀ·dq, dW_K = xᵀ·dk,
+  ///   dW_V = xᵀ·dv; d_x = dq·W_Qᵀ + dk·W_Kᵀ + dv·W_Vᵀ.
+  /// It recomputes the projections and the attention from x (one forward pass more; nothing is
+  /// kept between the two passes but x). x, d_out, d_x: [B*S, d]; mask and params as forward().
+  /// Every check runs before anything is written; d_x must not overlap x or d_out. Allocates
+  /// the projections, the concatenation, their gradients and the weight gradients. Threads as
+  /// its parts; bit-identical for any number of threads.
+  template <class Derived, class DOutDerived>
+  void backward(const Eigen::MatrixBase<Derived>& x, Index batch, const AttentionMask<Scalar>& mask,
+                const AttentionLayerParams<Scalar>& params,
+                const Eigen::MatrixBase<DOutDerived>& d_out, RowRef<Scalar> d_x,
+                GqaWeights<Scalar>& grads) const {
+    const ConstRowRef<Scalar> xr = detail::layer_rows<Scalar>(x);
+    const ConstRowRef<Scalar> dy = detail::layer_rows<Scalar>(d_out);
+    detail::check_gqa_input(config(), xr, batch, params);
+    const SdpaParams attention = attention_params(params);
+    const Index seq = xr.rows() / batch;
+    detail::check_layer_attention<Scalar>({batch, seq, seq, "B*S"}, attention_heads(), mask,
+                                          attention, d_x, config().d_model, "gqa");
+    detail::check_layer_backward(xr, dy, d_x, "gqa");
+    detail::gqa_backward(config(), weights_, xr, {params.position_offset, batch, nullptr}, mask,
+                         attention, params, dy, d_x, grads);
+  }
+
   /// An empty full cache for this layer: K and V of H_kv heads of d_h, `capacity` tokens,
   /// stored as Storage (Scalar, or Eigen::half / Eigen::bfloat16 for half the bytes):
   /// layer.make_cache<Eigen::half>(batch, capacity).

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <apex/config.hpp>
+#include <apex/detail/norm_backward.hpp>
 #include <apex/detail/norm_rows.hpp>
 #include <apex/storage.hpp>
 
@@ -152,6 +153,44 @@ void add_layer_norm(const Eigen::MatrixBase<Derived>& x,
   detail::check_norm_call("add_layer_norm", params.eps, v, xr, out, &residual);
   detail::add_norm_rows<typename Vectors::Form>(xr, residual, v.gamma.data(), v.beta.data(),
                                                 params.eps, out);
+}
+
+/// The backward pass of LayerNorm: for out = layer_norm(x, γ, β, params) and d_out = ∂L/∂out,
+///   dx[t, :] = (g − mean(g) − z·mean(g∘z)) / σ_t,   g = d_out[t, :]∘γ (γ = 1 when unset),
+///   dγ = Σ_t d_out[t, :]∘z,   dβ = Σ_t d_out[t, :],
+/// with z = (x[t, :] − μ_t) / σ_t and σ_t = sqrt(σ²_t + ε) as layer_norm forms them. x, d_out,
+/// d_x: [tokens, d]; gamma, beta: [d] or std::nullopt as given to layer_norm (β does not enter);
+/// d_gamma, d_beta: [d] vectors to write, or std::nullopt (not computed). Each of its own storage
+/// type; computed in double, each result rounded once, bit-identical for any number of threads
+/// (the sums over tokens in fixed chunks). Nothing written may overlap anything read or written;
+/// every check is made before anything is written. Allocates as rms_norm_backward.
+template <class Derived, class Gamma, class Beta, class DOutDerived, class DxDerived, class DGamma,
+          class DBeta>
+void layer_norm_backward(const Eigen::MatrixBase<Derived>& x, const Gamma& gamma, const Beta& beta,
+                         const LayerNormParams& params, const Eigen::MatrixBase<DOutDerived>& d_out,
+                         const Eigen::MatrixBase<DxDerived>& d_x_, const DGamma& d_gamma_,
+                         const DBeta& d_beta_) {
+  using TX = typename Derived::Scalar;
+  using TY = typename DOutDerived::Scalar;
+  using TD = typename DxDerived::Scalar;
+  detail::require_storage_types<TX, TY, TD>();
+  RowRef<TD> d_x(const_cast<DxDerived&>(d_x_.derived()));
+  using Vectors = detail::LayerNormVectors<Gamma, Beta>;
+  const Vectors v(gamma, beta);
+  const detail::NormGradientVector<DGamma> d_gamma(d_gamma_);
+  const detail::NormGradientVector<DBeta> d_beta(d_beta_);
+  const ConstRowRef<TX> xr(x.derived());
+  const ConstRowRef<TY> dy(d_out.derived());
+  const char* op = "layer_norm_backward";
+  v.check_lengths(op, xr.cols());
+  Index gamma_size = -1;
+  if constexpr (Vectors::G::kSet) gamma_size = v.gamma.size();
+  detail::check_norm_backward(op, params.eps, gamma_size, v.gamma.span(), xr, dy, d_x, d_gamma,
+                              d_beta);
+  using Form = detail::NormForm<true, Vectors::Form::kScale, false>;
+  const detail::NormBackward<Form, TX, TY, typename Vectors::G::Scalar, TD> nb{
+      xr, dy, v.gamma.data(), params.eps};
+  detail::norm_backward_rows(nb, d_x, d_gamma.data(), d_beta.data());
 }
 
 }  // namespace apex

@@ -150,6 +150,32 @@ class MultiHeadLatentAttention {
         out, "mla");
   }
 
+  /// The layer's backward pass: for out = forward(x, batch, mask, params) and d_out = ∂L/∂out,
+  /// the gradient by x into d_x and by every weight into `grads`, in the weights' own layout
+  /// (MlaWeights<Scalar>: the eight matrices, and the sinks where the layer has them; each
+  /// resized here), through the decompression, the decoupled RoPE (a K_rope head shared by every
+  /// head gathers all of their gradients) and the latents (detail::mla_backward gives every
+  /// formula). It recomputes the latents, the decompression and the attention from x (one
+  /// forward pass more; nothing but x is kept between the passes). x, d_out, d_x: [B*S, d]; mask
+  /// and params as forward(). Every check runs before anything is written; d_x must not overlap
+  /// x or d_out. Allocates the latents, the projections, their gradients and the weight
+  /// gradients. Bit-identical for any number of threads.
+  template <class Derived, class DOutDerived>
+  void backward(const Eigen::MatrixBase<Derived>& x, Index batch, const AttentionMask<Scalar>& mask,
+                const AttentionLayerParams<Scalar>& params,
+                const Eigen::MatrixBase<DOutDerived>& d_out, RowRef<Scalar> d_x,
+                MlaWeights<Scalar>& grads) const {
+    const ConstRowRef<Scalar> xr = detail::layer_rows<Scalar>(x);
+    const ConstRowRef<Scalar> dy = detail::layer_rows<Scalar>(d_out);
+    detail::check_mla_input(config(), xr, batch, params);
+    const SdpaParams attention = attention_params(params);
+    const Index seq = xr.rows() / batch;
+    detail::check_layer_attention<Scalar>({batch, seq, seq, "B*S"}, attention_heads(), mask,
+                                          attention, d_x, config().d_model, "mla");
+    detail::check_layer_backward(xr, dy, d_x, "mla");
+    detail::mla_backward(config(), weights_, xr, batch, mask, attention, params, dy, d_x, grads);
+  }
+
   /// Value-returning forward: a new [B*S, d] matrix.
   template <class Derived>
   RowMatrix<Scalar> forward(const Eigen::MatrixBase<Derived>& x, Index batch,

@@ -147,8 +147,8 @@ constexpr Index kMropeGatherWidth = 512;
 // cos/sin rows are gathered once and every head turns with rope.hpp's kernels: the stream
 // lookup is paid per row, not per head, and a head turns by exactly apply_rope's code (equal
 // ids give its bits). A wider rotary part turns pair by pair straight from the table rows,
-// with the same expressions.
-template <class Scalar, class X>
+// with the same expressions. Transposed turns each pair the other way (apply_mrope_backward).
+template <bool Transposed, class Scalar, class X>
 void mrope_row(const std::array<const Scalar*, 3>& cos, const std::array<const Scalar*, 3>& sin,
                const MropeSections& m, const MropeRowShape& shape, X* row) {
   const Index d_r = shape.rotary_dim;
@@ -158,9 +158,9 @@ void mrope_row(const std::array<const Scalar*, 3>& cos, const std::array<const S
       for (Index h = 0; h < shape.heads; ++h) {
         X* head = row + h * shape.head_dim;
         if (shape.interleaved) {
-          rope_head_interleaved(cos[k] + 2 * i, sin[k] + 2 * i, head + 2 * i, 2);
+          rope_head_interleaved<Transposed>(cos[k] + 2 * i, sin[k] + 2 * i, head + 2 * i, 2);
         } else {
-          rope_pairs_half_split(cos[k] + i, sin[k] + i, head + i, 1, d_r / 2);
+          rope_pairs_half_split<Transposed>(cos[k] + i, sin[k] + i, head + i, 1, d_r / 2);
         }
       }
     }
@@ -173,16 +173,16 @@ void mrope_row(const std::array<const Scalar*, 3>& cos, const std::array<const S
   for (Index h = 0; h < shape.heads; ++h) {
     X* head = row + h * shape.head_dim;
     if (shape.interleaved) {
-      rope_head_interleaved(c.data(), s.data(), head, d_r);
+      rope_head_interleaved<Transposed>(c.data(), s.data(), head, d_r);
     } else {
-      rope_head_half_split(c.data(), s.data(), head, d_r);
+      rope_head_half_split<Transposed>(c.data(), s.data(), head, d_r);
     }
   }
 }
 
 // Rotates every row t of x with the table rows at ids(0, t), ids(1, t), ids(2, t); everything
 // has been checked. Threads over rows (static schedule) as apply_rope_rows does.
-template <class Scalar, class X, class DerivedIds>
+template <bool Transposed, class Scalar, class X, class DerivedIds>
 void apply_mrope_rows(const RopeTable<Scalar>& table, const MropeSections& m, const DerivedIds& ids,
                       RowRef<X> x) {
   const Index rows = x.rows();
@@ -204,7 +204,7 @@ void apply_mrope_rows(const RopeTable<Scalar>& table, const MropeSections& m, co
           c[k] = cos + offset;
           s[k] = sin + offset;
         }
-        mrope_row(c, s, m, shape, data + t * stride);
+        mrope_row<Transposed>(c, s, m, shape, data + t * stride);
       },
       min_parallel);
 }
@@ -229,8 +229,9 @@ void check_mrope_ids(const RopeTable<Scalar>& table, const Eigen::MatrixBase<Der
   }
 }
 
-/// apply_mrope on rows of any storage type X: every check, then the rotation.
-template <class Scalar, class DerivedIds, class X>
+/// apply_mrope (or, Transposed, apply_mrope_backward) on rows of any storage type X: every
+/// check, then the rotation.
+template <bool Transposed = false, class Scalar, class DerivedIds, class X>
 void mrope_at_ids(const RopeTable<Scalar>& table, const MropeSections& sections,
                   const Eigen::MatrixBase<DerivedIds>& position_ids, RowRef<X> x) {
   require_supported_scalar<Scalar>();
@@ -240,7 +241,8 @@ void mrope_at_ids(const RopeTable<Scalar>& table, const MropeSections& sections,
                                   << table.head_dim() << ")");
   check_mrope_sections(sections, table.rotary_dim());
   check_mrope_ids(table, position_ids, x.rows());
-  apply_mrope_rows(table, sections, position_ids.derived(), x);
+  require_storage_type<X>();
+  apply_mrope_rows<Transposed>(table, sections, position_ids.derived(), x);
 }
 
 }  // namespace detail
@@ -276,6 +278,19 @@ template <class Scalar, class DerivedIds>
 void apply_mrope(const RopeTable<Scalar>& table, const MropeSections& sections,
                  const Eigen::MatrixBase<DerivedIds>& position_ids, RowRef<Eigen::bfloat16> x) {
   detail::mrope_at_ids(table, sections, position_ids, x);
+}
+
+/// The backward pass of multimodal RoPE, in place: turns d_x, the gradient by the rotated rows,
+/// into the gradient by the rows before rotation, each pair turned back by the transposed
+/// rotation, (a, b) -> (a·cos + b·sin, b·cos − a·sin), at the angles apply_mrope used (the same
+/// table, sections and position_ids). d_x: [tokens, H·head_dim] of float, double, half or
+/// bfloat16. Checks and threads as apply_mrope; allocates nothing.
+template <class Scalar, class DerivedIds, class Derived>
+void apply_mrope_backward(const RopeTable<Scalar>& table, const MropeSections& sections,
+                          const Eigen::MatrixBase<DerivedIds>& position_ids,
+                          const Eigen::MatrixBase<Derived>& d_x) {
+  detail::mrope_at_ids<true>(table, sections, position_ids,
+                             RowRef<typename Derived::Scalar>(const_cast<Derived&>(d_x.derived())));
 }
 
 /// Value-returning form of apply_mrope: returns M-RoPE(x) as a new [tokens, cols] matrix (which

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <apex/config.hpp>
+#include <apex/detail/norm_backward.hpp>
 #include <apex/detail/norm_rows.hpp>
 #include <apex/detail/parallel.hpp>
 #include <apex/storage.hpp>
@@ -162,6 +163,43 @@ RowMatrix<typename Derived::Scalar> add_rms_norm(const Eigen::MatrixBase<Derived
                                                  const RmsNormParams& params = {}) {
   return detail::new_norm_output(x,
                                  [&](auto& out) { add_rms_norm(x, residual, gamma, params, out); });
+}
+
+/// The backward pass of RMSNorm (§3.2): for out = rms_norm(x, γ, params) and d_out = ∂L/∂out,
+///   dx[t, :] = (g − z·mean(g∘z)) / σ_t,   g = d_out[t, :]∘γ',  z = x[t, :] / σ_t,
+///   dγ = Σ_t d_out[t, :]∘z,               σ_t = sqrt(mean(x[t, :]²) + ε),
+/// with γ' = γ or 1 + γ (params.scale); dγ is the same for both. x, d_out, d_x: [tokens, d];
+/// gamma, d_gamma: [d]; each of its own storage type. Computed in double per row (z and σ as
+/// rms_norm forms them), each result rounded once; dγ sums the tokens in fixed chunks, so every
+/// result is bit-identical for any number of threads. Nothing written may overlap anything read
+/// or written; every check is made before anything is written. Allocates d doubles per chunk of
+/// 64 rows and two more per chunk for dγ (detail/norm_backward.hpp). Threads over chunks of rows.
+template <class Derived, class GammaDerived, class DOutDerived, class DxDerived,
+          class DGammaDerived>
+void rms_norm_backward(const Eigen::MatrixBase<Derived>& x,
+                       const Eigen::MatrixBase<GammaDerived>& gamma, const RmsNormParams& params,
+                       const Eigen::MatrixBase<DOutDerived>& d_out,
+                       const Eigen::MatrixBase<DxDerived>& d_x_,
+                       const Eigen::MatrixBase<DGammaDerived>& d_gamma_) {
+  using TX = typename Derived::Scalar;
+  using TG = typename GammaDerived::Scalar;
+  using TY = typename DOutDerived::Scalar;
+  using TD = typename DxDerived::Scalar;
+  detail::require_storage_types<TX, TG, TY, TD>();
+  static_assert(GammaDerived::IsVectorAtCompileTime, "[rms_norm_backward] gamma must be a vector");
+  RowRef<TD> d_x(const_cast<DxDerived&>(d_x_.derived()));
+  const detail::NormGradientVector<DGammaDerived> d_gamma(d_gamma_.derived());
+  const detail::NormGradientVector<std::nullopt_t> no_beta(std::nullopt);
+  const ConstRowRef<TX> xr(x.derived());
+  const ConstRowRef<TY> dy(d_out.derived());
+  const ConstVectorRef<TG> g(gamma.derived());
+  detail::check_norm_backward("rms_norm_backward", params.eps, g.size(), detail::vector_span(g), xr,
+                              dy, d_x, d_gamma, no_beta);
+  detail::with_rms_norm_form(params.scale, [&](auto form) {
+    using Form = decltype(form);
+    const detail::NormBackward<Form, TX, TY, TG, TD> nb{xr, dy, g.data(), params.eps};
+    detail::norm_backward_rows(nb, d_x, d_gamma.data(), no_beta.data());
+  });
 }
 
 }  // namespace apex

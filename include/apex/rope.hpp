@@ -335,21 +335,25 @@ namespace detail {
 // half-split the two halves are two contiguous streams; for interleaved the pair loop becomes
 // x·cos ∓ swap_pairs(x)·sin (a permute and a fused multiply-add/subtract per vector). Rows of
 // another storage type X (16 bits) are widened to the table's Scalar and each result rounded
-// once back to X.
-template <class Scalar, class X>
+// once back to X. Transposed turns each pair the other way (sin negated, exactly): the
+// transpose of the rotation, which is the backward pass of RoPE (apply_rope_backward).
+template <bool Transposed = false, class Scalar, class X>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): detail, the table's (cos, sin) rows
 inline void rope_head_interleaved(const Scalar* c, const Scalar* s, X* x, Index rotary_dim) {
   for (Index j = 0; j < rotary_dim; j += 2) {
     const auto a = static_cast<Scalar>(x[j]);
     const auto b = static_cast<Scalar>(x[j + 1]);
-    x[j] = round_to<X>(a * c[j] - b * s[j]);
-    x[j + 1] = round_to<X>(b * c[j + 1] + a * s[j + 1]);
+    const Scalar s0 = Transposed ? -s[j] : s[j];
+    const Scalar s1 = Transposed ? -s[j + 1] : s[j + 1];
+    x[j] = round_to<X>(a * c[j] - b * s0);
+    x[j + 1] = round_to<X>(b * c[j + 1] + a * s1);
   }
 }
 
 // The half-split rotation of `count` consecutive pairs (i, i + half) of a head whose rotary
 // width is 2·half, starting at c, s, x (already offset to the first pair): a whole head is
 // count = half = d_r / 2 (rope_head_half_split); multimodal RoPE (mrope.hpp) turns runs of pairs.
-template <class Scalar, class X>
+template <bool Transposed = false, class Scalar, class X>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): detail, (pairs to turn, offset of b)
 inline void rope_pairs_half_split(const Scalar* c, const Scalar* s, X* x, Index count, Index half) {
   X* lo = x;
@@ -359,19 +363,23 @@ inline void rope_pairs_half_split(const Scalar* c, const Scalar* s, X* x, Index 
   for (Index i = 0; i < count; ++i) {
     const auto a = static_cast<Scalar>(lo[i]);
     const auto b = static_cast<Scalar>(hi[i]);
-    lo[i] = round_to<X>(a * c[i] - b * s[i]);
-    hi[i] = round_to<X>(b * c_hi[i] + a * s_hi[i]);
+    const Scalar s_lo = Transposed ? -s[i] : s[i];
+    const Scalar s_up = Transposed ? -s_hi[i] : s_hi[i];
+    lo[i] = round_to<X>(a * c[i] - b * s_lo);
+    hi[i] = round_to<X>(b * c_hi[i] + a * s_up);
   }
 }
 
-template <class Scalar, class X>
+template <bool Transposed = false, class Scalar, class X>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): detail, the table's (cos, sin) rows
 inline void rope_head_half_split(const Scalar* c, const Scalar* s, X* x, Index rotary_dim) {
-  rope_pairs_half_split(c, s, x, rotary_dim / 2, rotary_dim / 2);
+  rope_pairs_half_split<Transposed>(c, s, x, rotary_dim / 2, rotary_dim / 2);
 }
 
-// Rotates every row of x (heads side by side) at the position position(t); positions have been
-// checked. Threads over rows (static schedule); small problems stay on the calling thread.
-template <class Scalar, class X, class PositionOf>
+// Rotates every row of x (heads side by side) at the position position(t), or by the transposed
+// rotation; positions have been checked. Threads over rows (static schedule); small problems stay
+// on the calling thread.
+template <bool Transposed = false, class Scalar, class X, class PositionOf>
 void apply_rope_rows(const RopeTable<Scalar>& table, RowRef<X> x, PositionOf position) {
   const Index rows = x.rows();
   const Index head_dim = table.head_dim();
@@ -393,10 +401,10 @@ void apply_rope_rows(const RopeTable<Scalar>& table, RowRef<X> x, PositionOf pos
         X* row = data + t * stride;
         if (interleaved) {
           for (Index h = 0; h < heads; ++h)
-            rope_head_interleaved(c, s, row + h * head_dim, rotary_dim);
+            rope_head_interleaved<Transposed>(c, s, row + h * head_dim, rotary_dim);
         } else {
           for (Index h = 0; h < heads; ++h)
-            rope_head_half_split(c, s, row + h * head_dim, rotary_dim);
+            rope_head_half_split<Transposed>(c, s, row + h * head_dim, rotary_dim);
         }
       },
       min_parallel);
@@ -450,24 +458,28 @@ void check_rope_ids(const RopeTable<Scalar>& table, const Eigen::MatrixBase<Deri
   }
 }
 
-/// apply_rope with a position offset on rows of any storage type X.
-template <class Scalar, class X>
+/// apply_rope (or, Transposed, apply_rope_backward) with a position offset on rows of any
+/// storage type X.
+template <bool Transposed = false, class Scalar, class X>
 void rope_at_offset(const RopeTable<Scalar>& table, Index position_offset, RowRef<X> x) {
   require_supported_scalar<Scalar>();
+  require_storage_type<X>();
   check_rope_width(table, x.cols());
   check_rope_offset(table, position_offset, x.rows());
-  apply_rope_rows(table, x, [position_offset](Index t) { return position_offset + t; });
+  apply_rope_rows<Transposed>(table, x, [position_offset](Index t) { return position_offset + t; });
 }
 
-/// apply_rope with explicit position ids on rows of any storage type X.
-template <class Scalar, class DerivedIds, class X>
+/// apply_rope (or, Transposed, apply_rope_backward) with explicit position ids on rows of any
+/// storage type X.
+template <bool Transposed = false, class Scalar, class DerivedIds, class X>
 void rope_at_ids(const RopeTable<Scalar>& table, const Eigen::MatrixBase<DerivedIds>& position_ids,
                  RowRef<X> x) {
   require_supported_scalar<Scalar>();
+  require_storage_type<X>();
   check_rope_width(table, x.cols());
   check_rope_ids(table, position_ids, x.rows());
   const DerivedIds& ids = position_ids.derived();
-  apply_rope_rows(table, x, [&ids](Index t) { return ids(t); });
+  apply_rope_rows<Transposed>(table, x, [&ids](Index t) { return ids(t); });
 }
 
 }  // namespace detail
@@ -518,6 +530,33 @@ template <class Scalar, class DerivedIds>
 void apply_rope(const RopeTable<Scalar>& table, const Eigen::MatrixBase<DerivedIds>& position_ids,
                 RowRef<Eigen::bfloat16> x) {
   detail::rope_at_ids(table, position_ids, x);
+}
+
+/// The backward pass of RoPE, in place: turns d_x, the gradient of a loss by the rotated rows,
+/// into its gradient by the rows before rotation, dx = Rᵀ·dy per pair (the transposed rotation:
+/// a' = a·cos + b·sin, b' = b·cos − a·sin), row t at position m = position_offset + t as
+/// apply_rope took it. Every table kind (plain, YaRN with its magnitude, the scalings of
+/// rope_scaling.hpp, user cos/sin) is a rotation times a magnitude per pair, whose transpose
+/// this is; features past rotary_dim pass their gradient through unchanged. d_x: [tokens,
+/// H·head_dim] of float, double, half or bfloat16 (a row-major matrix, Map, Ref or block with
+/// contiguous rows), as for apply_rope. Every position is checked before d_x is touched; threads
+/// over rows; allocates nothing.
+template <class Scalar, class Derived>
+void apply_rope_backward(const RopeTable<Scalar>& table, Index position_offset,
+                         const Eigen::MatrixBase<Derived>& d_x) {
+  detail::rope_at_offset<true>(
+      table, position_offset,
+      RowRef<typename Derived::Scalar>(const_cast<Derived&>(d_x.derived())));
+}
+
+/// The backward pass of RoPE with explicit positions: row t at position_ids(t), as apply_rope
+/// with ids took it; otherwise as the offset form above.
+template <class Scalar, class DerivedIds, class Derived>
+void apply_rope_backward(const RopeTable<Scalar>& table,
+                         const Eigen::MatrixBase<DerivedIds>& position_ids,
+                         const Eigen::MatrixBase<Derived>& d_x) {
+  detail::rope_at_ids<true>(table, position_ids,
+                            RowRef<typename Derived::Scalar>(const_cast<Derived&>(d_x.derived())));
 }
 
 /// Value-returning form of apply_rope with a position offset: returns RoPE(x) as a new

@@ -483,6 +483,14 @@ ByteRange byte_range(const HeadsView<T>& v) {
   return {base + static_cast<std::uintptr_t>(first), base + static_cast<std::uintptr_t>(last)};
 }
 
+/// The byte range of a row-major matrix, Map, Ref or block (its rows, columns and row stride).
+template <class M>
+ByteRange matrix_byte_range(const M& m) {
+  using T = std::remove_const_t<typename M::Scalar>;
+  return byte_range(
+      HeadsView<const T>(m.data(), {1, 1, m.rows(), m.cols()}, {0, 0, m.outerStride()}));
+}
+
 /// Whether distinct elements of `v` occupy distinct memory, by the nesting test: ordered by
 /// |stride|, every axis of extent > 1 must step over the whole span of the axes inside it. This
 /// holds for every layout apex builds (contiguous, token-major, cache views); a layout it

@@ -8,6 +8,7 @@
 #include <apex/cached_attention.hpp>
 #include <apex/config.hpp>
 #include <apex/detail/checks.hpp>
+#include <apex/detail/layer_backward.hpp>
 #include <apex/detail/matmul.hpp>
 #include <apex/gqa_config.hpp>
 #include <apex/rms_norm.hpp>
@@ -124,16 +125,23 @@ void normalize_heads(const Vector<Weight>& gamma, double eps, Index head_dim,
 /// The projections of §8.2 with every row rotated at its position `at` (QK-norm first):
 ///   Q = RoPE(norm(x·W_Q)), K = RoPE(norm(x·W_K)), V = x·W_V
 /// (no norm without a QK-norm, no RoPE without params.rope), checked input.
-///   x: [rows, d] -> q [rows, H_q·d_h], k and v [rows, H_kv·d_h]. Allocates the three results.
+///   x: [rows, d] -> q [rows, H_q·d_h], k and v [rows, H_kv·d_h]. Allocates the three results
+/// and, where `before_norm` is given and the layer has a QK-norm, x·W_Q and x·W_K into it (what
+/// the backward pass needs).
 template <class Scalar, class Weight>
 ProjectedQkv<Scalar> gqa_project(const GqaConfig& c, const GqaWeights<Weight>& w,
                                  const ConstRowRef<Scalar>& x, const RowPositions& at,
-                                 const AttentionLayerParams<Scalar>& params) {
+                                 const AttentionLayerParams<Scalar>& params,
+                                 ProjectedQkv<Scalar>* before_norm = nullptr) {
   ProjectedQkv<Scalar> p = empty_projection<Scalar>(at.batch, gqa_heads(c));
   p.q = matmul<Scalar>(x, w.w_q);
   p.k = matmul<Scalar>(x, w.w_k);
   p.v = matmul<Scalar>(x, w.w_v);
   if (const auto& norm = w.qk_norm) {
+    if (before_norm != nullptr) {
+      before_norm->q = p.q;
+      before_norm->k = p.k;
+    }
     normalize_heads(norm->q_gamma, norm->eps, c.head_dim, p.q);
     normalize_heads(norm->k_gamma, norm->eps, c.head_dim, p.k);
   }
@@ -142,6 +150,63 @@ ProjectedQkv<Scalar> gqa_project(const GqaConfig& c, const GqaWeights<Weight>& w
     apply_rope_at(*params.rope, at, p.k);
   }
   return p;
+}
+
+/// The [rows·H, d_h] view of x [rows, H·d_h] whose rows are the heads (what the QK-norm
+/// normalises).
+template <class Scalar>
+Eigen::Map<RowMatrix<Scalar>> head_rows(RowMatrix<Scalar>& x, Index head_dim) {
+  return {x.data(), x.size() / head_dim, head_dim};
+}
+
+/// The QK-norm's backward pass on one of q, k: d (the gradient by the normalised heads) becomes
+/// the gradient by the heads before the norm (x·W), and d_gamma gets the gradient by γ.
+template <class Scalar, class Weight>
+void normalize_heads_backward(RowMatrix<Scalar>& before, const Vector<Weight>& gamma, double eps,
+                              Index head_dim, RowMatrix<Scalar>& d, Vector<Scalar>& d_gamma) {
+  RowMatrix<Scalar> d_before(d.rows(), d.cols());
+  d_gamma.resize(head_dim);
+  rms_norm_backward(head_rows(before, head_dim), gamma, RmsNormParams{eps}, head_rows(d, head_dim),
+                    head_rows(d_before, head_dim), d_gamma);
+  d = std::move(d_before);
+}
+
+/// The backward pass of a GQA layer on checked input x [rows, d] at positions `at` (see
+/// GroupedQueryAttention::backward): recomputes the projections and the attention, then
+///   dq, dk, dv, dW_O, d sinks     attention_projection_backward
+///   RoPE, QK-norm                 their backward passes on dq and dk (dγ of the norm)
+///   dW_Q = xᵀ·dq, dW_K = xᵀ·dk, dW_V = xᵀ·dv,  dx = dq·W_Qᵀ + dk·W_Kᵀ + dv·W_Vᵀ.
+/// g gets every gradient in the weights' layout (its sinks and QK-norm only where the layer has
+/// them). Allocates the projections, their gradients and the weight gradients.
+template <class Scalar, class Weight>
+void gqa_backward(const GqaConfig& c, const GqaWeights<Weight>& w, const ConstRowRef<Scalar>& x,
+                  const RowPositions& at, const AttentionMask<Scalar>& mask,
+                  const SdpaParams& attention, const AttentionLayerParams<Scalar>& params,
+                  const ConstRowRef<Scalar>& d_out, RowRef<Scalar> d_x, GqaWeights<Scalar>& g) {
+  ProjectedQkv<Scalar> before_norm;
+  const ProjectedQkv<Scalar> p = gqa_project(c, w, x, at, params, &before_norm);
+  g.sinks.clear();
+  ProjectionGradients<Scalar> d =
+      attention_projection_backward(p, mask, attention, w.w_o, d_out, g.w_o, &g.sinks);
+  if (params.rope != nullptr) {
+    rope_backward_at(*params.rope, at, d.q);
+    rope_backward_at(*params.rope, at, d.k);
+  }
+  g.qk_norm.reset();
+  if (const auto& norm = w.qk_norm) {
+    g.qk_norm = QkNorm<Scalar>{{}, {}, norm->eps};
+    normalize_heads_backward(before_norm.q, norm->q_gamma, norm->eps, c.head_dim, d.q,
+                             g.qk_norm->q_gamma);
+    normalize_heads_backward(before_norm.k, norm->k_gamma, norm->eps, c.head_dim, d.k,
+                             g.qk_norm->k_gamma);
+  }
+  projection_weight_gradient<Scalar>(x, d.q, g.w_q);
+  projection_weight_gradient<Scalar>(x, d.k, g.w_k);
+  projection_weight_gradient<Scalar>(x, d.v, g.w_v);
+  d_x.setZero();
+  add_input_gradient<Scalar>(d.q, w.w_q, d_x);
+  add_input_gradient<Scalar>(d.k, w.w_k, d_x);
+  add_input_gradient<Scalar>(d.v, w.w_v, d_x);
 }
 
 }  // namespace apex::detail

@@ -310,6 +310,21 @@ void matmul_transposed(const ConstRowRef<Scalar>& x, const Eigen::MatrixBase<Der
   matmul_tiles<true, Scalar, W>(x, ConstRowRef<W>(w.derived()), out);
 }
 
+/// out = aᵀ · b, or out += aᵀ · b with `accumulate` (a: [k × m], b: [k × n], row-major, both in
+/// Scalar): the weight gradient of a projection, xᵀ·dy, summed over the k tokens. Fixed tiles of
+/// out, each one product on one thread (for_each_tile), so bit-identical for any number of
+/// threads. Allocates nothing beyond Eigen's packing buffers.
+template <class Scalar>
+void matmul_lhs_transposed(const ConstRowRef<Scalar>& a, const ConstRowRef<Scalar>& b,
+                           RowRef<Scalar> out, bool accumulate = false) {
+  for_each_tile(out.rows(), out.cols(), a.rows(), [&](const MatmulTile& t) {
+    matmul_serial<Scalar, Eigen::RowMajor, Eigen::ColMajor>(
+        t.rows, t.cols, a.rows(), a.data() + t.r0, a.outerStride(), b.data() + t.c0,
+        b.outerStride(), at(out.data(), out.outerStride(), t.r0, t.c0), out.outerStride(),
+        accumulate);
+  });
+}
+
 /// matmul into a new [x.rows(), w.cols()] matrix.
 template <class Scalar, class DerivedW>
 RowMatrix<Scalar> matmul(const ConstRowRef<Scalar>& x, const Eigen::MatrixBase<DerivedW>& w) {

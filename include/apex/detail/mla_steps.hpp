@@ -10,6 +10,7 @@
 #include <apex/cached_attention.hpp>
 #include <apex/config.hpp>
 #include <apex/detail/checks.hpp>
+#include <apex/detail/layer_backward.hpp>
 #include <apex/detail/matmul.hpp>
 #include <apex/mla_config.hpp>
 #include <apex/rope.hpp>
@@ -263,6 +264,72 @@ void attend_decompressed(const MlaConfig& c, const MlaWeights<Weight>& w,
       HeadsView<const Scalar>::token_major(k.data(), {batch, c.num_kv_heads, len, d_qk}),
       HeadsView<const Scalar>::token_major(v.data(), {batch, c.num_kv_heads, len, c.head_dim}),
       mask, attention, w.w_o, out);
+}
+
+/// The inverse of concat_head_parts for gradients: d_joined [rows, H·(d_h + d_r)] is cut into
+/// the content part [rows, H·d_h] and the rope part [rows, rope_heads·d_r]; with one rope head
+/// shared by every head (rope_heads = 1) its gradient is the sum over the heads, in head order.
+template <class Scalar>
+// Internal, the outputs (content, rope) in their order.
+// NOLINTBEGIN(bugprone-easily-swappable-parameters)
+void split_head_parts(const RowMatrix<Scalar>& d_joined, Index d_h, Index d_r, Index rope_heads,
+                      RowMatrix<Scalar>& content, RowMatrix<Scalar>& rope) {
+  // NOLINTEND(bugprone-easily-swappable-parameters)
+  const Index d_qk = d_h + d_r;
+  const Index heads = d_joined.cols() / d_qk;
+  content.resize(d_joined.rows(), heads * d_h);
+  rope = RowMatrix<Scalar>::Zero(d_joined.rows(), rope_heads * d_r);
+  for (Index h = 0; h < heads; ++h) {
+    const Index rope_head = rope_heads == 1 ? 0 : h;
+    content.middleCols(h * d_h, d_h) = d_joined.middleCols(h * d_qk, d_h);
+    rope.middleCols(rope_head * d_r, d_r) += d_joined.middleCols(h * d_qk + d_h, d_r);
+  }
+}
+
+/// The backward pass of an MLA layer on checked input x [B*S, d] (see
+/// MultiHeadLatentAttention::backward): recomputes the latents, the decompression and the
+/// attention, then, from dQ_final, dK_final and dV (attention_projection_backward, with dW_O and
+/// d sinks):
+///   dQ_final = [dQ ‖ dQ_rope], dK_final = [dK ‖ dK_rope]   (a shared K_rope head sums its heads)
+///   RoPE's backward on dQ_rope and dK_rope
+///   dW_UQ = c_qᵀ·dQ,  dc_q = dQ·W_UQᵀ,  dW_DQ = xᵀ·dc_q,  dW_QR = xᵀ·dQ_rope,  dW_KR = xᵀ·dK_rope
+///   dW_UK = c_kvᵀ·dK, dW_UV = c_kvᵀ·dV, dc_kv = dK·W_UKᵀ + dV·W_UVᵀ, dW_DKV = xᵀ·dc_kv
+///   dx = dc_q·W_DQᵀ + dQ_rope·W_QRᵀ + dK_rope·W_KRᵀ + dc_kv·W_DKVᵀ.
+/// Allocates the latents, the projections, their gradients and the weight gradients.
+template <class Scalar, class Weight>
+void mla_backward(const MlaConfig& c, const MlaWeights<Weight>& w, const ConstRowRef<Scalar>& x,
+                  Index batch, const AttentionMask<Scalar>& mask, const SdpaParams& attention,
+                  const AttentionLayerParams<Scalar>& params, const ConstRowRef<Scalar>& d_out,
+                  RowRef<Scalar> d_x, MlaWeights<Scalar>& g) {
+  const RowMatrix<Scalar> c_kv = matmul<Scalar>(x, w.w_dkv);
+  const RowMatrix<Scalar> c_q = matmul<Scalar>(x, w.w_dq);
+  const ProjectedQkv<Scalar> p = mla_decompress(c, w, x, batch, params);
+  g.sinks.clear();
+  const ProjectionGradients<Scalar> d =
+      attention_projection_backward(p, mask, attention, w.w_o, d_out, g.w_o, &g.sinks);
+  RowMatrix<Scalar> dq, dq_rope, dk, dk_rope;
+  split_head_parts(d.q, c.head_dim, c.rope_dim, c.num_q_heads, dq, dq_rope);
+  split_head_parts(d.k, c.head_dim, c.rope_dim, c.rope_key_heads(), dk, dk_rope);
+  const RowPositions at{params.position_offset, batch, nullptr};
+  rope_backward_at(*params.rope, at, dq_rope);
+  rope_backward_at(*params.rope, at, dk_rope);
+  projection_weight_gradient<Scalar>(c_q, dq, g.w_uq);
+  RowMatrix<Scalar> dc_q = RowMatrix<Scalar>::Zero(x.rows(), c.d_q);
+  add_input_gradient<Scalar>(dq, w.w_uq, dc_q);
+  projection_weight_gradient<Scalar>(x, dc_q, g.w_dq);
+  projection_weight_gradient<Scalar>(x, dq_rope, g.w_qr);
+  projection_weight_gradient<Scalar>(x, dk_rope, g.w_kr);
+  projection_weight_gradient<Scalar>(c_kv, dk, g.w_uk);
+  projection_weight_gradient<Scalar>(c_kv, d.v, g.w_uv);
+  RowMatrix<Scalar> dc_kv = RowMatrix<Scalar>::Zero(x.rows(), c.d_kv);
+  add_input_gradient<Scalar>(dk, w.w_uk, dc_kv);
+  add_input_gradient<Scalar>(d.v, w.w_uv, dc_kv);
+  projection_weight_gradient<Scalar>(x, dc_kv, g.w_dkv);
+  d_x.setZero();
+  add_input_gradient<Scalar>(dc_q, w.w_dq, d_x);
+  add_input_gradient<Scalar>(dq_rope, w.w_qr, d_x);
+  add_input_gradient<Scalar>(dk_rope, w.w_kr, d_x);
+  add_input_gradient<Scalar>(dc_kv, w.w_dkv, d_x);
 }
 
 }  // namespace apex::detail
