@@ -26,6 +26,7 @@
 #include "finite_differences.hpp"
 #include "guarded_buffer.hpp"
 #include "reference/attention_backward.hpp"
+#include "test_util.hpp"
 #include "tolerances.hpp"
 
 namespace {
@@ -278,7 +279,7 @@ Heads<Scalar> random_d_out(const Shape& s, std::uint32_t seed) {
 template <class Scalar>
 class SdpaBackward : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(SdpaBackward, Scalars);
+TYPED_TEST_SUITE(SdpaBackward, Scalars, apex::testing::ScalarName);
 
 TYPED_TEST(SdpaBackward, MatchesThePlainLoopOnEveryTermAndMask) {
   using Scalar = TypeParam;
