@@ -278,15 +278,16 @@ ConstRowRef<Scalar> layer_rows(const Eigen::MatrixBase<Derived>& x) {
   return ConstRowRef<Scalar>(x.derived());
 }
 
-/// RoPE in place on every batch block of x [B*S, H·head_dim]: row b*S + s at offset + s.
-template <class Scalar>
+/// RoPE in place on every batch block of x [B*S, H·head_dim]: row b*S + s at offset + s; or,
+/// Transposed, its backward pass (the transposed rotation, apply_rope_backward).
+template <bool Transposed = false, class Scalar>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, one caller per layer
 void apply_rope_per_batch(const RopeTable<Scalar>& table, Index position_offset, Index batch,
                           RowMatrix<Scalar>& x) {
   const Index seq = x.rows() / batch;
   if (seq == 0) return;
   for (Index b = 0; b < batch; ++b) {
-    apply_rope(table, position_offset, RowRef<Scalar>(x.middleRows(b * seq, seq)));
+    rope_at_offset<Transposed>(table, position_offset, RowRef<Scalar>(x.middleRows(b * seq, seq)));
   }
 }
 
@@ -299,13 +300,14 @@ struct RowPositions {
   const Vector<Index>* ids = nullptr;  ///< one position per row; null: offset + s per block
 };
 
-/// RoPE in place on every row of x [rows, H·head_dim] at its position.
-template <class Scalar>
+/// RoPE in place on every row of x [rows, H·head_dim] at its position; or, Transposed, its
+/// backward pass.
+template <bool Transposed = false, class Scalar>
 void apply_rope_at(const RopeTable<Scalar>& table, const RowPositions& at, RowMatrix<Scalar>& x) {
   if (at.ids != nullptr) {
-    apply_rope(table, *at.ids, RowRef<Scalar>(x));
+    rope_at_ids<Transposed>(table, *at.ids, RowRef<Scalar>(x));
   } else {
-    apply_rope_per_batch(table, at.offset, at.batch, x);
+    apply_rope_per_batch<Transposed>(table, at.offset, at.batch, x);
   }
 }
 

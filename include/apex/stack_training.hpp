@@ -335,8 +335,7 @@ class AdamW {
   /// A StackParameters of w's layout, every element zero.
   static StackParameters<Scalar> zeros_like(const StackParameters<Scalar>& w) {
     StackParameters<Scalar> z = w;
-    StackParameters<Scalar> unused = w;
-    detail::for_each_parameter(z, w, unused, unused, [](auto& t, const auto&, auto&, auto&, bool) {
+    detail::for_each_parameter(z, z, z, z, [](auto& t, const auto&, auto&, auto&, bool) {
       detail::as_array(t).setZero();
     });
     return z;

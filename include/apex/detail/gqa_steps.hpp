@@ -189,8 +189,8 @@ void gqa_backward(const GqaConfig& c, const GqaWeights<Weight>& w, const ConstRo
   ProjectionGradients<Scalar> d =
       attention_projection_backward(p, mask, attention, w.w_o, d_out, g.w_o, &g.sinks);
   if (params.rope != nullptr) {
-    rope_backward_at(*params.rope, at, d.q);
-    rope_backward_at(*params.rope, at, d.k);
+    apply_rope_at<true>(*params.rope, at, d.q);
+    apply_rope_at<true>(*params.rope, at, d.k);
   }
   g.qk_norm.reset();
   if (const auto& norm = w.qk_norm) {

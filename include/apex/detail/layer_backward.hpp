@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT
 // What the attention layers' backward passes share (GroupedQueryAttention::backward,
 // MultiHeadLatentAttention::backward): the attention and W_O of a layer differentiated from its
-// projections, the weight gradients of a projection, RoPE's backward on every row at its
-// position, and the sum of a layer's input gradients.
+// projections, the weight gradients of a projection, and the sum of a layer's input gradients
+// (RoPE's backward on every row at its position is apply_rope_at<true>, attention_layer.hpp).
 //
 // RECOMPUTATION. A layer's backward takes the layer's input x and recomputes its projections
 // and its attention (with the lse) from it, so that nothing but x needs to be kept between the
@@ -98,22 +98,6 @@ void add_input_gradient(const ConstRowRef<Scalar>& dy, const RowMatrix<Weight>& 
   RowMatrix<Scalar> part(dx.rows(), dx.cols());
   matmul_transposed<Scalar>(dy, w, part);
   dx += part;
-}
-
-/// RoPE's backward pass (the transposed rotation) in place on every row of dx at the position
-/// apply_rope_at gave it.
-template <class Scalar>
-void rope_backward_at(const RopeTable<Scalar>& table, const RowPositions& at,
-                      RowMatrix<Scalar>& dx) {
-  if (at.ids != nullptr) {
-    apply_rope_backward(table, *at.ids, dx);
-    return;
-  }
-  const Index seq = dx.rows() / at.batch;
-  if (seq == 0) return;
-  for (Index b = 0; b < at.batch; ++b) {
-    apply_rope_backward(table, at.offset, dx.middleRows(b * seq, seq));
-  }
 }
 
 }  // namespace apex::detail

@@ -311,8 +311,8 @@ void mla_backward(const MlaConfig& c, const MlaWeights<Weight>& w, const ConstRo
   split_head_parts(d.q, c.head_dim, c.rope_dim, c.num_q_heads, dq, dq_rope);
   split_head_parts(d.k, c.head_dim, c.rope_dim, c.rope_key_heads(), dk, dk_rope);
   const RowPositions at{params.position_offset, batch, nullptr};
-  rope_backward_at(*params.rope, at, dq_rope);
-  rope_backward_at(*params.rope, at, dk_rope);
+  apply_rope_at<true>(*params.rope, at, dq_rope);
+  apply_rope_at<true>(*params.rope, at, dk_rope);
   projection_weight_gradient<Scalar>(c_q, dq, g.w_uq);
   RowMatrix<Scalar> dc_q = RowMatrix<Scalar>::Zero(x.rows(), c.d_q);
   add_input_gradient<Scalar>(dq, w.w_uq, dc_q);
