@@ -46,6 +46,7 @@
 
 #include "attention_case.hpp"
 #include "guarded_buffer.hpp"
+#include "kernel_paths.hpp"
 #include "reference/attention.hpp"
 #include "test_util.hpp"
 
@@ -71,21 +72,7 @@ using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(SdpaRules, Scalars, apex::testing::ScalarName);
 
 /// The paths of the tiled kernel, each named.
-std::vector<std::pair<const char*, FlashBlocking>> paths() {
-  FlashBlocking small;  // many block boundaries and decode chunks
-  small.stacked_rows = 16;
-  small.key_block = 16;
-  small.stream_key_block = 8;
-  small.decode_chunk = 40;
-  FlashBlocking gemm;  // Eigen's GEMM kernel everywhere
-  gemm.stream_rows = 0;
-  FlashBlocking streaming;  // the streaming kernel everywhere
-  streaming.stream_rows = Index{1} << 20;
-  return {{"default blocks", FlashBlocking{}},
-          {"small blocks", small},
-          {"GEMM kernel", gemm},
-          {"streaming kernel", streaming}};
-}
+std::vector<std::pair<const char*, FlashBlocking>> paths() { return apex::testing::kernel_paths(); }
 
 /// Document ids of `length` positions: documents of random lengths in [1, longest].
 std::vector<Index> random_documents(Index length, Index longest, std::uint32_t seed) {

@@ -66,6 +66,12 @@
 //               queries and the group's heads: the same length as kAttention's, so its value.
 //               Measured on sdpa_backward_test's problems (≤ 30 keys): 7 u in float, 9 u in
 //               double. sdpa_backward_test.
+// kIndexer      The lightning indexer's queries, keys and scores (indexer.hpp) against the plain
+//               loops of reference/indexer.hpp, normwise against max(1, max |ref|): projections
+//               of up to 64 terms, LayerNorm, RoPE's two terms, a Hadamard transform of up to
+//               128 terms (7 butterfly levels), then dot products of d_I <= 128 terms and a
+//               weighted sum over H_I <= 16 heads: a chain as long as kAttention's, so its value.
+//               indexer_test.
 #pragma once
 
 namespace apex::testing {
@@ -84,6 +90,7 @@ struct Tolerances<float> {
   static constexpr double kDecode = 1e-4;       // a few hundred u, with room
   static constexpr double kAbsorbedMla = 2e-5;  // tens of u
   static constexpr double kBackward = 1e-5;     // ≈ 170 u, as kAttention
+  static constexpr double kIndexer = 1e-5;      // ≈ 170 u, as kAttention
 };
 
 template <>
@@ -97,6 +104,7 @@ struct Tolerances<double> {
   static constexpr double kDecode = 1e-11;
   static constexpr double kAbsorbedMla = 1e-12;
   static constexpr double kBackward = 1e-12;
+  static constexpr double kIndexer = 1e-12;
 };
 
 }  // namespace apex::testing

@@ -4,6 +4,7 @@
 
 #include <apex/attention_layer.hpp>
 #include <apex/attention_rules.hpp>
+#include <apex/block_sparse.hpp>
 #include <apex/cache_memory.hpp>
 #include <apex/cached_attention.hpp>
 #include <apex/cascade_attention.hpp>
@@ -13,6 +14,8 @@
 #include <apex/fp8.hpp>
 #include <apex/gqa.hpp>
 #include <apex/gqa_config.hpp>
+#include <apex/indexer.hpp>
+#include <apex/key_selection.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/kv_format.hpp>
 #include <apex/kv_quant.hpp>
@@ -37,6 +40,8 @@
 #include <apex/sdpa_backward.hpp>
 #include <apex/sdpa_params.hpp>
 #include <apex/serving_cache.hpp>
+#include <apex/sparse_attention.hpp>
+#include <apex/sparse_mla.hpp>
 #include <apex/stack.hpp>
 #include <apex/stack_cache.hpp>
 #include <apex/stack_config.hpp>

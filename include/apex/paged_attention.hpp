@@ -114,6 +114,25 @@ Vector<Index> paged_step_positions(Index rows, const std::vector<Index>& cu,
 
 namespace detail {
 
+/// The checks on the shapes of a call over a paged cache (sdpa_paged, sdpa_sparse_paged): q
+/// packs the sequences along its rows (batch 1), and q, out and lse fit the cache's key and value
+/// widths and heads (check_sdpa). Returns the cache's keys and values as views of no rows,
+/// [1, H_kv, 0, width in elements of the cache's format], for the checks that follow.
+template <class TQ, class Cache, class TO>
+auto check_paged_shapes(const HeadsView<const TQ>& q, const Cache& cache, const SdpaParams& params,
+                        const HeadsView<TO>& out, const HeadsView<TO>& lse, const char* op) {
+  using Storage = typename Cache::StorageType;
+  APEX_CHECK(q.batch() == 1, "[" << op << "] q batch (" << q.batch()
+                                 << ") must be 1: the sequences are packed along the rows");
+  // The widths in elements of the cache's format: check_sdpa compares their values (row_values).
+  const HeadsView<const Storage> k_shape = shape_only_view<const Storage>(
+      {1, cache.num_kv_heads(), 0, KvFormat<Storage>::elements(cache.key_dim())});
+  const HeadsView<const Storage> v_shape = shape_only_view<const Storage>(
+      {1, cache.num_kv_heads(), 0, KvFormat<Storage>::elements(cache.value_dim())});
+  check_sdpa(q, k_shape, v_shape, AttentionMask<TO>{}, params, out, lse, op);
+  return std::pair<HeadsView<const Storage>, HeadsView<const Storage>>{k_shape, v_shape};
+}
+
 /// Every check of sdpa_paged (named `op` in the messages), then the views of each sequence
 /// alone: its query rows, its held keys, its rule at its positions, its output rows and its rows
 /// of the dense masks (see sdpa_varlen for their layout: row r is query row r of q, column j the
@@ -128,14 +147,7 @@ paged_sequence_views(const HeadsView<const TQ>& q, const std::vector<Index>& cu_
                      const AttentionMask<TB>& mask, const char* op) {
   using Storage = typename Cache::StorageType;
   const auto n = static_cast<Index>(ids.size());
-  APEX_CHECK(q.batch() == 1, "[" << op << "] q batch (" << q.batch()
-                                 << ") must be 1: the sequences are packed along the rows");
-  // The widths in elements of the cache's format: check_sdpa compares their values (row_values).
-  const HeadsView<const Storage> k_shape = shape_only_view<const Storage>(
-      {1, cache.num_kv_heads(), 0, KvFormat<Storage>::elements(cache.key_dim())});
-  const HeadsView<const Storage> v_shape = shape_only_view<const Storage>(
-      {1, cache.num_kv_heads(), 0, KvFormat<Storage>::elements(cache.value_dim())});
-  check_sdpa(q, k_shape, v_shape, AttentionMask<TO>{}, params, out, lse, op);
+  const auto [k_shape, v_shape] = check_paged_shapes(q, cache, params, out, lse, op);
   check_offsets(cu_seqlens_q, n, q.seq(), op, "cu_seqlens_q");
   check_mask_count(masks, n, op);
   check_live_ids(cache, ids, op);

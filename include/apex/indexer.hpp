@@ -1,0 +1,404 @@
+// SPDX-License-Identifier: MIT
+// The lightning indexer of DeepSeek Sparse Attention (DeepSeek-V3.2): a small many-head scorer
+// that ranks every cached token for each query, so that MLA (mla.hpp, sparse_attention.hpp)
+// attends to the top k of them only. For a query token t and a cached token s:
+//
+//   q_{t,j} = Had(RoPE_{d_r}(c_q,t · W_IQ,j))         j = 0 .. H_I − 1, each d_I wide
+//   k_s     = Had(RoPE_{d_r}(LayerNorm(h_s · W_IK)))  one key head shared by every head
+//   w_{t,j} = (h_t · W_IW)_j · H_I^(-1/2) · d_I^(-1/2)
+//   I_{t,s} = Σ_j w_{t,j} · ReLU(q_{t,j} · k_s)        over s <= t (causal)
+//
+// and the k keys of largest I_{t,s} are selected (all of them when fewer are visible).
+//
+// CONVENTIONS (DeepSeek-V3.2-Exp's reference, inference/model.py, class Indexer):
+//   - c_q is MLA's query latent (x·W_DQ), h the layer's input; x·W with W [in, out];
+//   - RoPE turns the FIRST d_r features of each query head and of the key (MLA puts its rope
+//     part last), at the token's position, with the table the caller gives (its pairing is the
+//     table's: DeepSeek's reference rotates interleaved pairs);
+//   - RoPE comes before the Hadamard transform Had(v) = H_{d_I} v / √d_I (Sylvester's natural
+//     order, as fast_hadamard_transform; d_I a power of two), which mixes all d_I features;
+//   - LayerNorm has a weight and a bias and eps = 1e-6 (IndexerConfig::norm_eps);
+//   - the scales H_I^(-1/2) and d_I^(-1/2) are folded into w, as the reference does; its fp8
+//     block scales have no counterpart here: the keys are stored in the cache's format (any K/V
+//     format of kv_format.hpp) and every product is computed in the layer's scalar type;
+//   - equal scores rank the lower position first, a NaN score as −∞ (detail/indexer_scores.hpp):
+//     the selection is one set, the same for any number of threads, and listed ascending.
+#pragma once
+
+#include <apex/attention_layer.hpp>
+#include <apex/config.hpp>
+#include <apex/detail/checks.hpp>
+#include <apex/detail/indexer_scores.hpp>
+#include <apex/detail/matmul.hpp>
+#include <apex/key_selection.hpp>
+#include <apex/kv_format.hpp>
+#include <apex/layer_norm.hpp>
+#include <apex/rope.hpp>
+#include <apex/storage.hpp>
+#include <apex/tensor.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <utility>
+
+namespace apex {
+
+/// Shape of a lightning indexer (DeepSeek-V3.2: H_I = 64, d_I = 128, d_r = 64, k = 2048).
+struct IndexerConfig {
+  Index d_model = 0;       ///< d, the width of the layer's input h
+  Index d_q = 0;           ///< width of the query latent c_q (MLA's d_q)
+  Index heads = 0;         ///< H_I, indexer query heads
+  Index head_dim = 0;      ///< d_I, a power of two (the Hadamard transform)
+  Index rope_dim = 0;      ///< d_r: RoPE on the first d_r features (even, <= d_I)
+  Index top_k = 0;         ///< k >= 1: keys selected per query
+  double norm_eps = 1e-6;  ///< ε of the keys' LayerNorm
+};
+
+/// The weights of a lightning indexer, applied as x·W.
+template <class Weight>
+struct IndexerWeights {
+  RowMatrix<Weight> w_q;        ///< W_IQ [d_q, H_I·d_I]
+  RowMatrix<Weight> w_k;        ///< W_IK [d, d_I]
+  Vector<Weight> k_norm_gamma;  ///< LayerNorm weight [d_I]
+  Vector<Weight> k_norm_beta;   ///< LayerNorm bias [d_I]
+  RowMatrix<Weight> w_w;        ///< W_IW [d, H_I]
+};
+
+namespace detail {
+
+/// Throws unless c describes an indexer.
+inline void check_indexer_config(const IndexerConfig& c) {
+  const char* op = "indexer";
+  APEX_CHECK(c.d_model >= 1, "[" << op << "] d_model (" << c.d_model << ") must be >= 1");
+  APEX_CHECK(c.d_q >= 1, "[" << op << "] d_q (" << c.d_q << ") must be >= 1");
+  APEX_CHECK(c.heads >= 1, "[" << op << "] heads H_I (" << c.heads << ") must be >= 1");
+  APEX_CHECK(c.head_dim >= 1 && (c.head_dim & (c.head_dim - 1)) == 0,
+             "[" << op << "] head_dim d_I (" << c.head_dim
+                 << ") must be a power of two (the Hadamard transform)");
+  APEX_CHECK(c.rope_dim >= 2 && c.rope_dim % 2 == 0 && c.rope_dim <= c.head_dim,
+             "[" << op << "] rope_dim d_r (" << c.rope_dim << ") must be even, >= 2 and <= d_I ("
+                 << c.head_dim << ")");
+  APEX_CHECK(c.top_k >= 1, "[" << op << "] top_k (" << c.top_k << ") must be >= 1");
+  APEX_CHECK(c.norm_eps > 0.0 && std::isfinite(c.norm_eps),
+             "[" << op << "] norm_eps (" << c.norm_eps << ") must be positive and finite");
+  checked_product({c.d_q, c.heads, c.head_dim}, op, "W_IQ count d_q*H_I*d_I");
+  checked_product(c.d_model, c.head_dim, op, "W_IK count d*d_I");
+  checked_product(c.d_model, c.heads, op, "W_IW count d*H_I");
+}
+
+/// Throws unless w has the shapes of c.
+template <class Weight>
+void check_indexer_weights(const IndexerConfig& c, const IndexerWeights<Weight>& w) {
+  check_weight_shape(w.w_q, c.d_q, c.heads * c.head_dim, "indexer", "w_q", "[d_q, H_I*d_I]");
+  check_weight_shape(w.w_k, c.d_model, c.head_dim, "indexer", "w_k", "[d_model, d_I]");
+  check_weight_shape(w.w_w, c.d_model, c.heads, "indexer", "w_w", "[d_model, H_I]");
+  APEX_CHECK(w.k_norm_gamma.size() == c.head_dim && w.k_norm_beta.size() == c.head_dim,
+             "[indexer] k_norm_gamma (" << w.k_norm_gamma.size() << ") and k_norm_beta ("
+                                        << w.k_norm_beta.size() << ") must hold d_I (" << c.head_dim
+                                        << ") values each");
+}
+
+/// In place on every width-wide block of every row of x: Had(v) = H_width v / √width, with the
+/// Walsh–Hadamard butterflies (a, b) -> (a + b, a − b) in Sylvester's natural order.
+template <class S>
+void hadamard_blocks(RowMatrix<S>& x, Index width) {
+  const S scale = S(1) / std::sqrt(static_cast<S>(width));
+  for (Index t = 0; t < x.rows(); ++t) {
+    for (Index first = 0; first < x.cols(); first += width) {
+      S* v = x.row(t).data() + first;
+      for (Index half = 1; half < width; half *= 2) {
+        for (Index i = 0; i < width; i += 2 * half) {
+          for (Index j = i; j < i + half; ++j) {
+            const S a = v[j], b = v[j + half];
+            v[j] = a + b;
+            v[j + half] = a - b;
+          }
+        }
+      }
+      for (Index j = 0; j < width; ++j) v[j] *= scale;
+    }
+  }
+}
+
+/// RoPE on the first d_r features of every head_dim-wide head of x [B*n, H·head_dim], row
+/// b*n + s at position offset + s; then the Hadamard transform of every head.
+template <class S>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, two callers
+void rotate_and_mix(const RopeTable<S>& rope, Index offset, Index batch, Index head_dim,
+                    RowMatrix<S>& x) {
+  const Index n = x.rows() / batch;
+  for (Index b = 0; b < batch; ++b) {
+    for (Index first = 0; first < x.cols(); first += head_dim) {
+      apply_rope(rope, offset, x.block(b * n, first, n, rope.head_dim()));
+    }
+  }
+  hadamard_blocks(x, head_dim);
+}
+
+}  // namespace detail
+
+/// The cache of a lightning indexer's keys k_s [B, C, d_I] in a K/V format (kv_format.hpp:
+/// float, double, half, bfloat16 or a quantized block format), beside a layer's latent cache.
+/// Positions, overflow and empty caches as for LatentCache (kv_cache.hpp): an append must start
+/// at next_position() and fit in the capacity, and every check runs before anything is written.
+/// Memory: B·C·d_I values in Storage's format, allocated at construction.
+template <class Scalar, class Storage = Scalar>
+class IndexerKeyCache {
+ public:
+  /// An empty cache: every extent 0; appends throw.
+  IndexerKeyCache() = default;
+  /// Allocates B·C keys of d_I values. Throws unless every extent is >= 1 and d_I is a whole
+  /// number of Storage's elements.
+  IndexerKeyCache(Index batch, Index head_dim, Index capacity) {
+    detail::require_supported_scalar<Scalar>();
+    detail::require_kv_format<Storage>();
+    APEX_CHECK(batch >= 1 && head_dim >= 1 && capacity >= 1,
+               "[indexer_cache] batch (" << batch << "), head_dim (" << head_dim
+                                         << ") and capacity (" << capacity << ") must be >= 1");
+    detail::check_row_values<Storage>(head_dim, "indexer_cache", "head_dim");
+    const Index count = detail::checked_product(
+        {batch, capacity, KvFormat<Storage>::elements(head_dim)}, "indexer_cache", "B*C*d_I");
+    keys_ = detail::zeroed_buffer<Storage>(count);
+    batch_ = batch;
+    dim_ = head_dim;
+    capacity_ = capacity;
+  }
+
+  /// Number of sequences B.
+  Index batch() const { return batch_; }
+  /// d_I, the values of one key.
+  Index head_dim() const { return dim_; }
+  /// Tokens that fit.
+  Index capacity() const { return capacity_; }
+  /// Tokens held: positions [0, size()).
+  Index size() const { return size_; }
+  /// Position of the next token (= size()).
+  Index next_position() const { return size_; }
+  /// Exact bytes of the stored keys.
+  std::int64_t bytes() const {
+    return KvFormat<Storage>::bytes(static_cast<std::int64_t>(keys_.size()));
+  }
+
+  /// Appends the keys of n tokens per sequence, keys [B*n, d_I] (row b*n + s), at positions
+  /// [position, position + n). position must equal next_position() and n fit. Checks first.
+  template <class D>
+  void append(const Eigen::MatrixBase<D>& keys, Index position) {
+    const ConstRowRef<Scalar> k(keys.derived());
+    detail::check_constructed(batch() >= 1, "indexer_cache", "cache");
+    APEX_CHECK(k.cols() == head_dim() && k.rows() % batch() == 0,
+               "[indexer_cache] keys [" << k.rows() << ", " << k.cols()
+                                        << "] must be [B*n, d_I] = [" << batch() << "*n, "
+                                        << head_dim() << "]");
+    detail::check_append_position(position, size_, "indexer_cache");
+    const Index n = k.rows() / batch();
+    check_room(n);
+    for (Index b = 0; b < batch(); ++b) {
+      for (Index t = 0; t < n; ++t) {
+        KvFormat<Storage>::store_row(k.row(b * n + t).data(), head_dim(), row_at(b, size_ + t));
+      }
+    }
+    size_.get() += n;
+  }
+
+  /// Throws unless n more tokens fit.
+  void check_room(Index n) const {
+    APEX_CHECK(n <= capacity() - size_, "[indexer_cache] appending "
+                                            << n << " tokens at position " << size()
+                                            << " would exceed the capacity (" << capacity() << ")");
+  }
+
+  /// [B, 1, size(), d_I in elements]: the cached keys, what the indexer scores read.
+  HeadsView<const Storage> keys() const {
+    const Index width = KvFormat<Storage>::elements(head_dim());
+    return HeadsView<const Storage>(keys_.data(), {batch(), 1, size_, width},
+                                    {capacity() * width, 0, width});
+  }
+
+  /// Drops the tokens at positions >= new_size (0 <= new_size <= size()).
+  void truncate(Index new_size) {
+    APEX_CHECK(new_size >= 0 && new_size <= size_, "[indexer_cache] truncate size ("
+                                                       << new_size << ") must lie in [0, " << size_
+                                                       << "]");
+    size_ = new_size;
+  }
+  /// Forgets every token (the memory is kept).
+  void clear() { size_ = 0; }
+
+ private:
+  Storage* row_at(Index b, Index t) {
+    return keys_.data() + (b * capacity() + t) * KvFormat<Storage>::elements(head_dim());
+  }
+
+  detail::ResetOnMove<Index> batch_, dim_, capacity_, size_;
+  detail::CacheBuffer<Storage> keys_;
+};
+
+/// A lightning indexer (see the top of this header) that owns its weights. Immutable after
+/// construction; its members may run from several threads at once (on different caches).
+/// Scalar (float or double) is the type it computes in, Weight the type its weights are
+/// stored in (Scalar, Eigen::half or Eigen::bfloat16).
+template <class Scalar, class Weight = Scalar>
+class LightningIndexer {
+ public:
+  /// An empty indexer; every use throws.
+  LightningIndexer() = default;
+  /// Takes the weights; throws unless the config is valid and the weights have its shapes.
+  LightningIndexer(const IndexerConfig& config, IndexerWeights<Weight> weights)
+      : config_(config), weights_(std::move(weights)) {
+    detail::require_supported_scalar<Scalar>();
+    detail::require_weight_type<Scalar, Weight>();
+    detail::check_indexer_config(config);
+    detail::check_indexer_weights(config, weights_);
+  }
+
+  /// An indexer with random weights (N(0, 1/fan-in) matrices in the order w_q, w_k, w_w; γ from
+  /// N(1, 0.1²), β from N(0, 0.1²)) drawn from std::mt19937_64(seed), for tests and examples.
+  static LightningIndexer random(const IndexerConfig& config, std::uint64_t seed) {
+    detail::check_indexer_config(config);
+    std::mt19937_64 rng(seed);
+    IndexerWeights<Weight> w;
+    w.w_q = detail::random_weight<Weight>(config.d_q, config.heads * config.head_dim, rng);
+    w.w_k = detail::random_weight<Weight>(config.d_model, config.head_dim, rng);
+    w.w_w = detail::random_weight<Weight>(config.d_model, config.heads, rng);
+    std::normal_distribution<double> spread(0.0, 0.1);
+    w.k_norm_gamma.resize(config.head_dim);
+    w.k_norm_beta.resize(config.head_dim);
+    for (Index i = 0; i < config.head_dim; ++i) {
+      w.k_norm_gamma(i) = round_to<Weight>(1.0 + spread(rng));
+      w.k_norm_beta(i) = round_to<Weight>(spread(rng));
+    }
+    return LightningIndexer(config, std::move(w));
+  }
+
+  /// The configuration (checked at construction).
+  const IndexerConfig& config() const { return config_; }
+  /// The weights, read-only.
+  const IndexerWeights<Weight>& weights() const { return weights_; }
+
+  /// The indexer's queries q_{t,j} = Had(RoPE(c_q,t·W_IQ,j)):
+  ///   c_q: [B*n, d_q] (row b*n + s at position offset + s) -> [B*n, H_I·d_I], heads side by
+  ///   side. rope: a table with head_dim = d_r covering the positions. Allocates the result.
+  template <class Derived>
+  RowMatrix<Scalar> queries(const Eigen::MatrixBase<Derived>& c_q, Index batch,
+                            const RopeTable<Scalar>& rope, Index offset) const {
+    const ConstRowRef<Scalar> c(c_q.derived());
+    check_rows(c, config().d_q, batch, rope, offset, "c_q", "d_q");
+    RowMatrix<Scalar> q = detail::matmul<Scalar>(c, weights_.w_q);
+    detail::rotate_and_mix(rope, offset, batch, config().head_dim, q);
+    return q;
+  }
+
+  /// The indexer's keys k_s = Had(RoPE(LayerNorm(h_s·W_IK))): h: [B*n, d] (positions as for
+  /// queries) -> [B*n, d_I]. Allocates the result.
+  template <class Derived>
+  RowMatrix<Scalar> keys(const Eigen::MatrixBase<Derived>& h, Index batch,
+                         const RopeTable<Scalar>& rope, Index offset) const {
+    const ConstRowRef<Scalar> x(h.derived());
+    check_rows(x, config().d_model, batch, rope, offset, "h", "d_model");
+    RowMatrix<Scalar> k = detail::matmul<Scalar>(x, weights_.w_k);
+    layer_norm(k, weights_.k_norm_gamma, weights_.k_norm_beta, LayerNormParams{config().norm_eps},
+               k);
+    detail::rotate_and_mix(rope, offset, batch, config().head_dim, k);
+    return k;
+  }
+
+  /// The head weights w_{t,j} = (h_t·W_IW)_j · H_I^(-1/2) · d_I^(-1/2): h [T, d] -> [T, H_I].
+  template <class Derived>
+  RowMatrix<Scalar> head_weights(const Eigen::MatrixBase<Derived>& h) const {
+    const ConstRowRef<Scalar> x(h.derived());
+    check_constructed();
+    APEX_CHECK(x.cols() == config().d_model, "[indexer] h width (" << x.cols()
+                                                                   << ") must equal d_model ("
+                                                                   << config().d_model << ")");
+    const double scale = 1.0 / std::sqrt(static_cast<double>(config().heads) *
+                                         static_cast<double>(config().head_dim));
+    RowMatrix<Scalar> w = detail::matmul<Scalar>(x, weights_.w_w);
+    w *= static_cast<Scalar>(scale);
+    return w;
+  }
+
+  /// An empty key cache of this indexer: B sequences of `capacity` tokens, stored as Storage.
+  template <class Storage = Scalar>
+  IndexerKeyCache<Scalar, Storage> make_cache(Index batch, Index capacity) const {
+    check_constructed();
+    return IndexerKeyCache<Scalar, Storage>(batch, config().head_dim, capacity);
+  }
+
+  /// The top-k selection of every query row (see the top of this header): q = queries(...)
+  /// [B*n, H_I·d_I] and w = head_weights(...) [B*n, H_I] of n query rows per sequence at
+  /// positions [offset, offset + n), against keys [B, 1, S_k, d_I] (cache.keys(), positions
+  /// [0, S_k); offset + n <= S_k: each query's own key is cached) -> [B*n, min(k, S_k)]: row
+  /// b*n + s lists the min(k, offset + s + 1) best keys of [0, offset + s] ascending, then -1.
+  /// Bit-identical for any number of threads. Memory: see detail/indexer_scores.hpp.
+  template <class TK>
+  KeySelection select(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
+                      const HeadsView<const TK>& keys, Index offset) const {
+    const auto in = inputs(q, w, keys, offset);
+    KeySelection selected(q.rows(), std::min(config().top_k, keys.seq()));
+    detail::indexer_select(in, config().top_k, selected);
+    return selected;
+  }
+
+  /// The scores I_{t,s} that select() ranks, [B*n, S_k], −∞ where s > t (arguments as for
+  /// select). For inspection and tests: allocates the whole [B*n, S_k] matrix.
+  template <class TK>
+  RowMatrix<Scalar> scores(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
+                           const HeadsView<const TK>& keys, Index offset) const {
+    return detail::indexer_scores(inputs(q, w, keys, offset));
+  }
+
+ private:
+  void check_constructed() const {
+    detail::check_constructed(config().d_model >= 1, "indexer", "indexer");
+  }
+
+  /// Throws unless x [B*n, width] has B blocks of rows whose positions the table covers.
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): private, two callers
+  void check_rows(const ConstRowRef<Scalar>& x, Index width, Index batch,
+                  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters)
+                  const RopeTable<Scalar>& rope, Index offset, const char* name,
+                  const char* what) const {
+    check_constructed();
+    APEX_CHECK(x.cols() == width, "[indexer] " << name << " width (" << x.cols() << ") must equal "
+                                               << what << " (" << width << ")");
+    APEX_CHECK(batch >= 1 && x.rows() % batch == 0,
+               "[indexer] " << name << " rows (" << x.rows()
+                            << ") must be B blocks of n rows; batch (" << batch << ")");
+    detail::check_rope_head_dim(&rope, config().rope_dim, "rope_dim d_r", "indexer");
+    APEX_CHECK(offset >= 0 && offset <= rope.max_positions() - x.rows() / batch,
+               "[indexer] positions [" << offset << ", " << offset << " + " << x.rows() / batch
+                                       << ") must lie in the RoPE table's [0, "
+                                       << rope.max_positions() << ")");
+  }
+
+  /// The kernel's view of a select() or scores() call, checked.
+  template <class TK>
+  detail::IndexerInputs<Scalar, TK> inputs(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
+                                           const HeadsView<const TK>& keys, Index offset) const {
+    check_constructed();
+    const IndexerConfig& c = config();
+    APEX_CHECK(q.cols() == c.heads * c.head_dim && w.cols() == c.heads && w.rows() == q.rows(),
+               "[indexer] q [" << q.rows() << ", " << q.cols() << "] and w [" << w.rows() << ", "
+                               << w.cols() << "] must be [T, H_I*d_I] = [T, "
+                               << c.heads * c.head_dim << "] and [T, H_I] = [T, " << c.heads
+                               << "]");
+    APEX_CHECK(keys.heads() == 1 && row_values(keys) == c.head_dim && keys.batch() >= 1 &&
+                   q.rows() % keys.batch() == 0,
+               "[indexer] keys [" << keys.batch() << ", " << keys.heads() << ", " << keys.seq()
+                                  << ", " << row_values(keys)
+                                  << " values] must be [B, 1, S_k, d_I = " << c.head_dim
+                                  << "] with B dividing the query rows (" << q.rows() << ")");
+    const Index n = q.rows() / keys.batch();
+    APEX_CHECK(offset >= 0 && offset <= keys.seq() - n,
+               "[indexer] query positions [" << offset << ", " << offset << " + " << n
+                                             << ") must be keys of the cache (S_k = " << keys.seq()
+                                             << "): append before selecting");
+    return {q.data(), q.cols(), w.data(), w.cols(), keys, q.rows(), c.heads, c.head_dim, n, offset};
+  }
+
+  detail::ResetOnMove<IndexerConfig> config_;
+  IndexerWeights<Weight> weights_;
+};
+
+}  // namespace apex

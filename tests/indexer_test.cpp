@@ -1,0 +1,304 @@
+// SPDX-License-Identifier: MIT
+// apex::LightningIndexer and IndexerKeyCache (indexer.hpp): the queries, keys, head weights and
+// scores against the plain double loops of reference/indexer.hpp (RoPE, LayerNorm and the
+// Hadamard transform included), the selection against a sort of the scores, ties and NaN by
+// the documented order, every key format, bit-identical selections for any number of threads
+// and for a row scored alone or with others, and bad input rejected with nothing changed.
+#include <apex/indexer.hpp>
+#include <apex/kv_quant.hpp>
+#include <apex/rope.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "reference/indexer.hpp"
+#include "test_util.hpp"
+#include "tolerances.hpp"
+
+namespace {
+
+using apex::HeadsView;
+using apex::Index;
+using apex::IndexerConfig;
+using apex::KeySelection;
+using apex::RowMatrix;
+using apex::testing::expect_invalid;
+using apex::testing::Tolerances;
+
+IndexerConfig small_config(Index top_k = 16) {
+  IndexerConfig c;
+  c.d_model = 48;
+  c.d_q = 40;
+  c.heads = 6;
+  c.head_dim = 32;
+  c.rope_dim = 8;
+  c.top_k = top_k;
+  return c;
+}
+
+/// max |a − b| / max(1, max |b|) over the finite entries of b; infinite entries must agree.
+double normwise(const Eigen::MatrixXd& a, const Eigen::MatrixXd& b) {
+  double err = 0.0, scale = 1.0;
+  for (Index i = 0; i < b.rows(); ++i) {
+    for (Index j = 0; j < b.cols(); ++j) {
+      if (std::isinf(b(i, j))) {
+        if (a(i, j) != b(i, j)) return std::numeric_limits<double>::infinity();
+        continue;
+      }
+      err = std::max(err, std::abs(a(i, j) - b(i, j)));
+      scale = std::max(scale, std::abs(b(i, j)));
+    }
+  }
+  return err / scale;
+}
+
+template <class M>
+Eigen::MatrixXd as_double(const M& m) {
+  return m.template cast<double>();
+}
+
+/// A layer's worth of indexer inputs: B sequences of n tokens at [0, n), its indexer, a RoPE
+/// table (half-split pairs), and the reference's view of them.
+template <class Scalar>
+struct IndexerCase {
+  IndexerConfig config;
+  Index batch, n;
+  apex::LightningIndexer<Scalar> indexer;
+  apex::RopeTable<Scalar> rope;
+  RowMatrix<Scalar> h, c_q;
+
+  IndexerCase(const IndexerConfig& c, Index b, Index tokens, std::uint32_t seed)
+      : config(c),
+        batch(b),
+        n(tokens),
+        indexer(apex::LightningIndexer<Scalar>::random(c, seed)),
+        rope(4096, c.rope_dim, {10000.0, 0, apex::RopePairing::kHalfSplit}),
+        h(apex::testing::random_matrix<Scalar>(b * tokens, c.d_model, seed + 1)),
+        c_q(apex::testing::random_matrix<Scalar>(b * tokens, c.d_q, seed + 2)) {}
+
+  std::vector<long long> positions() const {
+    std::vector<long long> p;
+    for (Index b = 0; b < batch; ++b) {
+      for (Index s = 0; s < n; ++s) p.push_back(s);
+    }
+    return p;
+  }
+  Eigen::MatrixXd expected_queries() const {
+    return apex::reference::indexer_queries(
+        as_double(c_q), as_double(indexer.weights().w_q), positions(),
+        apex::reference::rope_theta(static_cast<long>(config.rope_dim), 10000.0),
+        static_cast<long>(config.head_dim), true);
+  }
+  Eigen::MatrixXd expected_keys() const {
+    const auto& w = indexer.weights();
+    return apex::reference::indexer_keys(
+        as_double(h), as_double(w.w_k), w.k_norm_gamma.template cast<double>(),
+        w.k_norm_beta.template cast<double>(), config.norm_eps, positions(),
+        apex::reference::rope_theta(static_cast<long>(config.rope_dim), 10000.0), true);
+  }
+};
+
+template <class Scalar>
+class Indexer : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(Indexer, Scalars, apex::testing::ScalarName);
+
+// q, k and w of the formula, RoPE on the first d_r features, LayerNorm and Hadamard included.
+TYPED_TEST(Indexer, QueriesKeysAndWeightsFollowTheFormula) {
+  using Scalar = TypeParam;
+  IndexerCase<Scalar> c(small_config(), 2, 37, 3);
+  const RowMatrix<Scalar> q = c.indexer.queries(c.c_q, c.batch, c.rope, 0);
+  const RowMatrix<Scalar> k = c.indexer.keys(c.h, c.batch, c.rope, 0);
+  const RowMatrix<Scalar> w = c.indexer.head_weights(c.h);
+  EXPECT_LE(normwise(as_double(q), c.expected_queries()), Tolerances<Scalar>::kIndexer);
+  EXPECT_LE(normwise(as_double(k), c.expected_keys()), Tolerances<Scalar>::kIndexer);
+  const Eigen::MatrixXd want_w = as_double(c.h) * as_double(c.indexer.weights().w_w) /
+                                 std::sqrt(double(c.config.heads * c.config.head_dim));
+  EXPECT_LE(normwise(as_double(w), want_w), Tolerances<Scalar>::kIndexer);
+}
+
+// The scores over a cache, causal, against the loop; and the selection against a sort of the
+// library's own scores (the exact order), and of the loop's where no two scores are close.
+TYPED_TEST(Indexer, ScoresAndSelectionFollowTheFormula) {
+  using Scalar = TypeParam;
+  for (const Index top_k : {Index{1}, Index{7}, Index{30}, Index{600}}) {
+    SCOPED_TRACE("k = " + std::to_string(top_k));
+    IndexerCase<Scalar> c(small_config(top_k), 2, 300, 5);
+    auto cache = c.indexer.make_cache(c.batch, 400);
+    cache.append(c.indexer.keys(c.h, c.batch, c.rope, 0), 0);
+    const RowMatrix<Scalar> q = c.indexer.queries(c.c_q, c.batch, c.rope, 0);
+    const RowMatrix<Scalar> w = c.indexer.head_weights(c.h);
+    const RowMatrix<Scalar> scores = c.indexer.scores(q, w, cache.keys(), 0);
+    const KeySelection selected = c.indexer.select(q, w, cache.keys(), 0);
+    ASSERT_EQ(selected.cols(), std::min<Index>(top_k, 300));
+    const Eigen::MatrixXd want_k = c.expected_keys();
+    const Eigen::MatrixXd want_q = c.expected_queries();
+    const Eigen::MatrixXd want_w = as_double(c.h) * as_double(c.indexer.weights().w_w);
+    for (Index b = 0; b < c.batch; ++b) {
+      const std::vector<long long> at = [&] {
+        std::vector<long long> p;
+        for (Index s = 0; s < c.n; ++s) p.push_back(s);
+        return p;
+      }();
+      const Eigen::MatrixXd want = apex::reference::indexer_scores(
+          want_q.middleRows(b * c.n, c.n), want_w.middleRows(b * c.n, c.n),
+          want_k.middleRows(b * c.n, c.n), at);
+      EXPECT_LE(normwise(as_double(scores.middleRows(b * c.n, c.n)), want),
+                Tolerances<Scalar>::kIndexer);
+    }
+    for (Index t = 0; t < c.batch * c.n; ++t) {
+      const Index visible = t % c.n + 1;
+      std::vector<double> row(static_cast<std::size_t>(visible));
+      for (Index s = 0; s < visible; ++s) row[std::size_t(s)] = double(scores(t, s));
+      const std::vector<long> want = apex::reference::top_k(row, long(visible), long(top_k));
+      for (Index j = 0; j < selected.cols(); ++j) {
+        const Index expected = j < Index(want.size()) ? Index(want[std::size_t(j)]) : -1;
+        ASSERT_EQ(selected(t, j), expected) << "row " << t << " slot " << j;
+      }
+    }
+  }
+}
+
+// Equal scores rank the lower position first; NaN ranks last; fewer visible keys than k are
+// all selected.
+TEST(Indexer, TiesNanAndShortRowsFollowTheDocumentedOrder) {
+  IndexerConfig c = small_config(3);
+  c.heads = 1;
+  c.head_dim = 4;
+  c.rope_dim = 2;
+  const auto indexer = apex::LightningIndexer<double>::random(c, 1);
+  // Keys: equal rows (equal scores), a NaN row, a larger one.
+  RowMatrix<double> keys(6, 4);
+  keys << 1, 0, 0, 0,  //
+      1, 0, 0, 0,      //
+      std::nan(""), 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, -1, 0, 0, 0;
+  RowMatrix<double> q(6, 4), w(6, 1);
+  q.setZero();
+  q.col(0).setOnes();
+  w.setOnes();
+  const auto view = HeadsView<const double>::contiguous(keys.data(), {1, 1, 6, 4});
+  const KeySelection s = indexer.select(q, w, view, 0);
+  ASSERT_EQ(s.cols(), 3);
+  EXPECT_EQ(s.row(0), (Eigen::Matrix<Index, 1, 3>() << 0, -1, -1).finished());
+  EXPECT_EQ(s.row(1), (Eigen::Matrix<Index, 1, 3>() << 0, 1, -1).finished());
+  EXPECT_EQ(s.row(2), (Eigen::Matrix<Index, 1, 3>() << 0, 1, 2).finished());
+  EXPECT_EQ(s.row(3), (Eigen::Matrix<Index, 1, 3>() << 0, 1, 3).finished());  // NaN out
+  EXPECT_EQ(s.row(4), (Eigen::Matrix<Index, 1, 3>() << 0, 1, 3).finished());  // 4 ties, later
+  EXPECT_EQ(s.row(5), (Eigen::Matrix<Index, 1, 3>() << 0, 1, 3).finished());  // ReLU(-1) = 0
+}
+
+// Every key format the cache stores: the selection is that of the keys the cache holds, widened
+// (the fp8 case is DeepSeek's own: e4m3 with one float scale per 128 values).
+template <class Storage>
+void expect_format_selects_its_values() {
+  IndexerConfig c = small_config(20);
+  c.head_dim = 128;
+  c.rope_dim = 16;
+  IndexerCase<float> ic(c, 1, 200, 9);
+  auto cache = ic.indexer.make_cache<Storage>(1, 256);
+  cache.append(ic.indexer.keys(ic.h, 1, ic.rope, 0), 0);
+  RowMatrix<float> widened(200, 128);
+  const auto stored = cache.keys();
+  for (Index s = 0; s < 200; ++s) {
+    apex::KvFormat<Storage>::widen(apex::detail::row_data(stored, 0, 0, s), widened.row(s).data(),
+                                   stored.dim());
+  }
+  const RowMatrix<float> q = ic.indexer.queries(ic.c_q, 1, ic.rope, 0);
+  const RowMatrix<float> w = ic.indexer.head_weights(ic.h);
+  const KeySelection from_cache = ic.indexer.select(q, w, stored, 0);
+  const KeySelection from_values = ic.indexer.select(
+      q, w, HeadsView<const float>::contiguous(widened.data(), {1, 1, 200, 128}), 0);
+  EXPECT_EQ(from_cache, from_values);
+  EXPECT_EQ(cache.bytes(),
+            apex::KvFormat<Storage>::bytes(256 * apex::KvFormat<Storage>::elements(128)));
+}
+
+TEST(Indexer, EveryKeyFormat) {
+  expect_format_selects_its_values<float>();
+  expect_format_selects_its_values<Eigen::half>();
+  expect_format_selects_its_values<Eigen::bfloat16>();
+  expect_format_selects_its_values<apex::BlockQ8_0>();
+  expect_format_selects_its_values<apex::BlockFp8E4m3<128>>();
+}
+
+// A row's selection does not depend on the thread count, nor on the rows scored with it: a
+// prompt's rows selected together equal each row selected alone, as decoding does.
+TYPED_TEST(Indexer, BitIdenticalForThreadsAndForRowsAlone) {
+  using Scalar = TypeParam;
+  IndexerCase<Scalar> c(small_config(50), 1, 700, 11);
+  auto cache = c.indexer.make_cache(1, 700);
+  cache.append(c.indexer.keys(c.h, 1, c.rope, 0), 0);
+  const RowMatrix<Scalar> q = c.indexer.queries(c.c_q, 1, c.rope, 0);
+  const RowMatrix<Scalar> w = c.indexer.head_weights(c.h);
+  const KeySelection all = c.indexer.select(q, w, cache.keys(), 0);
+  for (const Index t : {Index{0}, Index{255}, Index{256}, Index{511}, Index{699}}) {
+    const RowMatrix<Scalar> qt = q.row(t), wt = w.row(t);
+    const KeySelection alone = c.indexer.select(qt, wt, cache.keys().middle_rows(0, t + 1), t);
+    EXPECT_EQ(alone.leftCols(std::min<Index>(50, t + 1)),
+              all.row(t).leftCols(std::min<Index>(50, t + 1)))
+        << "row " << t;
+  }
+#ifdef _OPENMP
+  const int saved = omp_get_max_threads();
+  const RowMatrix<Scalar> scores = c.indexer.scores(q, w, cache.keys(), 0);
+  for (const int threads : {1, 3}) {
+    omp_set_num_threads(threads);
+    EXPECT_EQ(c.indexer.select(q, w, cache.keys(), 0), all);
+    const RowMatrix<Scalar> again = c.indexer.scores(q, w, cache.keys(), 0);
+    EXPECT_EQ(std::memcmp(again.data(), scores.data(), sizeof(Scalar) * std::size_t(again.size())),
+              0);
+  }
+  omp_set_num_threads(saved);
+#endif
+}
+
+// Bad configs, weights, inputs and cache appends: clear messages, nothing changed.
+TEST(Indexer, BadInputIsRejectedAndChangesNothing) {
+  const auto rejects = [](IndexerConfig c, const std::vector<std::string>& parts) {
+    expect_invalid([&] { (void)apex::LightningIndexer<float>::random(c, 1); }, parts);
+  };
+  IndexerConfig c = small_config();
+  c.top_k = 0;
+  rejects(c, {"[indexer]", "top_k (0)"});
+  c = small_config();
+  c.head_dim = 24;
+  rejects(c, {"head_dim d_I (24)", "power of two"});
+  c = small_config();
+  c.rope_dim = 64;
+  rejects(c, {"rope_dim d_r (64)", "<= d_I (32)"});
+  c = small_config();
+  auto weights = apex::LightningIndexer<float>::random(c, 1).weights();
+  weights.w_k.resize(3, 3);
+  expect_invalid([&] { apex::LightningIndexer<float>(c, weights); }, {"[indexer]", "w_k"});
+
+  IndexerCase<float> ic(small_config(), 1, 10, 2);
+  auto cache = ic.indexer.make_cache(1, 16);
+  const RowMatrix<float> k = ic.indexer.keys(ic.h, 1, ic.rope, 0);
+  expect_invalid([&] { cache.append(k, 3); }, {"[indexer_cache]", "position (3)", "skips"});
+  expect_invalid([&] { cache.append(k.leftCols(8), 0); }, {"[indexer_cache]", "keys [10, 8]"});
+  cache.append(k, 0);
+  expect_invalid([&] { cache.append(k, 10); }, {"[indexer_cache]", "exceed the capacity (16)"});
+  EXPECT_EQ(cache.size(), 10);
+  const RowMatrix<float> q = ic.indexer.queries(ic.c_q, 1, ic.rope, 0);
+  const RowMatrix<float> w = ic.indexer.head_weights(ic.h);
+  expect_invalid([&] { (void)ic.indexer.select(q, w, cache.keys(), 1); },
+                 {"[indexer]", "query positions [1, 1 + 10)", "S_k = 10"});
+  expect_invalid([&] { (void)ic.indexer.select(q.leftCols(6), w, cache.keys(), 0); },
+                 {"[indexer]", "q [10, 6]"});
+  expect_invalid([&] { (void)ic.indexer.queries(ic.c_q, 1, ic.rope, 4090); },
+                 {"[indexer]", "positions [4090, 4090 + 10)"});
+  const apex::RopeTable<float> wrong(64, 16);
+  expect_invalid([&] { (void)ic.indexer.keys(ic.h, 1, wrong, 0); }, {"[indexer]", "head_dim (16)"});
+  const apex::LightningIndexer<float> empty;
+  expect_invalid([&] { (void)empty.head_weights(ic.h); }, {"[indexer]"});
+  apex::IndexerKeyCache<float> none;
+  expect_invalid([&] { none.append(k, 0); }, {"[indexer_cache]"});
+}
+
+}  // namespace

@@ -1,0 +1,237 @@
+// SPDX-License-Identifier: MIT
+// apex::SparseLatentAttention (sparse_mla.hpp), DeepSeek Sparse Attention: a prompt's output
+// equals MLA's forward pass under the dense mask that allows each query its selected keys only
+// (the naive path against the absorbed one); with k at least the visible count it is absorbed
+// MLA itself (bit for bit when decoding); decoding 1000 tokens equals one sparse forward pass;
+// bit-identical for any number of threads; bad input changes nothing.
+#include <apex/indexer.hpp>
+#include <apex/mla.hpp>
+#include <apex/rope.hpp>
+#include <apex/sparse_mla.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "test_util.hpp"
+#include "tolerances.hpp"
+
+namespace {
+
+using apex::Index;
+using apex::KeySelection;
+using apex::RowMatrix;
+using apex::testing::expect_invalid;
+using apex::testing::Tolerances;
+
+apex::MlaConfig mla_config() {
+  apex::MlaConfig c;
+  c.d_model = 32;
+  c.d_q = 24;
+  c.d_kv = 16;
+  c.num_q_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.rope_dim = 4;
+  c.num_rope_key_heads = 1;
+  return c;
+}
+
+apex::IndexerConfig indexer_config(Index top_k) {
+  apex::IndexerConfig c;
+  c.d_model = 32;
+  c.d_q = 24;
+  c.heads = 3;
+  c.head_dim = 16;
+  c.rope_dim = 4;
+  c.top_k = top_k;
+  return c;
+}
+
+template <class Scalar>
+apex::SparseLatentAttention<Scalar> sparse_layer(Index top_k, std::uint64_t seed = 1) {
+  apex::MlaConfig c = mla_config();
+  auto mla = apex::MultiHeadLatentAttention<Scalar>::random(c, seed);
+  apex::MlaWeights<Scalar> w = mla.weights();
+  w.sinks = {0.3, -0.2, 0.0, 0.5};
+  return {apex::MultiHeadLatentAttention<Scalar>(c, w),
+          apex::LightningIndexer<Scalar>::random(indexer_config(top_k), seed + 7)};
+}
+
+/// max |a − b| / max(1, max |b|).
+template <class A, class B>
+double normwise(const A& a, const B& b) {
+  const double scale = std::max(1.0, b.template cast<double>().cwiseAbs().maxCoeff());
+  return (a.template cast<double>() - b.template cast<double>()).cwiseAbs().maxCoeff() / scale;
+}
+
+/// The dense mask [B, 1, S, S] that allows row t of batch b the keys of its selection.
+std::vector<char> selection_mask(const KeySelection& s, Index batch, Index seq) {
+  std::vector<char> allowed(static_cast<std::size_t>(batch * seq * seq), 0);
+  for (Index r = 0; r < s.rows(); ++r) {
+    for (Index j = 0; j < s.cols() && s(r, j) >= 0; ++j)
+      allowed[static_cast<std::size_t>(r * seq + s(r, j))] = 1;
+  }
+  return allowed;
+}
+
+template <class Scalar>
+class SparseMla : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(SparseMla, Scalars, apex::testing::ScalarName);
+
+// A prompt of two sequences through the sparse layer equals MLA's forward pass (the naive,
+// decompressing path) under the dense mask of the selection.
+TYPED_TEST(SparseMla, EqualsForwardUnderTheSelectionMask) {
+  using Scalar = TypeParam;
+  const Index batch = 2, seq = 70;
+  const auto layer = sparse_layer<Scalar>(9);
+  const apex::RopeTable<Scalar> rope(256, 4);
+  apex::AttentionLayerParams<Scalar> params;
+  params.rope = &rope;
+  const RowMatrix<Scalar> x = apex::testing::random_matrix<Scalar>(batch * seq, 32, 3u);
+  auto cache = layer.make_cache(batch, 128);
+  RowMatrix<Scalar> out(batch * seq, 32);
+  const KeySelection selected = layer.forward(x, params, cache, out);
+  ASSERT_EQ(selected.cols(), 9);
+  for (Index r = 0; r < batch * seq; ++r) {
+    EXPECT_EQ(apex::detail::selected_count(selected, r), std::min<Index>(9, r % seq + 1));
+  }
+  const std::vector<char> allowed = selection_mask(selected, batch, seq);
+  apex::AttentionMask<Scalar> mask;
+  mask.allowed = apex::HeadsView<const bool>::contiguous(
+      reinterpret_cast<const bool*>(allowed.data()), {batch, 1, seq, seq});
+  const RowMatrix<Scalar> want = layer.mla().forward(x, batch, mask, params);
+  EXPECT_LE(normwise(out, want), Tolerances<Scalar>::kAbsorbedMla);
+  EXPECT_EQ(cache.size(), seq);
+  EXPECT_EQ(cache.bytes(), cache.latent.bytes() + cache.indexer_keys.bytes());
+}
+
+// With k at least the cache length every key is selected: each decoded token equals absorbed
+// MLA's bit for bit, and a prompt equals it to rounding (its tiles stack several queries).
+TYPED_TEST(SparseMla, LargeKIsAbsorbedMla) {
+  using Scalar = TypeParam;
+  const Index batch = 2, prompt = 20, steps = 30;
+  const auto layer = sparse_layer<Scalar>(1000);
+  const apex::RopeTable<Scalar> rope(256, 4);
+  apex::AttentionLayerParams<Scalar> params;
+  params.rope = &rope;
+  auto sparse_cache = layer.make_cache(batch, 64);
+  auto dense_cache = layer.mla().make_cache(batch, 64);
+  apex::PositionMask causal;
+  causal.causal = true;
+  const RowMatrix<Scalar> x = apex::testing::random_matrix<Scalar>(batch * prompt, 32, 5u);
+  const RowMatrix<Scalar> sparse = layer.forward(x, params, sparse_cache);
+  const RowMatrix<Scalar> dense =
+      layer.mla().forward_absorbed(x, causal, params, layer.absorbed(), dense_cache);
+  EXPECT_LE(normwise(sparse, dense), Tolerances<Scalar>::kAttention);
+  for (Index t = 0; t < steps; ++t) {
+    params.position_offset = prompt + t;
+    const RowMatrix<Scalar> token =
+        apex::testing::random_matrix<Scalar>(batch, 32, 100u + static_cast<std::uint32_t>(t));
+    const RowMatrix<Scalar> a = layer.forward(token, params, sparse_cache);
+    const RowMatrix<Scalar> b =
+        layer.mla().forward_absorbed(token, causal, params, layer.absorbed(), dense_cache);
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), sizeof(Scalar) * std::size_t(a.size())), 0)
+        << "step " << t;
+  }
+}
+
+// Decoding 1000 tokens one at a time equals one sparse forward pass over them (k = 32 of up to
+// 1000 keys), selection for selection; in double, where the projections of one row and of 1000
+// agree to far below any gap between two scores.
+TEST(SparseMla, DecodingEqualsTheForwardPass) {
+  const Index seq = 1000;
+  const auto layer = sparse_layer<double>(32);
+  const apex::RopeTable<double> rope(seq, 4);
+  apex::AttentionLayerParams<double> params;
+  params.rope = &rope;
+  const RowMatrix<double> x = apex::testing::random_matrix<double>(seq, 32, 11u);
+  auto whole = layer.make_cache(1, seq);
+  RowMatrix<double> forward(seq, 32);
+  const KeySelection all = layer.forward(x, params, whole, forward);
+  auto cache = layer.make_cache(1, seq);
+  const apex::testing::OneThread one_thread;
+  for (Index t = 0; t < seq; ++t) {
+    params.position_offset = t;
+    RowMatrix<double> out(1, 32);
+    const KeySelection step = layer.forward(x.row(t), params, cache, out);
+    ASSERT_EQ(step.leftCols(std::min<Index>(32, t + 1)),
+              all.row(t).leftCols(std::min<Index>(32, t + 1)))
+        << "token " << t;
+    ASSERT_LE(normwise(out, RowMatrix<double>(forward.row(t))), Tolerances<double>::kDecode)
+        << "token " << t;
+  }
+}
+
+#ifdef _OPENMP
+// A prompt and a decoding step give the same bits on 1, 2 and 3 threads.
+TYPED_TEST(SparseMla, BitIdenticalForAnyThreadCount) {
+  using Scalar = TypeParam;
+  const auto layer = sparse_layer<Scalar>(40);
+  const apex::RopeTable<Scalar> rope(512, 4);
+  apex::AttentionLayerParams<Scalar> params;
+  params.rope = &rope;
+  const RowMatrix<Scalar> x = apex::testing::random_matrix<Scalar>(2 * 300, 32, 13u);
+  const RowMatrix<Scalar> token = apex::testing::random_matrix<Scalar>(2, 32, 14u);
+  const int saved = omp_get_max_threads();
+  RowMatrix<Scalar> first, first_step;
+  for (const int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    auto cache = layer.make_cache(2, 301);
+    params.position_offset = 0;
+    const RowMatrix<Scalar> out = layer.forward(x, params, cache);
+    params.position_offset = 300;
+    const RowMatrix<Scalar> step = layer.forward(token, params, cache);
+    if (threads == 1) {
+      first = out;
+      first_step = step;
+      continue;
+    }
+    EXPECT_EQ(std::memcmp(out.data(), first.data(), sizeof(Scalar) * std::size_t(out.size())), 0);
+    EXPECT_EQ(
+        std::memcmp(step.data(), first_step.data(), sizeof(Scalar) * std::size_t(step.size())), 0);
+  }
+  omp_set_num_threads(saved);
+}
+#endif
+
+// Mismatched indexers and caches, wrong positions: clear messages, caches and output unchanged.
+TEST(SparseMla, BadInputIsRejectedAndChangesNothing) {
+  const auto mla = apex::MultiHeadLatentAttention<float>::random(mla_config(), 1);
+  apex::IndexerConfig wrong = indexer_config(4);
+  wrong.d_q = 20;
+  expect_invalid(
+      [&] {
+        apex::SparseLatentAttention<float>(mla, apex::LightningIndexer<float>::random(wrong, 2));
+      },
+      {"[sparse_mla]", "d_q (20)"});
+  expect_invalid([&] { apex::SparseLatentAttention<float>(mla, {}); },
+                 {"[sparse_mla]", "constructed"});
+  const auto layer = sparse_layer<float>(4);
+  const apex::RopeTable<float> rope(64, 4);
+  apex::AttentionLayerParams<float> params;
+  params.rope = &rope;
+  const RowMatrix<float> x = apex::testing::random_matrix<float>(2 * 5, 32, 3u);
+  RowMatrix<float> out = RowMatrix<float>::Constant(10, 32, 7.0f);
+  auto cache = layer.make_cache(2, 8);
+  params.position_offset = 1;
+  expect_invalid([&] { layer.forward(x, params, cache, out); }, {"[mla]", "position"});
+  params.position_offset = 0;
+  cache.indexer_keys = apex::IndexerKeyCache<float>(2, 16, 4);  // room for 4 of the 5 tokens
+  expect_invalid([&] { layer.forward(x, params, cache, out); },
+                 {"[indexer_cache]", "exceed the capacity (4)"});
+  cache.indexer_keys = apex::IndexerKeyCache<float>(1, 16, 8);
+  expect_invalid([&] { layer.forward(x, params, cache, out); },
+                 {"[sparse_mla]", "indexer_keys (batch 1"});
+  EXPECT_EQ(cache.latent.size(), 0);
+  EXPECT_EQ(cache.indexer_keys.size(), 0);
+  EXPECT_TRUE((out.array() == 7.0f).all());
+  apex::SparseLatentAttention<float> empty;
+  expect_invalid([&] { empty.forward(x, params, cache, out); }, {"[sparse_mla]"});
+}
+
+}  // namespace
