@@ -316,9 +316,8 @@ TYPED_TEST(SparseAttention, PagedEqualsContiguous) {
       const Index n = 7 + Index(i) * 5 + round;
       const RowMatrix<Scalar> rows = apex::testing::random_matrix<Scalar>(n, width, rng);
       cache.append(ids[i], rows);
-      RowMatrix<Scalar> grown(history[i].rows() + n, width);
-      grown << history[i], rows;
-      history[i] = grown;
+      history[i].conservativeResize(history[i].rows() + n, width);
+      history[i].bottomRows(n) = rows;
     }
   }
   ids.push_back(cache.fork(ids[1]));

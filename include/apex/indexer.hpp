@@ -33,6 +33,8 @@
 #include <apex/key_selection.hpp>
 #include <apex/kv_format.hpp>
 #include <apex/layer_norm.hpp>
+#include <apex/page_pool.hpp>
+#include <apex/paged_attention.hpp>
 #include <apex/rope.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
@@ -41,6 +43,7 @@
 #include <cstdint>
 #include <random>
 #include <utility>
+#include <vector>
 
 namespace apex {
 
@@ -121,20 +124,54 @@ void hadamard_blocks(RowMatrix<S>& x, Index width) {
   }
 }
 
-/// RoPE on the first d_r features of every head_dim-wide head of x [B*n, H·head_dim], row
-/// b*n + s at position offset + s; then the Hadamard transform of every head.
+/// RoPE on the first d_r features of every head_dim-wide head of x [rows, H·head_dim], each row
+/// at its position `at` (offset + s within each of at.batch blocks, or at.ids); then the
+/// Hadamard transform of every head.
 template <class S>
-// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, two callers
-void rotate_and_mix(const RopeTable<S>& rope, Index offset, Index batch, Index head_dim,
+void rotate_and_mix(const RopeTable<S>& rope, const RowPositions& at, Index head_dim,
                     RowMatrix<S>& x) {
-  const Index n = x.rows() / batch;
-  for (Index b = 0; b < batch; ++b) {
-    for (Index first = 0; first < x.cols(); first += head_dim) {
-      apply_rope(rope, offset, x.block(b * n, first, n, rope.head_dim()));
+  const Index n = x.rows() / at.batch;
+  for (Index first = 0; first < x.cols(); first += head_dim) {
+    if (at.ids != nullptr) {
+      rope_at_ids(rope, *at.ids, RowRef<S>(x.middleCols(first, rope.head_dim())));
+      continue;
+    }
+    for (Index b = 0; b < at.batch; ++b) {
+      apply_rope(rope, at.offset, x.block(b * n, first, n, rope.head_dim()));
     }
   }
   hadamard_blocks(x, head_dim);
 }
+
+/// The key segments of a call of the indexer (one per sequence) and each query row's sequence
+/// and position: what detail::IndexerInputs points to.
+template <class TK>
+struct IndexerCall {
+  std::vector<KeySegment<TK, TK>> segments;
+  std::vector<Index> row_sequence, row_position;
+  Index longest = 0;  // most keys of a segment
+
+  void add_row(Index sequence, Index position) {
+    row_sequence.push_back(sequence);
+    row_position.push_back(position);
+  }
+
+  template <class C>
+  IndexerInputs<C, TK> inputs(const RowMatrix<C>& q, const RowMatrix<C>& w,
+                              const IndexerConfig& c) const {
+    return {q.data(),
+            q.cols(),
+            w.data(),
+            w.cols(),
+            q.rows(),
+            c.heads,
+            c.head_dim,
+            segments.data(),
+            row_sequence.data(),
+            row_position.data(),
+            longest};
+  }
+};
 
 }  // namespace detail
 
@@ -234,6 +271,68 @@ class IndexerKeyCache {
   detail::CacheBuffer<Storage> keys_;
 };
 
+/// The lightning indexer's keys of many sequences in a pool of pages (page_pool.hpp: add, fork
+/// with copy on write, truncate, free, forget_before, as PagedLatentCache), one key of d_I values
+/// per token in Storage's format. Beside a PagedLatentCache, with the same sequences in the same
+/// order (SparsePagedCache, sparse_mla.hpp, keeps the two in step). Memory: num_pages · page_size
+/// keys, allocated at construction.
+template <class Scalar, class Storage = Scalar>
+class PagedIndexerKeyCache : public PagedSequences<Storage> {
+  using Base = PagedSequences<Storage>;
+  using Base::pool_;
+
+ public:
+  /// The type of the appended keys.
+  using ScalarType = Scalar;
+  /// The type of the cached elements.
+  using StorageType = Storage;
+
+  /// An empty cache: no pages (every add throws).
+  PagedIndexerKeyCache() = default;
+  /// Allocates the pool of num_pages pages of page_size keys of head_dim values. Throws unless
+  /// every extent is >= 1 and head_dim is a whole number of Storage's elements.
+  PagedIndexerKeyCache(Index head_dim, Index page_size, Index num_pages)
+      : Base(page_size, num_pages, {{1, checked_width(head_dim)}}, "paged_indexer_cache"),
+        dim_(head_dim) {
+    detail::require_supported_scalar<Scalar>();
+  }
+
+  /// d_I, the values of one key.
+  Index head_dim() const { return dim_; }
+
+  /// Appends the keys of n tokens of sequence id, keys [n, d_I]. Checks everything first (a
+  /// live id, the width, room in the pool) and changes nothing when one fails.
+  void append(SequenceId id, const ConstRowRef<Scalar>& keys) {
+    pool_.sequence(id, kOp);
+    APEX_CHECK(keys.cols() == head_dim(), "[" << kOp << "] keys have " << keys.cols()
+                                              << " columns; expected d_I = " << head_dim());
+    pool_.check_grow(id, keys.rows(), kOp);
+    // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): append_tokens's (token, page, row)
+    this->append_tokens(id, keys.rows(), [&](Index t, Index page, Index row) {
+      KvFormat<Storage>::store_row(keys.row(t).data(), head_dim(),
+                                   detail::row_data(pool_.plane(0), page, 0, row));
+    });
+  }
+
+  /// The keys sequence id holds as a paged key segment of the kernels. Valid until the sequence
+  /// changes.
+  detail::KeySegment<Storage, Storage> segment(SequenceId id) const {
+    return this->held_segment(id, pool_.plane(0), pool_.plane(0));
+  }
+
+ private:
+  static constexpr const char* kOp = "paged_indexer_cache";
+
+  /// head_dim in elements of Storage, checked.
+  static Index checked_width(Index head_dim) {
+    APEX_CHECK(head_dim >= 1, "[" << kOp << "] head_dim (" << head_dim << ") must be >= 1");
+    detail::check_row_values<Storage>(head_dim, kOp, "head_dim");
+    return KvFormat<Storage>::elements(head_dim);
+  }
+
+  detail::ResetOnMove<Index> dim_;
+};
+
 /// A lightning indexer (see the top of this header) that owns its weights. Immutable after
 /// construction; its members may run from several threads at once (on different caches).
 /// Scalar (float or double) is the type it computes in, Weight the type its weights are
@@ -284,9 +383,17 @@ class LightningIndexer {
                             const RopeTable<Scalar>& rope, Index offset) const {
     const ConstRowRef<Scalar> c(c_q.derived());
     check_rows(c, config().d_q, batch, rope, offset, "c_q", "d_q");
-    RowMatrix<Scalar> q = detail::matmul<Scalar>(c, weights_.w_q);
-    detail::rotate_and_mix(rope, offset, batch, config().head_dim, q);
-    return q;
+    return project_queries(c, rope, {offset, batch, nullptr});
+  }
+
+  /// queries() with every row at its own position: c_q [T, d_q], positions [T] (each below the
+  /// table's max_positions) -> [T, H_I·d_I]. Allocates the result.
+  template <class Derived>
+  RowMatrix<Scalar> queries(const Eigen::MatrixBase<Derived>& c_q, const RopeTable<Scalar>& rope,
+                            const Vector<Index>& positions) const {
+    const ConstRowRef<Scalar> c(c_q.derived());
+    check_rows(c, config().d_q, 1, rope, 0, "c_q", "d_q");
+    return project_queries(c, rope, {0, 1, &positions});
   }
 
   /// The indexer's keys k_s = Had(RoPE(LayerNorm(h_s·W_IK))): h: [B*n, d] (positions as for
@@ -296,11 +403,16 @@ class LightningIndexer {
                          const RopeTable<Scalar>& rope, Index offset) const {
     const ConstRowRef<Scalar> x(h.derived());
     check_rows(x, config().d_model, batch, rope, offset, "h", "d_model");
-    RowMatrix<Scalar> k = detail::matmul<Scalar>(x, weights_.w_k);
-    layer_norm(k, weights_.k_norm_gamma, weights_.k_norm_beta, LayerNormParams{config().norm_eps},
-               k);
-    detail::rotate_and_mix(rope, offset, batch, config().head_dim, k);
-    return k;
+    return project_keys(x, rope, {offset, batch, nullptr});
+  }
+
+  /// keys() with every row at its own position: h [T, d], positions [T] -> [T, d_I].
+  template <class Derived>
+  RowMatrix<Scalar> keys(const Eigen::MatrixBase<Derived>& h, const RopeTable<Scalar>& rope,
+                         const Vector<Index>& positions) const {
+    const ConstRowRef<Scalar> x(h.derived());
+    check_rows(x, config().d_model, 1, rope, 0, "h", "d_model");
+    return project_keys(x, rope, {0, 1, &positions});
   }
 
   /// The head weights w_{t,j} = (h_t·W_IW)_j · H_I^(-1/2) · d_I^(-1/2): h [T, d] -> [T, H_I].
@@ -334,9 +446,9 @@ class LightningIndexer {
   template <class TK>
   KeySelection select(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
                       const HeadsView<const TK>& keys, Index offset) const {
-    const auto in = inputs(q, w, keys, offset);
-    KeySelection selected(q.rows(), std::min(config().top_k, keys.seq()));
-    detail::indexer_select(in, config().top_k, selected);
+    const detail::IndexerCall<TK> call = contiguous_call(q, w, keys, offset);
+    KeySelection selected(q.rows(), std::min(config().top_k, call.longest));
+    detail::indexer_select(call.inputs(q, w, config()), config().top_k, selected);
     return selected;
   }
 
@@ -345,7 +457,24 @@ class LightningIndexer {
   template <class TK>
   RowMatrix<Scalar> scores(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
                            const HeadsView<const TK>& keys, Index offset) const {
-    return detail::indexer_scores(inputs(q, w, keys, offset));
+    const detail::IndexerCall<TK> call = contiguous_call(q, w, keys, offset);
+    return detail::indexer_scores(call.inputs(q, w, config()));
+  }
+
+  /// select() over the sequences of a paged key cache: rows [cu_seqlens[i], cu_seqlens[i + 1])
+  /// of q and w are the last tokens of sequence ids[i] (already appended), each ranking the keys
+  /// the sequence holds up to its own position -> [T, min(k, the most keys a sequence holds)],
+  /// positions ascending, then -1. The same selection as select() over the same keys stored
+  /// contiguously, bit for bit, for any number of threads. Allocates a few values per row.
+  template <class Storage>
+  KeySelection select_paged(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
+                            const std::vector<Index>& cu_seqlens,
+                            const PagedIndexerKeyCache<Scalar, Storage>& cache,
+                            const std::vector<SequenceId>& ids) const {
+    const detail::IndexerCall<Storage> call = paged_call(q, w, cu_seqlens, cache, ids);
+    KeySelection selected(q.rows(), std::min(config().top_k, call.longest));
+    detail::indexer_select(call.inputs(q, w, config()), config().top_k, selected);
+    return selected;
   }
 
  private:
@@ -372,10 +501,26 @@ class LightningIndexer {
                                        << rope.max_positions() << ")");
   }
 
-  /// The kernel's view of a select() or scores() call, checked.
-  template <class TK>
-  detail::IndexerInputs<Scalar, TK> inputs(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
-                                           const HeadsView<const TK>& keys, Index offset) const {
+  /// Had(RoPE(c_q·W_IQ)) at the rows' positions (checked by the caller; RoPE checks ids).
+  RowMatrix<Scalar> project_queries(const ConstRowRef<Scalar>& c_q, const RopeTable<Scalar>& rope,
+                                    const detail::RowPositions& at) const {
+    RowMatrix<Scalar> q = detail::matmul<Scalar>(c_q, weights_.w_q);
+    detail::rotate_and_mix(rope, at, config().head_dim, q);
+    return q;
+  }
+
+  /// Had(RoPE(LayerNorm(h·W_IK))) at the rows' positions.
+  RowMatrix<Scalar> project_keys(const ConstRowRef<Scalar>& h, const RopeTable<Scalar>& rope,
+                                 const detail::RowPositions& at) const {
+    RowMatrix<Scalar> k = detail::matmul<Scalar>(h, weights_.w_k);
+    layer_norm(k, weights_.k_norm_gamma, weights_.k_norm_beta, LayerNormParams{config().norm_eps},
+               k);
+    detail::rotate_and_mix(rope, at, config().head_dim, k);
+    return k;
+  }
+
+  /// Throws unless q and w are a call's queries and head weights.
+  void check_queries(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w) const {
     check_constructed();
     const IndexerConfig& c = config();
     APEX_CHECK(q.cols() == c.heads * c.head_dim && w.cols() == c.heads && w.rows() == q.rows(),
@@ -383,18 +528,62 @@ class LightningIndexer {
                                << w.cols() << "] must be [T, H_I*d_I] = [T, "
                                << c.heads * c.head_dim << "] and [T, H_I] = [T, " << c.heads
                                << "]");
-    APEX_CHECK(keys.heads() == 1 && row_values(keys) == c.head_dim && keys.batch() >= 1 &&
+  }
+
+  /// The kernel's view of a select() or scores() call over contiguous keys, checked.
+  template <class TK>
+  detail::IndexerCall<TK> contiguous_call(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
+                                          const HeadsView<const TK>& keys, Index offset) const {
+    check_queries(q, w);
+    APEX_CHECK(keys.heads() == 1 && row_values(keys) == config().head_dim && keys.batch() >= 1 &&
                    q.rows() % keys.batch() == 0,
                "[indexer] keys [" << keys.batch() << ", " << keys.heads() << ", " << keys.seq()
                                   << ", " << row_values(keys)
-                                  << " values] must be [B, 1, S_k, d_I = " << c.head_dim
+                                  << " values] must be [B, 1, S_k, d_I = " << config().head_dim
                                   << "] with B dividing the query rows (" << q.rows() << ")");
     const Index n = q.rows() / keys.batch();
     APEX_CHECK(offset >= 0 && offset <= keys.seq() - n,
                "[indexer] query positions [" << offset << ", " << offset << " + " << n
                                              << ") must be keys of the cache (S_k = " << keys.seq()
                                              << "): append before selecting");
-    return {q.data(), q.cols(), w.data(), w.cols(), keys, q.rows(), c.heads, c.head_dim, n, offset};
+    detail::IndexerCall<TK> call;
+    call.longest = keys.seq();
+    for (Index b = 0; b < keys.batch(); ++b) {
+      const HeadsView<const TK> batch = keys.middle_batches(b, 1);
+      call.segments.push_back({batch, batch, 0, nullptr, 0});
+    }
+    for (Index t = 0; t < q.rows(); ++t) call.add_row(t / n, offset + t % n);
+    return call;
+  }
+
+  /// The kernel's view of a select_paged() call, checked.
+  template <class Storage>
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the order of select_paged's arguments
+  detail::IndexerCall<Storage> paged_call(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
+                                          const std::vector<Index>& cu_seqlens,
+                                          const PagedIndexerKeyCache<Scalar, Storage>& cache,
+                                          const std::vector<SequenceId>& ids) const {
+    const char* op = "indexer";
+    check_queries(q, w);
+    APEX_CHECK(cache.head_dim() == config().head_dim,
+               "[indexer] the key cache's head_dim (" << cache.head_dim() << ") must equal d_I ("
+                                                      << config().head_dim << ")");
+    detail::check_offsets(cu_seqlens, static_cast<Index>(ids.size()), q.rows(), op, "cu_seqlens");
+    detail::check_live_ids(cache, ids, op);
+    detail::IndexerCall<Storage> call;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      call.segments.push_back(cache.segment(ids[i]));
+      const Index held = call.segments.back().size();
+      const Index n = cu_seqlens[i + 1] - cu_seqlens[i];
+      APEX_CHECK(n <= held, "[indexer] sequence " << ids[i] << " has " << n
+                                                  << " query rows but holds " << held
+                                                  << " keys: append before selecting");
+      call.longest = std::max(call.longest, held);
+      for (Index s = 0; s < n; ++s) {
+        call.add_row(static_cast<Index>(i), cache.length(ids[i]) - n + s);
+      }
+    }
+    return call;
   }
 
   detail::ResetOnMove<IndexerConfig> config_;

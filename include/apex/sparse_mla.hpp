@@ -27,10 +27,13 @@
 #include <apex/kv_cache.hpp>
 #include <apex/mla.hpp>
 #include <apex/mla_absorbed.hpp>
+#include <apex/page_pool.hpp>
+#include <apex/paged_attention.hpp>
 #include <apex/sparse_attention.hpp>
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 namespace apex {
 
@@ -56,6 +59,50 @@ struct SparseLatentCache {
                "[sparse_mla] truncate size (" << new_size << ") must lie in [0, " << size() << "]");
     latent.truncate(new_size);
     indexer_keys.truncate(new_size);
+  }
+};
+
+/// A sparse MLA layer's paged cache for many sequences: a PagedLatentCache of latent rows and a
+/// PagedIndexerKeyCache of indexer keys holding the same sequences under the same ids (add, fork,
+/// free and truncate act on both, in step). bytes() counts both pools.
+template <class Scalar, class Storage = Scalar, class KeyStorage = Storage>
+struct SparsePagedCache {
+  PagedLatentCache<Scalar, Storage> latent;               ///< rows [c_kv ‖ K_rope]
+  PagedIndexerKeyCache<Scalar, KeyStorage> indexer_keys;  ///< keys [d_I]
+
+  /// Adds an empty sequence to both parts; its id.
+  SequenceId add() { return same_id(latent.add(), indexer_keys.add()); }
+  /// Forks sequence id in both parts (copy on write); the new id.
+  SequenceId fork(SequenceId id) {
+    check_live(id);
+    return same_id(latent.fork(id), indexer_keys.fork(id));
+  }
+  /// Frees sequence id in both parts.
+  void free(SequenceId id) {
+    check_live(id);
+    latent.free(id);
+    indexer_keys.free(id);
+  }
+  /// Keeps the first new_length tokens of sequence id in both parts.
+  void truncate(SequenceId id, Index new_length) {
+    check_live(id);
+    latent.truncate(id, new_length);
+    indexer_keys.truncate(id, new_length);
+  }
+  /// Exact bytes of both pools.
+  std::int64_t bytes() const { return latent.bytes() + indexer_keys.bytes(); }
+
+ private:
+  /// Throws unless id is live in both parts.
+  void check_live(SequenceId id) const {
+    APEX_CHECK(latent.contains(id) && indexer_keys.contains(id),
+               "[sparse_mla] sequence " << id << " must be live in both parts of the cache");
+  }
+  /// The id both parts gave (they hand out ids in the same order when used through this cache).
+  static SequenceId same_id(SequenceId a, SequenceId b) {
+    APEX_ASSERT(a == b);
+    (void)b;
+    return a;
   }
 };
 
@@ -136,6 +183,60 @@ class SparseLatentAttention {
     return selected;
   }
 
+  /// An empty paged cache of num_pages pages of page_size tokens in each part.
+  template <class Storage = Scalar, class KeyStorage = Storage>
+  SparsePagedCache<Scalar, Storage, KeyStorage> make_paged_cache(Index page_size,
+                                                                 Index num_pages) const {
+    const MlaConfig& c = mla_.config();
+    return {
+        PagedLatentCache<Scalar, Storage>(
+            {c.d_kv, c.rope_key_heads(), c.rope_dim, page_size, num_pages}),
+        PagedIndexerKeyCache<Scalar, KeyStorage>(indexer_.config().head_dim, page_size, num_pages)};
+  }
+
+  /// One step of many sequences of a paged cache (continuous batching): rows [cu[i], cu[i + 1])
+  /// of x are the next tokens of sequence ids[i], at positions cache.latent.length(ids[i]) + s.
+  /// As forward() for each sequence: their latent rows and indexer keys appended to the
+  /// sequence's pages, each row's top k of the keys its sequence holds up to its own position
+  /// (LightningIndexer::select_paged), absorbed MLA over those rows read in their pages
+  /// (sdpa_sparse_paged).
+  ///   x: [T, d]; cu_seqlens: N + 1 row offsets; ids: N distinct sequences live in both parts,
+  ///   of equal lengths; params: the RoPE table (head_dim d_r) covering every new position,
+  ///   position_offset 0, no row_positions or draft trees -> out: [T, d]; returns the selection
+  ///   [T, min(k, the most keys a sequence holds)] of positions.
+  /// Every check runs before the cache or out is written; out may be x itself. Allocates the
+  /// step's projections, positions, queries, selection and latent output.
+  template <class Derived, class Storage, class KeyStorage>
+  KeySelection forward_paged(const Eigen::MatrixBase<Derived>& x,
+                             const std::vector<Index>& cu_seqlens,
+                             const std::vector<SequenceId>& ids,
+                             const AttentionLayerParams<Scalar>& params,
+                             SparsePagedCache<Scalar, Storage, KeyStorage>& cache,
+                             RowRef<Scalar> out) const {
+    const ConstRowRef<Scalar> xr = detail::layer_rows<Scalar>(x);
+    const Vector<Index> positions = check_paged_step(xr, cu_seqlens, ids, params, cache, out);
+    const MlaConfig& c = mla_.config();
+    const detail::RowPositions at{0, 1, &positions};
+    const RowMatrix<Scalar> q =
+        detail::absorbed_queries(c, mla_.weights(), xr, at, params, absorbed_);
+    const RowMatrix<Scalar> c_q = detail::matmul<Scalar>(xr, mla_.weights().w_dq);
+    const RowMatrix<Scalar> q_index = indexer_.queries(c_q, *params.rope, positions);
+    const RowMatrix<Scalar> w_index = indexer_.head_weights(xr);
+    const RowMatrix<Scalar> k_index = indexer_.keys(xr, *params.rope, positions);
+    const RowMatrix<Scalar> latent = detail::mla_latent_rows(c, mla_.weights(), xr, at, params);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const Index first = cu_seqlens[i], n = cu_seqlens[i + 1] - first;
+      cache.latent.append(ids[i], latent.middleRows(first, n));
+      cache.indexer_keys.append(ids[i], k_index.middleRows(first, n));
+    }
+    KeySelection selected =
+        indexer_.select_paged(q_index, w_index, cu_seqlens, cache.indexer_keys, ids);
+    const RowMatrix<Scalar> o_latent =
+        attend_selected_paged(q, cu_seqlens, ids, selected, cache.latent, params);
+    detail::absorbed_output(c, mla_.weights(), o_latent, absorbed_, out);
+    return selected;
+  }
+
   /// Value-returning forward: the output [B*n, d] (the selection is dropped).
   template <class Derived, class Storage, class KeyStorage>
   RowMatrix<Scalar> forward(const Eigen::MatrixBase<Derived>& x,
@@ -147,6 +248,68 @@ class SparseLatentAttention {
   }
 
  private:
+  /// Every check of forward_paged; returns the positions of the rows.
+  template <class Storage, class KeyStorage>
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the order of forward_paged's arguments
+  Vector<Index> check_paged_step(const ConstRowRef<Scalar>& x, const std::vector<Index>& cu_seqlens,
+                                 const std::vector<SequenceId>& ids,
+                                 const AttentionLayerParams<Scalar>& params,
+                                 const SparsePagedCache<Scalar, Storage, KeyStorage>& cache,
+                                 const RowRef<Scalar>& out) const {
+    const char* op = "sparse_mla";
+    detail::check_constructed(mla_.config().d_model >= 1, op, "layer");
+    const MlaConfig& c = mla_.config();
+    detail::check_mla_rope(c, params.rope);
+    detail::check_paged_layer_input(x, c.d_model, params.position_offset, op);
+    APEX_CHECK(params.row_positions == nullptr && params.draft_trees == nullptr,
+               "[" << op << "] params.row_positions and params.draft_trees must be unset: the "
+                   << "indexer ranks the keys of a sequence by their slots");
+    detail::check_mla_paged_cache(c, cache.latent);
+    APEX_CHECK(cache.indexer_keys.head_dim() == indexer_.config().head_dim,
+               "[" << op << "] the key cache's head_dim (" << cache.indexer_keys.head_dim()
+                   << ") must equal d_I (" << indexer_.config().head_dim << ")");
+    PositionMask causal;
+    causal.causal = true;
+    Vector<Index> positions = detail::paged_step_positions(x.rows(), cu_seqlens, ids, {causal},
+                                                           cache.latent, params.rope, op);
+    std::vector<std::pair<SequenceId, Index>> appends;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      APEX_CHECK(
+          cache.indexer_keys.contains(ids[i]) &&
+              cache.indexer_keys.length(ids[i]) == cache.latent.length(ids[i]),
+          "[" << op << "] sequence " << ids[i] << " must hold as many indexer keys as latent rows");
+      appends.emplace_back(ids[i], cu_seqlens[i + 1] - cu_seqlens[i]);
+    }
+    cache.indexer_keys.check_appends(appends, op);
+    const SdpaParams attention =
+        detail::mla_attention_params(c, mla_.weights().sinks, params.attention);
+    detail::check_layer_attention<Scalar>({1, x.rows(), 0, "T"}, detail::mla_absorbed_heads(c), {},
+                                          attention, out, c.d_model, op);
+    return positions;
+  }
+
+  /// The absorbed attention of a paged step's queries q [T, H_q·width] over their selected
+  /// rows of the latent pages -> o_latent [T, H_q·d_kv].
+  template <class Storage>
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the order of forward_paged's arguments
+  RowMatrix<Scalar> attend_selected_paged(const RowMatrix<Scalar>& q,
+                                          const std::vector<Index>& cu_seqlens,
+                                          const std::vector<SequenceId>& ids,
+                                          const KeySelection& selected,
+                                          const PagedLatentCache<Scalar, Storage>& cache,
+                                          const AttentionLayerParams<Scalar>& params) const {
+    const Index h_q = mla_.config().num_q_heads, rows = q.rows();
+    const Index width =
+        mla_.config().d_kv + mla_.config().rope_key_heads() * mla_.config().rope_dim;
+    const SdpaParams attention =
+        detail::mla_attention_params(mla_.config(), mla_.weights().sinks, params.attention);
+    const auto queries = HeadsView<const Scalar>::token_major(q.data(), {1, h_q, rows, width});
+    return detail::latent_outputs<Scalar>(
+        queries.shape(), mla_.config().d_kv, cache.value_dim(), [&](const HeadsView<Scalar>& o) {
+          sdpa_sparse_paged(queries, cu_seqlens, cache, ids, selected, attention, o);
+        });
+  }
+
   /// Every check of forward; returns n.
   template <class Storage, class KeyStorage>
   Index check_step(const ConstRowRef<Scalar>& x, const AttentionLayerParams<Scalar>& params,

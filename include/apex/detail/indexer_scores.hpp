@@ -1,32 +1,36 @@
 // SPDX-License-Identifier: MIT
 // The lightning indexer's scores and its top-k selection (indexer.hpp), for query rows against
-// the cached indexer keys of their batch:
-//   I_{t,s} = Σ_j w_{t,j} · ReLU(q_{t,j} · k_s)      s = 0 .. position(t)   (causal)
+// the cached indexer keys of their sequence:
+//   I_{t,s} = Σ_j w_{t,j} · ReLU(q_{t,j} · k_s)      s = first .. position(t)   (causal)
 // with the scales folded into w (LightningIndexer::head_weights), then the k keys of largest
 // score, ascending by position.
 //
-//   q  [rows, H·d]   row t: H heads side by side      keys [B, 1, S_k, d] (any K/V format)
-//   w  [rows, H]                                       selection [rows, min(k, S_k)]
+//   q  [rows, H·d]   row t: H heads side by side      keys: a key segment per sequence
+//   w  [rows, H]                                       (contiguous or paged, any K/V format)
+//                                                      selection [rows, width] of positions
 //
-// HOW. The keys are read in fixed blocks of kIndexerKeyBlock rows from position 0, widened to the
-// compute type C where they are not stored as C; for one query row and one key block,
-// S = Q_t [H, d] · K_blockᵀ is one product on one thread (matmul_serial), then each key's score is
-// Σ_j w_j·max(0, S(j, s)) summed over j in order. A key's score therefore depends on its block's
-// shape and place alone: not on the number of threads, not on the other rows of the call, and
-// not on whether the row is decoded alone or scored with a whole prompt.
+// HOW. The keys are read in fixed blocks of kIndexerKeyBlock positions (the blocks start at its
+// multiples), through the segment's block table when paged, and widened to the compute type C
+// where they are not stored as C (kv_read.hpp's rows_as); for one query row and one key block,
+// S = Q_t [H, d] · K_blockᵀ is one product on one thread (matmul_serial), then each key's score
+// is Σ_j w_j·max(0, S(j, s)) summed over j in order. A key's score therefore depends on its
+// block's place alone: not on the number of threads, not on the other rows of the call, not on
+// whether the row is decoded alone or scored with a whole prompt, and not on whether the keys
+// are paged.
 //
 // ORDER. Key a ranks before key b when I_a > I_b, or I_a = I_b and a < b (lower position first);
 // a NaN score ranks as -∞. That is a strict total order, so the k selected keys are one set
-// whatever the algorithm's path: std::nth_element over the visible keys' indices, then the k
-// first sorted by position.
+// whatever the algorithm's path (select_top_k: the k-th best value, then one pass by position).
 //
 // MEMORY. The call holds the scores of at most kIndexerRows rows at once, kIndexerRows · S_k
-// values of C and as many indices, and each thread a widened key block and its product,
-// kIndexerKeyBlock · (d + H) values of C (thread_local, kept between calls).
+// values of C and as many of scratch (S_k: the most keys of a sequence), and each thread a widened
+// key block and its product, kIndexerKeyBlock · (d + H) values of C (thread_local, kept between
+// calls).
 #pragma once
 
 #include <apex/config.hpp>
 #include <apex/detail/eigen_adapter.hpp>
+#include <apex/detail/kv_read.hpp>
 #include <apex/detail/parallel.hpp>
 #include <apex/key_selection.hpp>
 #include <apex/kv_format.hpp>
@@ -34,8 +38,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -43,68 +47,51 @@
 // NOLINTBEGIN(bugprone-easily-swappable-parameters): internal, (row, block) indices of one call
 namespace apex::detail {
 
-/// Keys per block of the indexer's products (the blocks start at position 0).
+/// Keys per block of the indexer's products (the blocks start at the multiples of it).
 inline constexpr Index kIndexerKeyBlock = 256;
 /// Query rows whose scores are held at once.
 inline constexpr Index kIndexerRows = 8;
 
-/// What the indexer kernel reads: the query rows and their head weights in C, the keys of every
-/// batch, where row t belongs to batch t / rows_per_batch at position first_position + t mod
-/// rows_per_batch, seeing keys [0, min(position + 1, S_k)).
+/// What the indexer kernel reads: the query rows and their head weights in C, and the keys of
+/// every sequence as a key segment (kv_read.hpp: contiguous, or paged and read through its block
+/// table). Row t belongs to sequence row_sequence[t] at position row_position[t] and sees that
+/// sequence's keys [first, end(t)): from the segment's first position to its own, included.
 template <class C, class TK>
 struct IndexerInputs {
-  const C* q;                // [rows, heads·dim], row stride q_stride
-  Index q_stride;            //
-  const C* w;                // [rows, heads], row stride w_stride
-  Index w_stride;            //
-  HeadsView<const TK> keys;  // [B, 1, S_k, dim in elements]
-  Index rows, heads, dim;    //
-  Index rows_per_batch;      // n: query rows of each batch
-  Index first_position;      // position of each batch's first query row
+  const C* q;                          // [rows, heads·dim], row stride q_stride
+  Index q_stride;                      //
+  const C* w;                          // [rows, heads], row stride w_stride
+  Index w_stride;                      //
+  Index rows, heads, dim;              //
+  const KeySegment<TK, TK>* segments;  // one per sequence
+  const Index* row_sequence;           // [rows]
+  const Index* row_position;           // [rows]
+  Index longest;                       // most keys of a segment: the scores' row width
 
-  Index batch_of(Index t) const { return t / rows_per_batch; }
-  Index visible(Index t) const {
-    return std::min(keys.seq(), first_position + t % rows_per_batch + 1);
-  }
+  const KeySegment<TK, TK>& segment(Index t) const { return segments[row_sequence[t]]; }
+  Index first(Index t) const { return segment(t).first_position; }
+  Index end(Index t) const { return std::min(first(t) + segment(t).size(), row_position[t] + 1); }
 };
 
-/// Rows [first, first + n) of one batch's keys as C: in place when stored as C, else widened
-/// into `buffer` (n × dim). Returns the rows and their stride.
-template <class C, class TK>
-std::pair<const C*, Index> indexer_key_rows(const HeadsView<const TK>& keys, Index b, Index first,
-                                            Index n, Index dim, C* buffer) {
-  const auto head = keys.head(b, 0);
-  if constexpr (std::is_same_v<TK, C>) {
-    (void)n;
-    (void)dim;
-    (void)buffer;
-    return {head.data() + first * head.outerStride(), head.outerStride()};
-  } else {
-    for (Index r = 0; r < n; ++r) {
-      KvFormat<TK>::widen(head.data() + (first + r) * head.outerStride(), buffer + r * dim,
-                          keys.dim());
-    }
-    return {buffer, dim};
-  }
-}
-
-/// The scores of query row t against key block `block` (its visible part), written to
-/// scores[first key of the block ...]. Scratch from the calling thread.
+/// The scores of query row t against the visible keys of key block `block` (positions
+/// [block·Bk, (block + 1)·Bk)), written to scores[position − first(t)]. Scratch from the calling
+/// thread.
 template <class C, class TK>
 void score_key_block(const IndexerInputs<C, TK>& in, Index t, Index block, C* scores) {
-  const Index first = block * kIndexerKeyBlock;
-  const Index n = std::min(kIndexerKeyBlock, in.visible(t) - first);
+  const Index first = std::max(in.first(t), block * kIndexerKeyBlock);
+  const Index n = std::min(in.end(t), (block + 1) * kIndexerKeyBlock) - first;
   if (n <= 0) return;
   thread_local std::vector<C> scratch;
   scratch.resize(static_cast<std::size_t>(kIndexerKeyBlock * (in.dim + in.heads)));
   C* const product = scratch.data() + kIndexerKeyBlock * in.dim;  // [H, n]
-  const auto [k, k_stride] =
-      indexer_key_rows<C>(in.keys, in.batch_of(t), first, n, in.dim, scratch.data());
+  const KeySegment<TK, TK>& keys = in.segment(t);
+  const ConstRows<C> k = rows_as<C>(SegmentHead<TK>(keys.k, keys.pages, 0, 0),
+                                    first - keys.first_position, n, scratch.data());
   // S = Q_t [H, d] · Kᵀ [d, n]: the keys' rows are the columns of a column-major right side.
-  matmul_serial<C, Eigen::ColMajor>(in.heads, n, in.dim, in.q + t * in.q_stride, in.dim, k,
-                                    k_stride, product, n);
+  matmul_serial<C, Eigen::ColMajor>(in.heads, n, in.dim, in.q + t * in.q_stride, in.dim, k.data,
+                                    k.stride, product, n);
   const C* w = in.w + t * in.w_stride;
-  C* out = scores + first;
+  C* out = scores + (first - keys.first_position);
   std::fill_n(out, n, C(0));
   for (Index j = 0; j < in.heads; ++j) {
     const C* s = product + j * n;
@@ -113,35 +100,43 @@ void score_key_block(const IndexerInputs<C, TK>& in, Index t, Index block, C* sc
   }
 }
 
-/// Writes the selection of one row: the min(k, n) best of scores[0, n) in ascending position,
-/// then -1 up to `width`. `order` holds n indices of scratch.
+/// Writes the selection of one row: the min(k, n) best of scores[0, n) (ORDER above) in
+/// ascending position (base + index), then -1 up to `width`. Exact and in O(n): the k-th best
+/// value t by std::nth_element on a copy of the values (`ranks`, n of scratch), then, in one pass
+/// by position, every key above t and the first keys equal to t until k are taken.
 template <class C>
-void select_top_k(const C* scores, Index n, Index k, Index width, Index* order, Index* selected) {
-  const auto rank = [scores](Index i) {
-    const C s = scores[i];
-    return std::isnan(s) ? -std::numeric_limits<C>::infinity() : s;
-  };
-  const auto before = [&rank](Index a, Index b) {
-    const C ra = rank(a), rb = rank(b);
-    return ra > rb || (ra == rb && a < b);
-  };
-  std::iota(order, order + n, Index{0});
+void select_top_k(const C* scores, Index n, Index k, Index base, Index width, C* ranks,
+                  Index* selected) {
+  const auto rank = [](C s) { return std::isnan(s) ? -std::numeric_limits<C>::infinity() : s; };
   const Index taken = std::min(k, n);
-  if (taken < n) std::nth_element(order, order + taken, order + n, before);
-  std::sort(order, order + taken);
-  std::copy_n(order, taken, selected);
+  Index above = 0;  // keys ranked strictly above the k-th best value
+  C kth = -std::numeric_limits<C>::infinity();
+  if (taken < n) {
+    std::transform(scores, scores + n, ranks, rank);
+    std::nth_element(ranks, ranks + (taken - 1), ranks + n, std::greater<C>());
+    kth = ranks[taken - 1];
+    above =
+        static_cast<Index>(std::count_if(scores, scores + n, [&](C s) { return rank(s) > kth; }));
+  }
+  Index ties = taken - above, out = 0;
+  for (Index j = 0; j < n && out < taken; ++j) {
+    const C r = rank(scores[j]);
+    if (taken == n || r > kth || (r == kth && ties-- > 0)) selected[out++] = base + j;
+  }
   std::fill(selected + taken, selected + width, Index{-1});
 }
 
-/// The scores of rows [first, first + count) into scores (count × S_k, row-major; entries past a
-/// row's visible keys are left as they are), one task per (key block, row) in one parallel loop.
+/// The scores of rows [first, first + count) into scores (count × longest, row-major; entries
+/// past a row's visible keys are left as they are), one task per (row, key block) in one
+/// parallel loop, the tasks of a key block next to each other.
 template <class C, class TK>
 void score_rows(const IndexerInputs<C, TK>& in, Index first, Index count, C* scores) {
-  const Index s_k = in.keys.seq();
-  const Index blocks = (s_k + kIndexerKeyBlock - 1) / kIndexerKeyBlock;
+  // A row's keys start anywhere in a block: at most ⌈longest / Bk⌉ + 1 blocks.
+  const Index blocks = (in.longest + kIndexerKeyBlock - 1) / kIndexerKeyBlock + 1;
   parallel_for(blocks * count, [&](Index task) {
-    const Index block = task / count, r = task % count;
-    score_key_block(in, first + r, block, scores + r * s_k);
+    const Index b = task / count, r = task % count;
+    const Index t = first + r;
+    score_key_block(in, t, in.first(t) / kIndexerKeyBlock + b, scores + r * in.longest);
   });
 }
 
@@ -149,26 +144,26 @@ void score_rows(const IndexerInputs<C, TK>& in, Index first, Index count, C* sco
 /// the top `k` into selected [rows, width].
 template <class C, class TK>
 void indexer_select(const IndexerInputs<C, TK>& in, Index k, KeySelection& selected) {
-  const Index s_k = in.keys.seq();
   const Index width = selected.cols();
-  std::vector<C> scores(static_cast<std::size_t>(std::min(in.rows, kIndexerRows) * s_k));
-  std::vector<Index> order(scores.size());
+  const auto held = static_cast<std::size_t>(std::min(in.rows, kIndexerRows) * in.longest);
+  std::vector<C> scores(held), ranks(held);
   for (Index first = 0; first < in.rows; first += kIndexerRows) {
     const Index count = std::min(kIndexerRows, in.rows - first);
     score_rows(in, first, count, scores.data());
     parallel_for(count, [&](Index r) {
-      select_top_k(scores.data() + r * s_k, in.visible(first + r), k, width, order.data() + r * s_k,
-                   selected.row(first + r).data());
+      const Index t = first + r;
+      select_top_k(scores.data() + r * in.longest, std::max<Index>(0, in.end(t) - in.first(t)), k,
+                   in.first(t), width, ranks.data() + r * in.longest, selected.row(t).data());
     });
   }
 }
 
-/// Every row's scores [rows, S_k], -∞ past a row's visible keys (for inspection and tests: the
-/// values indexer_select ranks).
+/// Every row's scores [rows, longest] (column j: the sequence's key first + j), −∞ past a row's
+/// visible keys (for inspection and tests: the values indexer_select ranks).
 template <class C, class TK>
 RowMatrix<C> indexer_scores(const IndexerInputs<C, TK>& in) {
-  const Index s_k = in.keys.seq();
-  RowMatrix<C> scores = RowMatrix<C>::Constant(in.rows, s_k, -std::numeric_limits<C>::infinity());
+  RowMatrix<C> scores =
+      RowMatrix<C>::Constant(in.rows, in.longest, -std::numeric_limits<C>::infinity());
   for (Index first = 0; first < in.rows; first += kIndexerRows) {
     score_rows(in, first, std::min(kIndexerRows, in.rows - first), scores.row(first).data());
   }
