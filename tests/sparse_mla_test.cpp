@@ -112,7 +112,8 @@ TYPED_TEST(SparseMla, EqualsForwardUnderTheSelectionMask) {
 }
 
 // With k at least the cache length every key is selected: each decoded token equals absorbed
-// MLA's bit for bit, and a prompt equals it to rounding (its tiles stack several queries).
+// MLA's bit for bit (to rounding on Eigen's public-API fallback, APEX_EIGEN_PUBLIC_ONLY), and a
+// prompt equals it to rounding (its tiles stack several queries).
 TYPED_TEST(SparseMla, LargeKIsAbsorbedMla) {
   using Scalar = TypeParam;
   const Index batch = 2, prompt = 20, steps = 30;
@@ -136,8 +137,14 @@ TYPED_TEST(SparseMla, LargeKIsAbsorbedMla) {
     const RowMatrix<Scalar> a = layer.forward(token, params, sparse_cache);
     const RowMatrix<Scalar> b =
         layer.mla().forward_absorbed(token, causal, params, layer.absorbed(), dense_cache);
+#if APEX_EIGEN_INTERNALS
     ASSERT_EQ(std::memcmp(a.data(), b.data(), sizeof(Scalar) * std::size_t(a.size())), 0)
         << "step " << t;
+#else
+    // Eigen's public-API fallback sums each panel of keys before adding it, and the panels of
+    // the selected rows (pages of one row) end elsewhere than those of the contiguous cache.
+    ASSERT_LE(normwise(a, b), Tolerances<Scalar>::kAttention) << "step " << t;
+#endif
   }
 }
 

@@ -14,7 +14,8 @@
 // Each query row is a problem of its own, whose keys are a paged segment (kv_read.hpp) of pages
 // of one row: its block table is its row of the selection, so the kernel reads the rows where
 // they are, widening them from their format (kv_format.hpp) as it does for every paged read, and
-// the row's result is sdpa's over those keys stored contiguously, bit for bit. With every
+// the row's result is sdpa's over those keys stored contiguously, bit for bit (to rounding with
+// APEX_EIGEN_PUBLIC_ONLY, as for every paged read: kv_read.hpp). With every
 // visible key selected (decoding: every cached row; a causal prompt: keys 0..i) the result is
 // that of causal sdpa.
 #pragma once
@@ -205,7 +206,8 @@ auto paged_selected_sequences(const HeadsView<const TQ>& q, const std::vector<In
 /// of this header): out[b, h, i] = softmax over j ∈ selected(b·S_q + i) of scale·q·k_j
 /// (soft-capped, with the head's sink in the denominator) applied to v_j. The keys are read in
 /// place through the selection, one row per page (kv_read.hpp); a row's result equals sdpa's
-/// over its selected keys in ascending order, bit for bit, for any number of threads.
+/// over its selected keys in ascending order, bit for bit (to rounding with
+/// APEX_EIGEN_PUBLIC_ONLY), and the same bits for any number of threads.
 ///   q: [B, H_q, S_q, d_qk], k: [B, H_kv, S_k, d_qk], v: [B, H_kv, S_k, d_v] (any K/V format),
 ///   selected: [B*S_q, k] (KeySelection), params: scale, softcap and sinks (ALiBi is rejected:
 ///   a selection gives rows, not positions) -> out: [B, H_q, S_q, d_v], lse (optional):
