@@ -171,10 +171,13 @@ MlaAbsorbedWeights<Weight> fold_mla_weights(const MlaConfig& c, const MlaWeights
 /// The absorbed queries of forward_absorbed, [B*n, H_q·(d_kv + H_kr·d_r)]: per head
 /// [q̃_h ‖ 0 … Q_rope,h … 0], q̃_h = Q_h W_UK,gᵀ, the rope part in the slot of head h's K_rope,
 /// every row rotated at its position `at` (the slots: MultiHeadLatentAttention::forward_absorbed).
-/// Throws (before allocating) when their size does not fit in 64 bits.
+/// Throws (before allocating) when their size does not fit in 64 bits. c_q = x·W_DQ, the query
+/// latent, is the caller's (a sparse layer's indexer reads it too).
 template <class Scalar, class Weight>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): x and its query latent, in that order
 RowMatrix<Scalar> absorbed_queries(const MlaConfig& c, const MlaWeights<Weight>& w,
-                                   const ConstRowRef<Scalar>& x, const RowPositions& at,
+                                   const ConstRowRef<Scalar>& x, const RowMatrix<Scalar>& c_q,
+                                   const RowPositions& at,
                                    const AttentionLayerParams<Scalar>& params,
                                    const MlaAbsorbedWeights<Weight>& absorbed) {
   const Index h_q = c.num_q_heads;
@@ -188,7 +191,6 @@ RowMatrix<Scalar> absorbed_queries(const MlaConfig& c, const MlaWeights<Weight>&
   checked_product({x.rows(), q_width, static_cast<Index>(sizeof(Scalar))}, "mla",
                   "absorbed query bytes B*n*H_q*(d_kv + H_kr*d_r)");
   RowMatrix<Scalar> q = RowMatrix<Scalar>::Zero(x.rows(), q_width);
-  const RowMatrix<Scalar> c_q = matmul<Scalar>(x, w.w_dq);
   if (absorbed.query_multiplied()) {
     const RowMatrix<Scalar> q_latent = matmul<Scalar>(c_q, absorbed.w_q_latent);
     for (Index h = 0; h < h_q; ++h) {
@@ -214,6 +216,15 @@ RowMatrix<Scalar> absorbed_queries(const MlaConfig& c, const MlaWeights<Weight>&
     q.middleCols(h * width + d_kv + slot * d_r, d_r) = q_rope.middleCols(h * d_r, d_r);
   }
   return q;
+}
+
+/// absorbed_queries with the query latent c_q = x·W_DQ computed here.
+template <class Scalar, class Weight>
+RowMatrix<Scalar> absorbed_queries(const MlaConfig& c, const MlaWeights<Weight>& w,
+                                   const ConstRowRef<Scalar>& x, const RowPositions& at,
+                                   const AttentionLayerParams<Scalar>& params,
+                                   const MlaAbsorbedWeights<Weight>& absorbed) {
+  return absorbed_queries(c, w, x, matmul<Scalar>(x, w.w_dq), at, params, absorbed);
 }
 
 /// out = Concat_h (o_h W_UV,g) · W_O, or Concat_h o_h · W_o_latent when folded, from the latent

@@ -169,9 +169,9 @@ class SparseLatentAttention {
     const Index batch = cache.batch(), offset = params.position_offset;
     const MlaConfig& c = mla_.config();
     const detail::RowPositions at{offset, batch, nullptr};
-    const RowMatrix<Scalar> q =
-        detail::absorbed_queries(c, mla_.weights(), xr, at, params, absorbed_);
     const RowMatrix<Scalar> c_q = detail::matmul<Scalar>(xr, mla_.weights().w_dq);
+    const RowMatrix<Scalar> q =
+        detail::absorbed_queries(c, mla_.weights(), xr, c_q, at, params, absorbed_);
     const RowMatrix<Scalar> q_index = indexer_.queries(c_q, batch, *params.rope, offset);
     const RowMatrix<Scalar> w_index = indexer_.head_weights(xr);
     const RowMatrix<Scalar> k_index = indexer_.keys(xr, batch, *params.rope, offset);
@@ -217,9 +217,9 @@ class SparseLatentAttention {
     const Vector<Index> positions = check_paged_step(xr, cu_seqlens, ids, params, cache, out);
     const MlaConfig& c = mla_.config();
     const detail::RowPositions at{0, 1, &positions};
-    const RowMatrix<Scalar> q =
-        detail::absorbed_queries(c, mla_.weights(), xr, at, params, absorbed_);
     const RowMatrix<Scalar> c_q = detail::matmul<Scalar>(xr, mla_.weights().w_dq);
+    const RowMatrix<Scalar> q =
+        detail::absorbed_queries(c, mla_.weights(), xr, c_q, at, params, absorbed_);
     const RowMatrix<Scalar> q_index = indexer_.queries(c_q, *params.rope, positions);
     const RowMatrix<Scalar> w_index = indexer_.head_weights(xr);
     const RowMatrix<Scalar> k_index = indexer_.keys(xr, *params.rope, positions);
