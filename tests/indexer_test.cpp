@@ -165,6 +165,64 @@ TYPED_TEST(Indexer, ScoresAndSelectionFollowTheFormula) {
   }
 }
 
+// A bidirectional prefix P (§11.1): a row inside it scores and ranks every key of [0, P), a row
+// after it the keys up to its own position; against the loop, and the selection against a sort.
+TYPED_TEST(Indexer, RowsInsideAPrefixSeeItWhole) {
+  using Scalar = TypeParam;
+  const Index prefix = 37;
+  IndexerCase<Scalar> c(small_config(9), 2, 120, 8);
+  auto cache = c.indexer.make_cache(c.batch, 120);
+  cache.append(c.indexer.keys(c.h, c.batch, c.rope, 0), 0);
+  const RowMatrix<Scalar> q = c.indexer.queries(c.c_q, c.batch, c.rope, 0);
+  const RowMatrix<Scalar> w = c.indexer.head_weights(c.h);
+  const RowMatrix<Scalar> scores = c.indexer.scores(q, w, cache.keys(), 0, prefix);
+  const KeySelection selected = c.indexer.select(q, w, cache.keys(), 0, prefix);
+  const Eigen::MatrixXd want_k = c.expected_keys(), want_q = c.expected_queries();
+  const Eigen::MatrixXd want_w = as_double(c.h) * as_double(c.indexer.weights().w_w);
+  std::vector<long long> at;
+  for (Index s = 0; s < c.n; ++s) at.push_back(s);
+  for (Index b = 0; b < c.batch; ++b) {
+    const Eigen::MatrixXd want = apex::reference::indexer_scores(
+        want_q.middleRows(b * c.n, c.n), want_w.middleRows(b * c.n, c.n),
+        want_k.middleRows(b * c.n, c.n), at, prefix);
+    EXPECT_LE(normwise(as_double(scores.middleRows(b * c.n, c.n)), want),
+              Tolerances<Scalar>::kIndexer);
+  }
+  for (Index t = 0; t < c.batch * c.n; ++t) {
+    const Index visible = std::max(t % c.n + 1, prefix);
+    std::vector<double> row(static_cast<std::size_t>(visible));
+    for (Index s = 0; s < visible; ++s) row[std::size_t(s)] = double(scores(t, s));
+    const std::vector<long> want = apex::reference::top_k(row, long(visible), 9);
+    for (Index j = 0; j < selected.cols(); ++j) {
+      ASSERT_EQ(selected(t, j), Index(want[std::size_t(j)])) << "row " << t << " slot " << j;
+    }
+  }
+  expect_invalid([&] { (void)c.indexer.select(q, w, cache.keys(), 0, 121); },
+                 {"[indexer] prefix (121) must lie in [0, S_k = 120]"});
+  expect_invalid([&] { (void)c.indexer.select(q, w, cache.keys(), 0, -1); },
+                 {"[indexer] prefix (-1)"});
+}
+
+// reserve() grows the key cache and keeps its keys (the selection over them is unchanged);
+// it never shrinks, and an empty cache rejects it.
+TEST(Indexer, ReserveKeepsTheKeys) {
+  IndexerCase<float> c(small_config(5), 2, 30, 11);
+  auto cache = c.indexer.make_cache(c.batch, 30);
+  cache.append(c.indexer.keys(c.h, c.batch, c.rope, 0), 0);
+  const RowMatrix<float> q = c.indexer.queries(c.c_q, c.batch, c.rope, 0);
+  const RowMatrix<float> w = c.indexer.head_weights(c.h);
+  const KeySelection before = c.indexer.select(q, w, cache.keys(), 0);
+  cache.reserve(70);
+  EXPECT_EQ(cache.capacity(), 70);
+  EXPECT_EQ(cache.size(), 30);
+  EXPECT_EQ(cache.bytes(), 2 * 70 * 32 * Index(sizeof(float)));
+  EXPECT_EQ(c.indexer.select(q, w, cache.keys(), 0), before);
+  cache.reserve(10);
+  EXPECT_EQ(cache.capacity(), 70);
+  apex::IndexerKeyCache<float> empty;
+  expect_invalid([&] { empty.reserve(4); }, {"[indexer_cache]", "cache"});
+}
+
 // Equal scores rank the lower position first; NaN ranks last; fewer visible keys than k are
 // all selected.
 TEST(Indexer, TiesNanAndShortRowsFollowTheDocumentedOrder) {

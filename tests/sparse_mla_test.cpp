@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "reference/indexer.hpp"
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
@@ -26,6 +27,7 @@ using apex::Index;
 using apex::KeySelection;
 using apex::RowMatrix;
 using apex::testing::expect_invalid;
+using apex::testing::normwise;
 using apex::testing::Tolerances;
 
 apex::MlaConfig mla_config() {
@@ -62,23 +64,6 @@ apex::SparseLatentAttention<Scalar> sparse_layer(Index top_k, std::uint64_t seed
           apex::LightningIndexer<Scalar>::random(indexer_config(top_k), seed + 7)};
 }
 
-/// max |a − b| / max(1, max |b|).
-template <class A, class B>
-double normwise(const A& a, const B& b) {
-  const double scale = std::max(1.0, b.template cast<double>().cwiseAbs().maxCoeff());
-  return (a.template cast<double>() - b.template cast<double>()).cwiseAbs().maxCoeff() / scale;
-}
-
-/// The dense mask [B, 1, S, S] that allows row t of batch b the keys of its selection.
-std::vector<char> selection_mask(const KeySelection& s, Index batch, Index seq) {
-  std::vector<char> allowed(static_cast<std::size_t>(batch * seq * seq), 0);
-  for (Index r = 0; r < s.rows(); ++r) {
-    for (Index j = 0; j < s.cols() && s(r, j) >= 0; ++j)
-      allowed[static_cast<std::size_t>(r * seq + s(r, j))] = 1;
-  }
-  return allowed;
-}
-
 template <class Scalar>
 class SparseMla : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
@@ -101,7 +86,7 @@ TYPED_TEST(SparseMla, EqualsForwardUnderTheSelectionMask) {
   for (Index r = 0; r < batch * seq; ++r) {
     EXPECT_EQ(apex::detail::selected_count(selected, r), std::min<Index>(9, r % seq + 1));
   }
-  const std::vector<char> allowed = selection_mask(selected, batch, seq);
+  const std::vector<char> allowed = apex::reference::selection_mask(selected, batch, seq);
   apex::AttentionMask<Scalar> mask;
   mask.allowed = apex::HeadsView<const bool>::contiguous(
       reinterpret_cast<const bool*>(allowed.data()), {batch, 1, seq, seq});

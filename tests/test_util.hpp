@@ -136,6 +136,14 @@ void expect_close(const Actual& actual, const Expected& expected, double tol) {
   expect_near_elementwise(actual, expected, tol, tol);
 }
 
+/// The normwise error max |a − b| / max(1, max |b|) of two matrices of the same shape, in
+/// double: one figure for a whole result, relative to its largest value above 1.
+template <class A, class B>
+double normwise(const A& a, const B& b) {
+  const double scale = std::max(1.0, b.template cast<double>().cwiseAbs().maxCoeff());
+  return (a.template cast<double>() - b.template cast<double>()).cwiseAbs().maxCoeff() / scale;
+}
+
 // ---- Random [B, H, S, D] tensors, in the per-head layout of apex/tensor.hpp ----------------
 
 /// A [batch, heads, seq, dim] tensor of uniform values in [lo, hi), drawn from `rng` in storage

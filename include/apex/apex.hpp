@@ -15,6 +15,7 @@
 #include <apex/gqa.hpp>
 #include <apex/gqa_config.hpp>
 #include <apex/indexer.hpp>
+#include <apex/indexer_config.hpp>
 #include <apex/key_selection.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/kv_format.hpp>

@@ -8,7 +8,8 @@
 //   w_{t,j} = (h_t · W_IW)_j · H_I^(-1/2) · d_I^(-1/2)
 //   I_{t,s} = Σ_j w_{t,j} · ReLU(q_{t,j} · k_s)        over s <= t (causal)
 //
-// and the k keys of largest I_{t,s} are selected (all of them when fewer are visible).
+// and the k keys of largest I_{t,s} are selected (all of them when fewer are visible). With a
+// bidirectional prefix P (§11.1, select's `prefix`), a token t < P sees the keys s < P.
 //
 // CONVENTIONS (DeepSeek-V3.2-Exp's reference, inference/model.py, class Indexer):
 //   - c_q is MLA's query latent (x·W_DQ), h the layer's input; x·W with W [in, out];
@@ -30,6 +31,7 @@
 #include <apex/detail/checks.hpp>
 #include <apex/detail/indexer_scores.hpp>
 #include <apex/detail/matmul.hpp>
+#include <apex/indexer_config.hpp>
 #include <apex/key_selection.hpp>
 #include <apex/kv_format.hpp>
 #include <apex/layer_norm.hpp>
@@ -39,6 +41,7 @@
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -47,48 +50,7 @@
 
 namespace apex {
 
-/// Shape of a lightning indexer (DeepSeek-V3.2: H_I = 64, d_I = 128, d_r = 64, k = 2048).
-struct IndexerConfig {
-  Index d_model = 0;       ///< d, the width of the layer's input h
-  Index d_q = 0;           ///< width of the query latent c_q (MLA's d_q)
-  Index heads = 0;         ///< H_I, indexer query heads
-  Index head_dim = 0;      ///< d_I, a power of two (the Hadamard transform)
-  Index rope_dim = 0;      ///< d_r: RoPE on the first d_r features (even, <= d_I)
-  Index top_k = 0;         ///< k >= 1: keys selected per query
-  double norm_eps = 1e-6;  ///< ε of the keys' LayerNorm
-};
-
-/// The weights of a lightning indexer, applied as x·W.
-template <class Weight>
-struct IndexerWeights {
-  RowMatrix<Weight> w_q;        ///< W_IQ [d_q, H_I·d_I]
-  RowMatrix<Weight> w_k;        ///< W_IK [d, d_I]
-  Vector<Weight> k_norm_gamma;  ///< LayerNorm weight [d_I]
-  Vector<Weight> k_norm_beta;   ///< LayerNorm bias [d_I]
-  RowMatrix<Weight> w_w;        ///< W_IW [d, H_I]
-};
-
 namespace detail {
-
-/// Throws unless c describes an indexer.
-inline void check_indexer_config(const IndexerConfig& c) {
-  const char* op = "indexer";
-  APEX_CHECK(c.d_model >= 1, "[" << op << "] d_model (" << c.d_model << ") must be >= 1");
-  APEX_CHECK(c.d_q >= 1, "[" << op << "] d_q (" << c.d_q << ") must be >= 1");
-  APEX_CHECK(c.heads >= 1, "[" << op << "] heads H_I (" << c.heads << ") must be >= 1");
-  APEX_CHECK(c.head_dim >= 1 && (c.head_dim & (c.head_dim - 1)) == 0,
-             "[" << op << "] head_dim d_I (" << c.head_dim
-                 << ") must be a power of two (the Hadamard transform)");
-  APEX_CHECK(c.rope_dim >= 2 && c.rope_dim % 2 == 0 && c.rope_dim <= c.head_dim,
-             "[" << op << "] rope_dim d_r (" << c.rope_dim << ") must be even, >= 2 and <= d_I ("
-                 << c.head_dim << ")");
-  APEX_CHECK(c.top_k >= 1, "[" << op << "] top_k (" << c.top_k << ") must be >= 1");
-  APEX_CHECK(c.norm_eps > 0.0 && std::isfinite(c.norm_eps),
-             "[" << op << "] norm_eps (" << c.norm_eps << ") must be positive and finite");
-  checked_product({c.d_q, c.heads, c.head_dim}, op, "W_IQ count d_q*H_I*d_I");
-  checked_product(c.d_model, c.head_dim, op, "W_IK count d*d_I");
-  checked_product(c.d_model, c.heads, op, "W_IW count d*H_I");
-}
 
 /// Throws unless w has the shapes of c.
 template <class Weight>
@@ -144,32 +106,28 @@ void rotate_and_mix(const RopeTable<S>& rope, const RowPositions& at, Index head
 }
 
 /// The key segments of a call of the indexer (one per sequence) and each query row's sequence
-/// and position: what detail::IndexerInputs points to.
+/// and the end of its visible keys: what detail::IndexerInputs points to.
 template <class TK>
 struct IndexerCall {
   std::vector<KeySegment<TK, TK>> segments;
-  std::vector<Index> row_sequence, row_position;
+  std::vector<Index> row_sequence, row_end;
   Index longest = 0;  // most keys of a segment
 
-  void add_row(Index sequence, Index position) {
+  /// A query row of `sequence` at `position`: it sees the keys up to its own position, and the
+  /// whole bidirectional prefix [0, prefix) when it lies inside it (§11.1).
+  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, one caller per layout
+  void add_row(Index sequence, Index position, Index prefix) {
     row_sequence.push_back(sequence);
-    row_position.push_back(position);
+    row_end.push_back(position < prefix ? prefix : position + 1);
   }
 
   template <class C>
   IndexerInputs<C, TK> inputs(const RowMatrix<C>& q, const RowMatrix<C>& w,
                               const IndexerConfig& c) const {
-    return {q.data(),
-            q.cols(),
-            w.data(),
-            w.cols(),
-            q.rows(),
-            c.heads,
-            c.head_dim,
-            segments.data(),
-            row_sequence.data(),
-            row_position.data(),
-            longest};
+    return {q.data(),       q.cols(),        w.data(),
+            w.cols(),       q.rows(),        c.heads,
+            c.head_dim,     segments.data(), row_sequence.data(),
+            row_end.data(), longest};
   }
 };
 
@@ -259,6 +217,22 @@ class IndexerKeyCache {
                                                        << "]");
     size_ = new_size;
   }
+  /// Grows the capacity to at least `capacity`, keeping the cached keys (one copy: allocates
+  /// the new buffer, then frees the old one). Never shrinks. Throws (cache unchanged) if the new
+  /// size does not fit in 64 bits, or on an empty cache.
+  void reserve(Index capacity) {
+    detail::check_constructed(batch() >= 1, "indexer_cache", "cache");
+    if (capacity <= this->capacity()) return;
+    const Index stride = KvFormat<Storage>::elements(head_dim());
+    detail::CacheBuffer<Storage> keys = detail::zeroed_buffer<Storage>(
+        detail::checked_product({batch(), capacity, stride}, "indexer_cache", "B*C*d_I"));
+    for (Index b = 0; b < batch(); ++b) {
+      std::copy_n(row_at(b, 0), size_ * stride, keys.data() + b * capacity * stride);
+    }
+    keys_ = std::move(keys);
+    capacity_ = capacity;
+  }
+
   /// Forgets every token (the memory is kept).
   void clear() { size_ = 0; }
 
@@ -374,6 +348,25 @@ class LightningIndexer {
   const IndexerConfig& config() const { return config_; }
   /// The weights, read-only.
   const IndexerWeights<Weight>& weights() const { return weights_; }
+  /// Bytes of the weights: W_IQ, W_IK, W_IW and the LayerNorm's γ and β, in Weight.
+  std::int64_t weight_bytes() const {
+    const IndexerWeights<Weight>& w = weights_;
+    const auto count =
+        w.w_q.size() + w.w_k.size() + w.w_w.size() + w.k_norm_gamma.size() + w.k_norm_beta.size();
+    return static_cast<std::int64_t>(count) * static_cast<std::int64_t>(sizeof(Weight));
+  }
+
+  /// The same indexer with its weights stored as W (Scalar, Eigen::half or Eigen::bfloat16):
+  /// widened exactly or rounded once to nearest even. Allocates the new weights.
+  template <class W>
+  LightningIndexer<Scalar, W> with_weights() const {
+    check_constructed();
+    const IndexerWeights<Weight>& w = weights_;
+    return LightningIndexer<Scalar, W>(
+        config(),
+        IndexerWeights<W>{converted<W>(w.w_q), converted<W>(w.w_k), converted<W>(w.k_norm_gamma),
+                          converted<W>(w.k_norm_beta), converted<W>(w.w_w)});
+  }
 
   /// The indexer's queries q_{t,j} = Had(RoPE(c_q,t·W_IQ,j)):
   ///   c_q: [B*n, d_q] (row b*n + s at position offset + s) -> [B*n, H_I·d_I], heads side by
@@ -442,22 +435,25 @@ class LightningIndexer {
   /// positions [offset, offset + n), against keys [B, 1, S_k, d_I] (cache.keys(), positions
   /// [0, S_k); offset + n <= S_k: each query's own key is cached) -> [B*n, min(k, S_k)]: row
   /// b*n + s lists the min(k, offset + s + 1) best keys of [0, offset + s] ascending, then -1.
-  /// Bit-identical for any number of threads. Memory: see detail/indexer_scores.hpp.
+  /// With a bidirectional prefix (0 <= prefix <= S_k), a row at position t < prefix ranks the
+  /// keys [0, prefix) instead. Bit-identical for any number of threads. Memory: see
+  /// detail/indexer_scores.hpp.
   template <class TK>
   KeySelection select(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
-                      const HeadsView<const TK>& keys, Index offset) const {
-    const detail::IndexerCall<TK> call = contiguous_call(q, w, keys, offset);
+                      const HeadsView<const TK>& keys, Index offset, Index prefix = 0) const {
+    const detail::IndexerCall<TK> call = contiguous_call(q, w, keys, offset, prefix);
     KeySelection selected(q.rows(), std::min(config().top_k, call.longest));
     detail::indexer_select(call.inputs(q, w, config()), config().top_k, selected);
     return selected;
   }
 
-  /// The scores I_{t,s} that select() ranks, [B*n, S_k], −∞ where s > t (arguments as for
-  /// select). For inspection and tests: allocates the whole [B*n, S_k] matrix.
+  /// The scores I_{t,s} that select() ranks, [B*n, S_k], −∞ where s is not visible to t (past
+  /// t, or past the prefix for t inside it; arguments as for select). For inspection and tests:
+  /// allocates the whole [B*n, S_k] matrix.
   template <class TK>
   RowMatrix<Scalar> scores(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
-                           const HeadsView<const TK>& keys, Index offset) const {
-    const detail::IndexerCall<TK> call = contiguous_call(q, w, keys, offset);
+                           const HeadsView<const TK>& keys, Index offset, Index prefix = 0) const {
+    const detail::IndexerCall<TK> call = contiguous_call(q, w, keys, offset, prefix);
     return detail::indexer_scores(call.inputs(q, w, config()));
   }
 
@@ -533,7 +529,8 @@ class LightningIndexer {
   /// The kernel's view of a select() or scores() call over contiguous keys, checked.
   template <class TK>
   detail::IndexerCall<TK> contiguous_call(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
-                                          const HeadsView<const TK>& keys, Index offset) const {
+                                          const HeadsView<const TK>& keys, Index offset,
+                                          Index prefix) const {
     check_queries(q, w);
     APEX_CHECK(keys.heads() == 1 && row_values(keys) == config().head_dim && keys.batch() >= 1 &&
                    q.rows() % keys.batch() == 0,
@@ -546,13 +543,16 @@ class LightningIndexer {
                "[indexer] query positions [" << offset << ", " << offset << " + " << n
                                              << ") must be keys of the cache (S_k = " << keys.seq()
                                              << "): append before selecting");
+    APEX_CHECK(prefix >= 0 && prefix <= keys.seq(),
+               "[indexer] prefix (" << prefix << ") must lie in [0, S_k = " << keys.seq()
+                                    << "]: the prefix's keys are ranked by every row inside it");
     detail::IndexerCall<TK> call;
     call.longest = keys.seq();
     for (Index b = 0; b < keys.batch(); ++b) {
       const HeadsView<const TK> batch = keys.middle_batches(b, 1);
       call.segments.push_back({batch, batch, 0, nullptr, 0});
     }
-    for (Index t = 0; t < q.rows(); ++t) call.add_row(t / n, offset + t % n);
+    for (Index t = 0; t < q.rows(); ++t) call.add_row(t / n, offset + t % n, prefix);
     return call;
   }
 
@@ -580,7 +580,7 @@ class LightningIndexer {
                                                   << " keys: append before selecting");
       call.longest = std::max(call.longest, held);
       for (Index s = 0; s < n; ++s) {
-        call.add_row(static_cast<Index>(i), cache.length(ids[i]) - n + s);
+        call.add_row(static_cast<Index>(i), cache.length(ids[i]) - n + s, 0);
       }
     }
     return call;

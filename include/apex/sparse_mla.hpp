@@ -106,6 +106,100 @@ struct SparsePagedCache {
   }
 };
 
+namespace detail {
+
+/// What one step of sparse MLA reads: the layer, its absorbed weights and its indexer (held by
+/// a SparseLatentAttention, or by an AttentionStack for each of its sparse global layers).
+template <class Scalar, class Weight>
+struct SparseMlaParts {
+  const MultiHeadLatentAttention<Scalar, Weight>& mla;
+  const MlaAbsorbedWeights<Weight>& absorbed;
+  const LightningIndexer<Scalar, Weight>& indexer;
+};
+
+/// Every check of sparse_mla_step; returns n.
+template <class Scalar, class Weight, class Storage, class KeyStorage>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the order of sparse_mla_step's arguments
+Index check_sparse_step(const SparseMlaParts<Scalar, Weight>& layer, const ConstRowRef<Scalar>& x,
+                        Index prefix, const AttentionLayerParams<Scalar>& params,
+                        const LatentCache<Scalar, Storage>& latent,
+                        const IndexerKeyCache<Scalar, KeyStorage>& keys,
+                        const RowRef<Scalar>& out) {
+  detail::check_constructed(layer.mla.config().d_model >= 1, "sparse_mla", "layer");
+  PositionMask mask;
+  mask.causal = true;
+  mask.prefix = prefix;
+  const Index n = check_mla_cached(layer.mla.config(), layer.mla.weights(), x, mask, params, latent,
+                                   mla_absorbed_heads(layer.mla.config()), out);
+  const Index d_i = layer.indexer.config().head_dim;
+  APEX_CHECK(keys.batch() == latent.batch() && keys.head_dim() == d_i &&
+                 keys.next_position() == latent.next_position(),
+             "[sparse_mla] indexer_keys (batch "
+                 << keys.batch() << ", head_dim " << keys.head_dim() << ", next position "
+                 << keys.next_position() << ") must match the latent cache (batch "
+                 << latent.batch() << ", next position " << latent.next_position() << ") and d_I ("
+                 << d_i << ")");
+  keys.check_room(n);
+  return n;
+}
+
+/// The absorbed attention of a chunk's queries q [B*n, H_q·width] over their selected latent
+/// rows -> o_latent [B*n, H_q·d_kv] (a whole-row format: see detail::latent_outputs).
+template <class Scalar, class Weight, class Storage>
+RowMatrix<Scalar> attend_selected(const MultiHeadLatentAttention<Scalar, Weight>& mla,
+                                  const RowMatrix<Scalar>& q, Index n, const KeySelection& selected,
+                                  const LatentCache<Scalar, Storage>& cache,
+                                  const AttentionLayerParams<Scalar>& params) {
+  constexpr bool kWhole = is_latent_row_format_v<Storage>;
+  const Index h_q = mla.config().num_q_heads;
+  const SdpaParams attention =
+      mla_attention_params(mla.config(), mla.weights().sinks, params.attention);
+  const auto queries =
+      HeadsView<const Scalar>::token_major(q.data(), {cache.batch(), h_q, n, cache.row_width()});
+  return latent_outputs<Scalar>(
+      queries.shape(), cache.latent_dim(), kWhole ? cache.row_width() : cache.latent_dim(),
+      [&](const HeadsView<Scalar>& o) {
+        if constexpr (kWhole) {
+          sdpa_sparse(queries, cache.rows(), cache.rows(), selected, attention, o);
+        } else {
+          sdpa_sparse(queries, cache.rows(), cache.latent(), selected, attention, o);
+        }
+      });
+}
+
+/// One step of sparse MLA over contiguous caches (SparseLatentAttention::forward, and the
+/// cached calls of a stack with sparse global layers): n new tokens per sequence at positions
+/// [p, p + n), p = params.position_offset = latent.next_position(), the first `prefix` positions
+/// of every sequence bidirectional (§11.1; 0: causal throughout). Appends the chunk's latent
+/// rows and indexer keys, selects for each row the top k of the keys it sees
+/// (LightningIndexer::select) and attends with absorbed MLA over those only. Every check runs
+/// before a cache or out is written; out may be x. Returns the selection.
+template <class Scalar, class Weight, class Storage, class KeyStorage>
+KeySelection sparse_mla_step(const SparseMlaParts<Scalar, Weight>& layer,
+                             const ConstRowRef<Scalar>& x, Index prefix,
+                             const AttentionLayerParams<Scalar>& params,
+                             LatentCache<Scalar, Storage>& latent,
+                             IndexerKeyCache<Scalar, KeyStorage>& keys, RowRef<Scalar> out) {
+  const Index n = check_sparse_step(layer, x, prefix, params, latent, keys, out);
+  const Index batch = latent.batch(), offset = params.position_offset;
+  const MlaConfig& c = layer.mla.config();
+  const MlaWeights<Weight>& w = layer.mla.weights();
+  const RowPositions at{offset, batch, nullptr};
+  const RowMatrix<Scalar> c_q = matmul<Scalar>(x, w.w_dq);
+  const RowMatrix<Scalar> q = absorbed_queries(c, w, x, c_q, at, params, layer.absorbed);
+  const RowMatrix<Scalar> q_index = layer.indexer.queries(c_q, batch, *params.rope, offset);
+  const RowMatrix<Scalar> w_index = layer.indexer.head_weights(x);
+  const RowMatrix<Scalar> k_index = layer.indexer.keys(x, batch, *params.rope, offset);
+  latent.append(mla_latent_rows(c, w, x, at, params), offset);
+  keys.append(k_index, offset);
+  KeySelection selected = layer.indexer.select(q_index, w_index, keys.keys(), offset, prefix);
+  const RowMatrix<Scalar> o_latent = attend_selected(layer.mla, q, n, selected, latent, params);
+  absorbed_output(c, w, o_latent, layer.absorbed, out);
+  return selected;
+}
+
+}  // namespace detail
+
 /// A multi-head latent attention layer with a lightning indexer: DeepSeek Sparse Attention (see
 /// the top of this header). Holds the MLA layer, its absorbed weights (absorb_mla_weights, once
 /// at construction) and the indexer, whose d_model, d_q and d_r must be the layer's. Immutable
@@ -121,15 +215,9 @@ class SparseLatentAttention {
   SparseLatentAttention(MultiHeadLatentAttention<Scalar, Weight> mla,
                         LightningIndexer<Scalar, Weight> indexer, const MlaAbsorbParams& fold = {})
       : mla_(std::move(mla)), indexer_(std::move(indexer)) {
-    const MlaConfig& c = mla_.config();
-    const IndexerConfig& i = indexer_.config();
-    APEX_CHECK(c.d_model >= 1 && i.d_model >= 1,
+    APEX_CHECK(mla_.config().d_model >= 1 && indexer_.config().d_model >= 1,
                "[sparse_mla] the layer and the indexer must be constructed");
-    APEX_CHECK(i.d_model == c.d_model && i.d_q == c.d_q && i.rope_dim == c.rope_dim,
-               "[sparse_mla] indexer d_model ("
-                   << i.d_model << "), d_q (" << i.d_q << ") and rope_dim (" << i.rope_dim
-                   << ") must equal the layer's (" << c.d_model << ", " << c.d_q << ", "
-                   << c.rope_dim << ")");
+    detail::check_indexer_fits(mla_.config(), indexer_.config(), "sparse_mla");
     absorbed_ = absorb_mla_weights(mla_, fold);
   }
 
@@ -164,23 +252,8 @@ class SparseLatentAttention {
                        const AttentionLayerParams<Scalar>& params,
                        SparseLatentCache<Scalar, Storage, KeyStorage>& cache,
                        RowRef<Scalar> out) const {
-    const ConstRowRef<Scalar> xr = detail::layer_rows<Scalar>(x);
-    const Index n = check_step(xr, params, cache, out);
-    const Index batch = cache.batch(), offset = params.position_offset;
-    const MlaConfig& c = mla_.config();
-    const detail::RowPositions at{offset, batch, nullptr};
-    const RowMatrix<Scalar> c_q = detail::matmul<Scalar>(xr, mla_.weights().w_dq);
-    const RowMatrix<Scalar> q =
-        detail::absorbed_queries(c, mla_.weights(), xr, c_q, at, params, absorbed_);
-    const RowMatrix<Scalar> q_index = indexer_.queries(c_q, batch, *params.rope, offset);
-    const RowMatrix<Scalar> w_index = indexer_.head_weights(xr);
-    const RowMatrix<Scalar> k_index = indexer_.keys(xr, batch, *params.rope, offset);
-    cache.latent.append(detail::mla_latent_rows(c, mla_.weights(), xr, at, params), offset);
-    cache.indexer_keys.append(k_index, offset);
-    KeySelection selected = indexer_.select(q_index, w_index, cache.indexer_keys.keys(), offset);
-    const RowMatrix<Scalar> o_latent = attend_selected(q, n, selected, cache.latent, params);
-    detail::absorbed_output(c, mla_.weights(), o_latent, absorbed_, out);
-    return selected;
+    return detail::sparse_mla_step(parts(), detail::layer_rows<Scalar>(x), 0, params, cache.latent,
+                                   cache.indexer_keys, out);
   }
 
   /// An empty paged cache of num_pages pages of page_size tokens in each part.
@@ -310,52 +383,8 @@ class SparseLatentAttention {
         });
   }
 
-  /// Every check of forward; returns n.
-  template <class Storage, class KeyStorage>
-  Index check_step(const ConstRowRef<Scalar>& x, const AttentionLayerParams<Scalar>& params,
-                   const SparseLatentCache<Scalar, Storage, KeyStorage>& cache,
-                   const RowRef<Scalar>& out) const {
-    detail::check_constructed(mla_.config().d_model >= 1, "sparse_mla", "layer");
-    PositionMask causal;
-    causal.causal = true;
-    const Index n =
-        detail::check_mla_cached(mla_.config(), mla_.weights(), x, causal, params, cache.latent,
-                                 detail::mla_absorbed_heads(mla_.config()), out);
-    const IndexerKeyCache<Scalar, KeyStorage>& keys = cache.indexer_keys;
-    APEX_CHECK(keys.batch() == cache.batch() && keys.head_dim() == indexer_.config().head_dim &&
-                   keys.next_position() == cache.next_position(),
-               "[sparse_mla] indexer_keys (batch "
-                   << keys.batch() << ", head_dim " << keys.head_dim() << ", next position "
-                   << keys.next_position() << ") must match the latent cache (batch "
-                   << cache.batch() << ", next position " << cache.next_position() << ") and d_I ("
-                   << indexer_.config().head_dim << ")");
-    keys.check_room(n);
-    return n;
-  }
-
-  /// The absorbed attention of the chunk's queries q [B*n, H_q·width] over their selected latent
-  /// rows -> o_latent [B*n, H_q·d_kv] (a whole-row format: see detail::latent_outputs).
-  template <class Storage>
-  RowMatrix<Scalar> attend_selected(const RowMatrix<Scalar>& q, Index n,
-                                    const KeySelection& selected,
-                                    const LatentCache<Scalar, Storage>& cache,
-                                    const AttentionLayerParams<Scalar>& params) const {
-    constexpr bool kWhole = is_latent_row_format_v<Storage>;
-    const Index h_q = mla_.config().num_q_heads;
-    const SdpaParams attention =
-        detail::mla_attention_params(mla_.config(), mla_.weights().sinks, params.attention);
-    const auto queries =
-        HeadsView<const Scalar>::token_major(q.data(), {cache.batch(), h_q, n, cache.row_width()});
-    return detail::latent_outputs<Scalar>(
-        queries.shape(), cache.latent_dim(), kWhole ? cache.row_width() : cache.latent_dim(),
-        [&](const HeadsView<Scalar>& o) {
-          if constexpr (kWhole) {
-            sdpa_sparse(queries, cache.rows(), cache.rows(), selected, attention, o);
-          } else {
-            sdpa_sparse(queries, cache.rows(), cache.latent(), selected, attention, o);
-          }
-        });
-  }
+  /// The layer's parts, as detail::sparse_mla_step reads them.
+  detail::SparseMlaParts<Scalar, Weight> parts() const { return {mla_, absorbed_, indexer_}; }
 
   MultiHeadLatentAttention<Scalar, Weight> mla_;
   LightningIndexer<Scalar, Weight> indexer_;

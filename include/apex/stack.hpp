@@ -43,11 +43,13 @@
 #include <apex/detail/stack_steps.hpp>
 #include <apex/embedding.hpp>
 #include <apex/gqa.hpp>
+#include <apex/indexer.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/mask.hpp>
 #include <apex/mla.hpp>
 #include <apex/rms_norm.hpp>
 #include <apex/serving_cache.hpp>
+#include <apex/sparse_mla.hpp>
 #include <apex/stack_cache.hpp>
 #include <apex/stack_config.hpp>
 #include <apex/stack_serving.hpp>
@@ -87,23 +89,31 @@ StackCache<Scalar, Storage, Global> make_stack_cache(const AttentionStack<Scalar
                                   << config.max_positions << "]");
   // The widths against the formats, and the sizes, checked before any layer allocates.
   (void)stack_cache_memory<Storage, Global>(config, batch, capacity);
-  std::vector<typename StackCache<Scalar, Storage, Global>::LayerCache> caches;
+  using Cache = StackCache<Scalar, Storage, Global>;
+  std::vector<typename Cache::LayerCache> caches;
+  std::vector<typename Cache::KeyCache> keys(static_cast<std::size_t>(config.num_layers));
   caches.reserve(static_cast<std::size_t>(config.num_layers));
   for (Index l = 0; l < config.num_layers; ++l) {
     if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
       caches.emplace_back(mla->template make_cache<Global>(batch, capacity));
+      if (stack.sparse()) {
+        keys[static_cast<std::size_t>(l)] =
+            stack.indexer(l).template make_cache<indexer_key_format_t<Global>>(batch, capacity);
+      }
     } else {
       caches.emplace_back(std::get<typename Stack::Gqa>(stack.layer(l))
                               .template make_window_cache<Storage>(batch, config.window));
     }
   }
-  return StackCacheAccess::make<Scalar, Storage, Global>(batch, capacity, std::move(caches));
+  return StackCacheAccess::make<Scalar, Storage, Global>(batch, capacity, std::move(caches),
+                                                         std::move(keys));
 }
 
 /// One layer of the cached calls: attended [B*n, d] = Attention_l(normed [B*n, d]) under layer
 /// l's mask for the prefix, at positions from cache.next_position(), appending the rows' K/V (or
 /// latents) to the layer's cache. The global layers take the MLA path options.mla names (kAuto:
-/// the cheaper one for n).
+/// the cheaper one for n); sparse ones always the absorbed path over their selected keys
+/// (detail::sparse_mla_step), appending their indexer keys too.
 template <class Scalar, class Weight, class Storage, class Global>
 void cached_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
                   const RowMatrix<Scalar>& normed, Index prefix, const DecodeOptions& options,
@@ -117,6 +127,11 @@ void cached_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
   auto& layer_cache = StackCacheAccess::layer(cache, l);
   if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
     auto& latent = std::get<LatentCache<Scalar, Global>>(layer_cache);
+    if (stack.sparse()) {
+      sparse_mla_step(stack.sparse_parts(l), ConstRowRef<Scalar>(normed), prefix, params, latent,
+                      StackCacheAccess::indexer_keys(cache, l), RowRef<Scalar>(attended));
+      return;
+    }
     const Index n = normed.rows() / cache.batch();
     const MlaPath path =
         options.mla == MlaPath::kAuto ? mla_cheaper_path(config.global, n) : options.mla;
@@ -162,6 +177,22 @@ RowMatrix<Scalar> run_cached(const AttentionStack<Scalar, Weight>& stack,
   return stack.output_logits(x);
 }
 
+/// Sparse global layer l of `stack` over whole sequences (AttentionStack::forward): normed
+/// [B*S, d] -> attended [B*S, d], one sparse_mla_step from position 0 on caches of [B, S] tokens
+/// in Scalar, which it allocates.
+template <class Scalar, class Weight>
+void sparse_forward(const AttentionStack<Scalar, Weight>& stack, Index l,
+                    // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): forward's (B, P)
+                    const RowMatrix<Scalar>& normed, Index batch, Index prefix,
+                    RowMatrix<Scalar>& attended) {
+  const auto& mla = std::get<typename AttentionStack<Scalar, Weight>::Mla>(stack.layer(l));
+  const Index seq = normed.rows() / batch;
+  LatentCache<Scalar, Scalar> latent = mla.template make_cache<Scalar>(batch, seq);
+  IndexerKeyCache<Scalar, Scalar> keys = stack.indexer(l).template make_cache<Scalar>(batch, seq);
+  sparse_mla_step(stack.sparse_parts(l), ConstRowRef<Scalar>(normed), prefix, stack.block_params(l),
+                  latent, keys, RowRef<Scalar>(attended));
+}
+
 // -------------------------------------------------------------------------------------------
 // Building and converting a stack, and its weight bytes: from its constructor's arguments or its
 // public accessors
@@ -191,29 +222,44 @@ AttentionStack<Scalar, Weight> random_stack(const StackConfig& config, std::uint
       layers.emplace_back(Stack::Gqa::random(config.local, layer_seed));
     }
   }
+  // The indexers after every layer, so that a dense stack's weights do not depend on them.
+  std::vector<typename Stack::Indexer> indexers;
+  if (config.indexer) {
+    indexers.resize(static_cast<std::size_t>(config.num_layers));
+    for (Index l = 0; l < config.num_layers; ++l) {
+      if (is_global_layer(l, config.global_every)) {
+        indexers[static_cast<std::size_t>(l)] = Stack::Indexer::random(*config.indexer, rng());
+      }
+    }
+  }
   return Stack(config, std::move(embedding), std::move(gammas),
-               Vector<Scalar>::Ones(config.d_model), std::move(layers));
+               Vector<Scalar>::Ones(config.d_model), std::move(layers), std::move(indexers));
 }
 
 /// AttentionStack::with_weights: the stack of the same config, γ and layers, with every weight
 /// matrix (the embedding table and each layer's projections) converted to W.
 template <class W, class Scalar, class Weight>
-AttentionStack<Scalar, W> converted_stack(
-    const StackConfig& config, const RowMatrix<Weight>& embedding,
-    const std::vector<Vector<Scalar>>& norm_gammas, const Vector<Scalar>& final_gamma,
-    const std::vector<typename AttentionStack<Scalar, Weight>::Layer>& layers) {
-  std::vector<typename AttentionStack<Scalar, W>::Layer> converted_layers;
-  converted_layers.reserve(layers.size());
-  for (const auto& layer : layers) {
-    std::visit([&](const auto& a) { converted_layers.emplace_back(a.template with_weights<W>()); },
-               layer);
+AttentionStack<Scalar, W> converted_stack(const AttentionStack<Scalar, Weight>& stack,
+                                          const std::vector<Vector<Scalar>>& norm_gammas) {
+  const StackConfig& config = stack.config();
+  std::vector<typename AttentionStack<Scalar, W>::Layer> layers;
+  std::vector<typename AttentionStack<Scalar, W>::Indexer> indexers;
+  for (Index l = 0; l < config.num_layers; ++l) {
+    std::visit([&](const auto& a) { layers.emplace_back(a.template with_weights<W>()); },
+               stack.layer(l));
+    if (stack.sparse()) {
+      indexers.push_back(is_global_layer(l, config.global_every)
+                             ? stack.indexer(l).template with_weights<W>()
+                             : typename AttentionStack<Scalar, W>::Indexer{});
+    }
   }
-  return AttentionStack<Scalar, W>(config, converted<W>(embedding), norm_gammas, final_gamma,
-                                   std::move(converted_layers));
+  return AttentionStack<Scalar, W>(config, converted<W>(stack.embedding()), norm_gammas,
+                                   stack.final_gamma(), std::move(layers), std::move(indexers));
 }
 
 /// AttentionStack::weight_bytes: the embedding table and every layer's matrices in Weight (with
-/// the absorbed products of absorb_mla_weights), the L + 1 γ of d in Scalar.
+/// the absorbed products of absorb_mla_weights, and the indexers of sparse global layers), the
+/// L + 1 γ of d in Scalar.
 template <class Scalar, class Weight>
 std::int64_t stack_weight_bytes(const AttentionStack<Scalar, Weight>& stack) {
   const auto weight = static_cast<std::int64_t>(sizeof(Weight));
@@ -221,6 +267,9 @@ std::int64_t stack_weight_bytes(const AttentionStack<Scalar, Weight>& stack) {
   const Index layers = stack.config().num_layers;
   for (Index l = 0; l < layers; ++l) {
     total += std::visit([](const auto& a) { return a.weight_bytes(); }, stack.layer(l));
+    if (stack.sparse() && is_global_layer(l, stack.config().global_every)) {
+      total += stack.indexer(l).weight_bytes();
+    }
     const MlaAbsorbedWeights<Weight>& a = stack.absorbed_weights(l);
     total += static_cast<std::int64_t>(a.w_q_latent.size() + a.w_o_latent.size()) * weight;
   }
@@ -256,6 +305,8 @@ class AttentionStack {
   /// One attention block: Gqa for a local layer, Mla for a global one (which one is fixed by the
   /// layer rule, is_global_layer).
   using Layer = std::variant<Gqa, Mla>;
+  /// The lightning indexer of a sparse global layer (StackConfig::indexer).
+  using Indexer = LightningIndexer<Scalar, Weight>;
 
   /// An empty stack (as a moved-from one is): no layers, no weights; every call throws
   /// std::invalid_argument.
@@ -266,14 +317,25 @@ class AttentionStack {
   AttentionStack(const StackConfig& config, RowMatrix<Weight> embedding,
                  std::vector<Vector<Scalar>> norm_gammas, Vector<Scalar> final_gamma,
                  std::vector<Layer> layers)
+      : AttentionStack(config, std::move(embedding), std::move(norm_gammas), std::move(final_gamma),
+                       std::move(layers), {}) {}
+  /// A stack with sparse global layers (config.indexer set): as above, plus indexers[l], the
+  /// lightning indexer of global layer l, of config *config.indexer (one entry per layer; the
+  /// local layers' entries are empty, default-constructed indexers). Without config.indexer,
+  /// indexers must be empty.
+  AttentionStack(const StackConfig& config, RowMatrix<Weight> embedding,
+                 std::vector<Vector<Scalar>> norm_gammas, Vector<Scalar> final_gamma,
+                 std::vector<Layer> layers, std::vector<Indexer> indexers)
       : config_(detail::checked_stack_config<Weight>(config)),
         embedding_(std::move(embedding)),
         norm_gammas_(std::move(norm_gammas)),
         final_gamma_(std::move(final_gamma)),
         layers_(std::move(layers)),
+        indexers_(std::move(indexers)),
         local_rope_(detail::stack_rope<Scalar>(config, false)),
         global_rope_(detail::stack_rope<Scalar>(config, true)) {
     detail::check_stack_weights(config, embedding_, norm_gammas_, final_gamma_, layers_);
+    detail::check_stack_indexers(config, indexers_);
     absorbed_ = detail::absorbed_stack_weights<Weight>(layers_, config.absorb);
   }
 
@@ -304,7 +366,7 @@ class AttentionStack {
   template <class W>
   AttentionStack<Scalar, W> with_weights() const {
     detail::check_stack_constructed(config());
-    return detail::converted_stack<W>(config(), embedding_, norm_gammas_, final_gamma_, layers_);
+    return detail::converted_stack<W>(*this, norm_gammas_);
   }
 
   /// Bytes of the weights the stack holds: the embedding table and every layer's matrices in
@@ -313,6 +375,23 @@ class AttentionStack {
   std::int64_t weight_bytes() const { return detail::stack_weight_bytes(*this); }
   /// The attention layer of block l. Throws std::out_of_range unless 0 <= l < L.
   const Layer& layer(Index l) const { return layers_.at(static_cast<std::size_t>(l)); }
+  /// Whether the global layers are sparse (config().indexer set): DeepSeek Sparse Attention.
+  bool sparse() const { return config().indexer.has_value(); }
+  /// The lightning indexer of sparse global layer l. Throws unless the stack is sparse and
+  /// l is a global layer.
+  const Indexer& indexer(Index l) const {
+    detail::check_stack_block(config(), l);
+    APEX_CHECK(sparse() && is_global_layer(l, config().global_every),
+               "[stack] layer " << l << " has no indexer: only the global layers of a stack with "
+                                << "config.indexer set have one");
+    return indexers_[static_cast<std::size_t>(l)];
+  }
+  /// What detail::sparse_mla_step reads of sparse global layer l: the layer, its absorbed
+  /// weights and its indexer (valid while the stack lives).
+  detail::SparseMlaParts<Scalar, Weight> sparse_parts(Index l) const {
+    return {std::get<Mla>(layers_.at(static_cast<std::size_t>(l))), absorbed_weights(l),
+            indexer(l)};
+  }
 
   /// The kind of every layer and its cache values per token (multiply by sizeof(Scalar) for
   /// bytes).
@@ -328,8 +407,11 @@ class AttentionStack {
   /// The forward pass described at the top of this header.
   ///   tokens: [B, S] ids in [0, V), the first `prefix` positions of every sequence forming the
   ///   bidirectional prefix (0 ≤ P ≤ S, S ≤ max_positions) -> logits [B*S, V].
+  /// A sparse global layer runs as one prefill step of the whole sequences (sparse_mla_step:
+  /// each row attends to the top k of the keys it sees), on caches of its own.
   /// Allocates the [B*S, d] residual stream, the block loop's two [B*S, d] buffers (run_blocks),
-  /// what each layer's forward allocates, and the logits.
+  /// what each layer's forward allocates (a sparse global layer: a latent cache and an indexer
+  /// key cache of [B, S] tokens in Scalar), and the logits.
   template <class TokensDerived>
   RowMatrix<Scalar> forward(const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix) const {
     detail::check_stack_constructed(config());
@@ -338,6 +420,10 @@ class AttentionStack {
     RowMatrix<Scalar> x = embed_tokens(tokens);  // checks every id
     run_blocks(x, [&](Index l, const Layer& layer, const RowMatrix<Scalar>& normed,
                       RowMatrix<Scalar>& attended) {
+      if (sparse() && std::holds_alternative<Mla>(layer)) {
+        detail::sparse_forward(*this, l, normed, batch, prefix, attended);
+        return;
+      }
       const AttentionMask<Scalar> mask = mask_for_layer(l, prefix);
       std::visit(
           [&](const auto& attention) {
@@ -575,6 +661,7 @@ class AttentionStack {
   std::vector<Vector<Scalar>> norm_gammas_;
   Vector<Scalar> final_gamma_;
   std::vector<Layer> layers_;
+  std::vector<Indexer> indexers_;          ///< one per layer when sparse (empty for the local ones)
   detail::StackRope<Scalar> local_rope_;   ///< [max_positions, d_h] table of the local layers
   detail::StackRope<Scalar> global_rope_;  ///< [max_positions, d_r] table of the global layers
   std::vector<MlaAbsorbedWeights<Weight>> absorbed_;  ///< per layer; empty for local layers

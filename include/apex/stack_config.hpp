@@ -9,8 +9,10 @@
 #include <apex/cache_memory.hpp>
 #include <apex/config.hpp>
 #include <apex/gqa.hpp>
+#include <apex/indexer_config.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/kv_format.hpp>
+#include <apex/kv_quant.hpp>
 #include <apex/mla.hpp>
 #include <apex/rope.hpp>
 #include <apex/rope_config.hpp>
@@ -20,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 namespace apex {
 
@@ -55,7 +58,19 @@ struct StackConfig {
   /// How the global (MLA) layers' weights are folded for absorbed decoding, once, at
   /// construction (absorb_mla_weights).
   MlaAbsorbParams absorb;
+  /// Sparse global layers (DeepSeek Sparse Attention, sparse_mla.hpp): when set, every global
+  /// layer has a lightning indexer of this shape (its d_model, d_q and rope_dim equal to
+  /// global's), and each query attends to the top_k keys its indexer picks among those it sees
+  /// (the bidirectional prefix included). The caches then hold an indexer key per token and
+  /// global layer beside the latent row. Unset: dense global layers.
+  std::optional<IndexerConfig> indexer;
 };
+
+/// The format a stack's sparse global layers store their indexer keys in: the latent rows'
+/// format G, or DeepSeek's own fp8 blocks of 128 values (BlockFp8E4m3<128>) when G is a
+/// whole-row latent format (FlashMlaFp8Row), which holds latent rows only.
+template <class G>
+using indexer_key_format_t = std::conditional_t<is_latent_row_format_v<G>, BlockFp8E4m3<128>, G>;
 
 /// Which rows of logits prefill() and extend() return.
 enum class LogitRows {
@@ -69,7 +84,8 @@ struct DecodeOptions {
   /// each sequence, which shrinks the LM head's product from [B*n, d]·[d, V] to [B, d]·[d, V].
   LogitRows logits = LogitRows::kAll;
   /// MLA decoding path of the global layers (mla.hpp): kAuto takes the cheaper one for the
-  /// chunk length (absorbed for single tokens, naive for prompts); both are exact.
+  /// chunk length (absorbed for single tokens, naive for prompts); both are exact. Sparse
+  /// global layers (StackConfig::indexer) always take the absorbed path over their selection.
   MlaPath mla = MlaPath::kAuto;
 };
 
@@ -81,8 +97,12 @@ struct StackCacheMemory {
   /// W tokens only. 0 when there is no local layer.
   std::int64_t local_bytes_per_token = 0;
   /// One global layer, one sequence, one token: (d_kv + H_kr·d_r)·bytes (c_kv and K_rope,
-  /// mla.hpp). 0 when there is no global layer.
+  /// mla.hpp), plus indexer_bytes_per_token for sparse global layers. 0 when there is no global
+  /// layer.
   std::int64_t global_bytes_per_token = 0;
+  /// The part of global_bytes_per_token that is the indexer's key (d_I values) when the global
+  /// layers are sparse (StackConfig::indexer); 0 otherwise.
+  std::int64_t indexer_bytes_per_token = 0;
   /// One local layer at the context: B·min(S, W)·local_bytes_per_token (§10.3).
   std::int64_t local_bytes_per_layer = 0;
   /// One global layer at the context: B·S·global_bytes_per_token (§9.4 plus K_rope).
@@ -96,7 +116,8 @@ struct LayerPlan {
   Index layer = 0;      ///< l, counted from 0
   bool global = false;  ///< true for a global (MLA) layer, l mod F_g = F_g − 1 (§11.2)
   /// Values cached per token: 2·H_kv·d_h for a local layer (kept for the last W tokens only);
-  /// d_kv + H_kr·d_r for a global (MLA) layer (c_kv and K_rope, see mla.hpp).
+  /// d_kv + H_kr·d_r for a global (MLA) layer (c_kv and K_rope, see mla.hpp), plus d_I when it
+  /// is sparse (the indexer's key).
   std::int64_t cache_values_per_token = 0;
 };
 
@@ -144,7 +165,14 @@ inline StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, In
         c.global.d_kv,
         detail::checked_product(c.global.rope_key_heads(), c.global.rope_dim, op, "H_kr*d_r"), op,
         "d_kv + H_kr*d_r");
-    m.global_bytes_per_token = detail::checked_product(values, bytes_per_value, op, "bytes/token");
+    if (c.indexer) {
+      detail::check_indexer_config(*c.indexer);
+      m.indexer_bytes_per_token =
+          detail::checked_product(c.indexer->head_dim, bytes_per_value, op, "d_I*bytes");
+    }
+    m.global_bytes_per_token =
+        detail::checked_sum(detail::checked_product(values, bytes_per_value, op, "bytes/token"),
+                            m.indexer_bytes_per_token, op, "bytes/token");
     m.global_bytes_per_layer =
         detail::checked_product({batch, context, m.global_bytes_per_token}, op, "B*S*bytes/token");
   }
@@ -162,9 +190,10 @@ inline StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, In
 /// what StackCache<Scalar, F, G>::bytes() reports for a cache of capacity `context`. A local
 /// layer holds 2·H_kv rows of d_h values per token for min(S, W) tokens, a global one a latent
 /// row [c_kv ‖ K_rope] of d_kv + H_kr·d_r values; each row costs the bytes of its elements. For
-/// one scalar format this is stack_cache_memory(c, batch, context, sizeof(F)). Throws as that
-/// does, and unless d_h is whole blocks of F and the latent row's parts are stored by G
-/// (detail::check_latent_parts).
+/// one scalar format this is stack_cache_memory(c, batch, context, sizeof(F)). Sparse global
+/// layers add an indexer key of d_I values per token in indexer_key_format_t<G>. Throws as that
+/// does, and unless d_h is whole blocks of F, the latent row's parts are stored by G
+/// (detail::check_latent_parts) and d_I is whole blocks of the key format.
 template <class F, class G = F>
 StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, Index context) {
   StackCacheMemory m = stack_cache_memory(c, batch, context, 1);  // the checks and layer counts
@@ -185,7 +214,13 @@ StackCacheMemory stack_cache_memory(const StackConfig& c, Index batch, Index con
     latent.rope_dim = c.global.rope_dim;
     detail::check_latent_parts<G>(latent, op);
     const Index values = latent.latent_dim + latent.rope_heads * latent.rope_dim;  // checked
-    m.global_bytes_per_token = KvFormat<G>::bytes(KvFormat<G>::elements(values));
+    if (c.indexer) {
+      using K = indexer_key_format_t<G>;
+      detail::check_row_values<K>(c.indexer->head_dim, op, "indexer head_dim");
+      m.indexer_bytes_per_token = KvFormat<K>::bytes(KvFormat<K>::elements(c.indexer->head_dim));
+    }
+    m.global_bytes_per_token =
+        KvFormat<G>::bytes(KvFormat<G>::elements(values)) + m.indexer_bytes_per_token;
     m.global_bytes_per_layer =
         detail::checked_product({batch, context, m.global_bytes_per_token}, op, "B*S*bytes/token");
   }

@@ -57,6 +57,7 @@ template <class Scalar, class Weight, class Storage, class Global>
 void check_serving_layers(const AttentionStack<Scalar, Weight>& stack,
                           const ServingCache<Scalar, Storage, Global>& cache, const char* op) {
   const auto& config = stack.config();
+  check_dense_stack(config, op);
   bool matches = cache.num_layers() == config.num_layers;
   for (Index l = 0; matches && l < config.num_layers; ++l) {
     const auto& c = cache.layer(l);
@@ -203,7 +204,8 @@ void serve_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
 /// shape.page_size tokens, the local ones storing Storage (void: the stack's Scalar) and the
 /// global ones Global (void: as the local ones). Throws unless the pools of the layers the stack
 /// has are >= 1 page of >= 1 token, and where a layer's widths are not whole elements of its
-/// format (kv_format.hpp). Allocates the pools.
+/// format (kv_format.hpp), or for a stack with sparse global layers (not served over paged caches
+/// yet: detail::check_dense_stack). Allocates the pools.
 template <class Storage = void, class Global = void, class Scalar, class Weight>
 auto make_serving_cache(const AttentionStack<Scalar, Weight>& stack,
                         const ServingCacheShape& shape) {
@@ -212,6 +214,7 @@ auto make_serving_cache(const AttentionStack<Scalar, Weight>& stack,
   using Cache = ServingCache<Scalar, Stored, Latent>;
   using Stack = AttentionStack<Scalar, Weight>;
   detail::check_constructed(stack.config().vocab_size >= 1, "stack", "stack");
+  detail::check_dense_stack(stack.config(), "make_serving_cache");
   std::vector<typename Cache::LayerCache> caches;
   caches.reserve(static_cast<std::size_t>(stack.config().num_layers));
   for (Index l = 0; l < stack.config().num_layers; ++l) {

@@ -48,6 +48,7 @@ struct StackParameters {
 template <class Scalar, class Weight>
 StackParameters<Scalar, Weight> stack_parameters(const AttentionStack<Scalar, Weight>& stack) {
   detail::check_stack_constructed(stack.config());
+  detail::check_dense_stack(stack.config(), "stack_parameters");
   StackParameters<Scalar, Weight> p{stack.embedding(), {}, stack.final_gamma(), {}};
   for (Index l = 0; l < stack.config().num_layers; ++l) {
     p.norm_gammas.push_back(stack.norm_gamma(l));
@@ -62,6 +63,7 @@ template <class Scalar, class Weight>
 AttentionStack<Scalar, Weight> stack_from_parameters(const StackConfig& config,
                                                      StackParameters<Scalar, Weight> p) {
   using Stack = AttentionStack<Scalar, Weight>;
+  detail::check_dense_stack(config, "stack_from_parameters");
   std::vector<typename Stack::Layer> layers;
   for (std::size_t l = 0; l < p.layers.size(); ++l) {
     if (auto* gqa = std::get_if<GqaWeights<Weight>>(&p.layers[l])) {
@@ -92,6 +94,7 @@ RowMatrix<Scalar> stack_forward(const AttentionStack<Scalar, Weight>& stack,
                                 const Eigen::MatrixBase<TokensDerived>& tokens, Index prefix,
                                 StackActivations<Scalar>& saved) {
   detail::check_stack_constructed(stack.config());
+  detail::check_dense_stack(stack.config(), "stack_forward");
   const Index batch = tokens.rows();
   detail::check_forward_tokens(stack.config(), batch, tokens.cols(), prefix);
   RowMatrix<Scalar> x = stack.embed_tokens(tokens);  // checks every id
@@ -123,6 +126,7 @@ void stack_backward(const AttentionStack<Scalar, Weight>& stack,
                     StackParameters<Scalar, Scalar>& grads) {
   const StackConfig& c = stack.config();
   detail::check_stack_constructed(c);
+  detail::check_dense_stack(c, "stack_backward");
   const Index rows = saved.tokens.rows() * saved.tokens.cols();
   APEX_CHECK(static_cast<Index>(saved.residuals.size()) == c.num_layers + 1 &&
                  saved.residuals.back().rows() == rows &&

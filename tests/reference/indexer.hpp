@@ -71,18 +71,22 @@ inline Eigen::MatrixXd indexer_keys(const Eigen::MatrixXd& h, const Eigen::Matri
   return hadamard(rope(layer_norm(h * w_k, gamma, beta, eps), positions, theta, d, half_split), d);
 }
 
-/// I[t, s] = Σ_j w[t, j]·ReLU(q_{t,j}·k_s) / √(H·d_I) for s <= query_positions[t], −∞ after;
-/// w is h·W_IW unscaled, k the keys of the row's batch.
+/// I[t, s] = Σ_j w[t, j]·ReLU(q_{t,j}·k_s) / √(H·d_I) for s <= query_positions[t] (and for
+/// every s < prefix when the row lies in the prefix [0, prefix)), −∞ elsewhere; w is h·W_IW
+/// unscaled, k the keys of the row's batch.
 inline Eigen::MatrixXd indexer_scores(const Eigen::MatrixXd& q, const Eigen::MatrixXd& w,
                                       const Eigen::MatrixXd& k,
-                                      const std::vector<long long>& query_positions) {
+                                      const std::vector<long long>& query_positions,
+                                      long long prefix = 0) {
   const long heads = static_cast<long>(w.cols());
   const long d = static_cast<long>(k.cols());
   const double scale = 1.0 / std::sqrt(static_cast<double>(heads * d));
   Eigen::MatrixXd out(q.rows(), k.rows());
   for (long t = 0; t < q.rows(); ++t) {
     for (long s = 0; s < k.rows(); ++s) {
-      if (s > query_positions[static_cast<std::size_t>(t)]) {
+      const long long at = query_positions[static_cast<std::size_t>(t)];
+      const bool in_prefix = at < prefix && s < prefix;  // §11.1: the prefix sees itself whole
+      if (s > at && !in_prefix) {
         out(t, s) = -std::numeric_limits<double>::infinity();
         continue;
       }
@@ -111,6 +115,20 @@ inline std::vector<long> top_k(const std::vector<double>& scores, long visible, 
   order.resize(static_cast<std::size_t>(std::min(k, visible)));
   std::sort(order.begin(), order.end());
   return order;
+}
+
+/// The dense mask [B, 1, S, S] (row-major, 1 = allowed) that allows query row t of batch b,
+/// row b·S + t of `selected`, exactly the keys its row lists (positions, then -1): what sparse
+/// attention over a selection must equal under a dense mask.
+template <class Selection>
+std::vector<char> selection_mask(const Selection& selected, long batch, long seq) {
+  std::vector<char> allowed(static_cast<std::size_t>(batch * seq * seq), 0);
+  for (long r = 0; r < static_cast<long>(selected.rows()); ++r) {
+    for (long j = 0; j < static_cast<long>(selected.cols()) && selected(r, j) >= 0; ++j) {
+      allowed[static_cast<std::size_t>(r * seq + static_cast<long>(selected(r, j)))] = 1;
+    }
+  }
+  return allowed;
 }
 
 }  // namespace apex::reference

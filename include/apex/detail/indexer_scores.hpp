@@ -54,8 +54,9 @@ inline constexpr Index kIndexerRows = 8;
 
 /// What the indexer kernel reads: the query rows and their head weights in C, and the keys of
 /// every sequence as a key segment (kv_read.hpp: contiguous, or paged and read through its block
-/// table). Row t belongs to sequence row_sequence[t] at position row_position[t] and sees that
-/// sequence's keys [first, end(t)): from the segment's first position to its own, included.
+/// table). Row t belongs to sequence row_sequence[t] and sees that sequence's keys
+/// [first, end(t)): from the segment's first position to row_end[t], excluded (its own position
+/// plus one when causal; the end of a bidirectional prefix for a row inside it).
 template <class C, class TK>
 struct IndexerInputs {
   const C* q;                          // [rows, heads·dim], row stride q_stride
@@ -65,12 +66,12 @@ struct IndexerInputs {
   Index rows, heads, dim;              //
   const KeySegment<TK, TK>* segments;  // one per sequence
   const Index* row_sequence;           // [rows]
-  const Index* row_position;           // [rows]
+  const Index* row_end;                // [rows]
   Index longest;                       // most keys of a segment: the scores' row width
 
   const KeySegment<TK, TK>& segment(Index t) const { return segments[row_sequence[t]]; }
   Index first(Index t) const { return segment(t).first_position; }
-  Index end(Index t) const { return std::min(first(t) + segment(t).size(), row_position[t] + 1); }
+  Index end(Index t) const { return std::min(first(t) + segment(t).size(), row_end[t]); }
 };
 
 /// The scores of query row t against the visible keys of key block `block` (positions

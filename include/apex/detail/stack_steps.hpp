@@ -10,6 +10,7 @@
 #include <apex/cache_memory.hpp>
 #include <apex/config.hpp>
 #include <apex/gqa.hpp>
+#include <apex/indexer_config.hpp>
 #include <apex/kv_cache.hpp>
 #include <apex/mask.hpp>
 #include <apex/mla.hpp>
@@ -95,6 +96,10 @@ const StackConfig& checked_stack_config(const StackConfig& c) {
                  << c.global_rope->rope.rotary_dim
                  << ") must be 0 for the global layers: their decoupled RoPE rotates all d_r "
                  << "features");
+  if (c.indexer) {
+    check_indexer_config(*c.indexer);
+    check_indexer_fits(c.global, *c.indexer, "stack");
+  }
   return c;
 }
 
@@ -192,6 +197,32 @@ void check_stack_weights(const StackConfig& config, const RowMatrix<Weight>& emb
              "[stack] final gamma length (" << final_gamma.size() << ") must be d = " << d);
 }
 
+/// The indexers given to an AttentionStack: none without config.indexer; else one per layer,
+/// of config.indexer's shape for a global layer and empty (default-constructed) for a local one.
+template <class Indexer>
+void check_stack_indexers(const StackConfig& c, const std::vector<Indexer>& indexers) {
+  if (!c.indexer) {
+    APEX_CHECK(indexers.empty(), "[stack] indexers must be empty unless config.indexer is set ("
+                                     << indexers.size() << " given)");
+    return;
+  }
+  APEX_CHECK(static_cast<Index>(indexers.size()) == c.num_layers,
+             "[stack] indexers holds " << indexers.size() << " entries; expected one per layer ("
+                                       << c.num_layers << ")");
+  const IndexerConfig& e = *c.indexer;
+  for (Index l = 0; l < c.num_layers; ++l) {
+    const IndexerConfig& i = indexers[static_cast<std::size_t>(l)].config();
+    const bool global = is_global_layer(l, c.global_every);
+    const bool fits = global ? i.d_model == e.d_model && i.d_q == e.d_q && i.heads == e.heads &&
+                                   i.head_dim == e.head_dim && i.rope_dim == e.rope_dim &&
+                                   i.top_k == e.top_k && i.norm_eps == e.norm_eps
+                             : i.d_model == 0;
+    APEX_CHECK(fits, "[stack] indexers[" << l << "] must be "
+                                         << (global ? "an indexer of config.indexer's shape"
+                                                    : "empty (a local layer has no indexer)"));
+  }
+}
+
 /// The absorbed weights of every layer (absorb_mla_weights of each global layer, empty for a
 /// local one), folded once at construction.
 template <class Weight, class Gqa, class Mla>
@@ -215,7 +246,7 @@ inline std::vector<LayerPlan> stack_layer_plan(const StackConfig& c) {
     row.layer = l;
     row.global = is_global_layer(l, c.global_every);
     row.cache_values_per_token =
-        row.global ? mla_cache_values_per_token(c.global)
+        row.global ? mla_cache_values_per_token(c.global) + (c.indexer ? c.indexer->head_dim : 0)
                    : kv_cache_values_per_token(c.local.num_kv_heads, c.local.head_dim);
     rows.push_back(row);
   }
@@ -229,6 +260,14 @@ inline std::vector<LayerPlan> stack_layer_plan(const StackConfig& c) {
 /// Throws for an empty (default-constructed or moved-from) stack, whose config is the default.
 inline void check_stack_constructed(const StackConfig& c) {
   check_constructed(c.vocab_size >= 1, "stack", "stack");
+}
+
+/// Throws for a stack with sparse global layers (config.indexer) where `op` runs dense ones
+/// only: serving over paged caches, training and the context-parallel calls.
+inline void check_dense_stack(const StackConfig& c, const char* op) {
+  APEX_CHECK(!c.indexer, "[" << op << "] takes a stack with dense global layers: config.indexer "
+                             << "(sparse global layers) runs in forward() and the cached calls "
+                             << "(make_cache, prefill, extend, decode_step) only");
 }
 
 /// Throws unless the stack is constructed and 0 <= l < L.
@@ -279,11 +318,16 @@ void check_stack_cache(const StackConfig& config,
     const auto& layer_cache = cache.layer(l);
     if (is_global_layer(l, config.global_every)) {
       const auto* c = std::get_if<LatentCache<Scalar, Global>>(&layer_cache);
+      const auto& keys = cache.indexer_keys(l);
       matches = c != nullptr && c->batch() == cache.batch() &&
                 c->latent_dim() == config.global.d_kv &&
                 c->rope_heads() == config.global.rope_key_heads() &&
                 c->rope_dim() == config.global.rope_dim && c->capacity() == cache.capacity() &&
-                c->next_position() == cache.next_position();
+                c->next_position() == cache.next_position() &&
+                keys.head_dim() == (config.indexer ? config.indexer->head_dim : 0) &&
+                (!config.indexer ||
+                 (keys.batch() == cache.batch() && keys.capacity() == cache.capacity() &&
+                  keys.next_position() == cache.next_position()));
     } else {
       const auto* c = std::get_if<SlidingWindowCache<Scalar, Storage>>(&layer_cache);
       matches = c != nullptr && c->batch() == cache.batch() &&

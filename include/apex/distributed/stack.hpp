@@ -162,6 +162,7 @@ template <class Storage = void, class Scalar, class Weight>
 auto make_sharded_cache(MPI_Comm comm, const AttentionStack<Scalar, Weight>& stack,
                         Index capacity_per_rank, Index decode_block = 64) {
   using S = std::conditional_t<std::is_void_v<Storage>, Scalar, Storage>;
+  apex::detail::check_dense_stack(stack.config(), "make_sharded_cache");
   std::vector<ShardedKvCache<Scalar, S>> layers;
   for (Index l = 0; l < stack.config().num_layers; ++l) {
     std::visit(
@@ -187,6 +188,7 @@ RowMatrix<Scalar> checked_prefill_input(const RankInfo& me,
                                         const std::vector<std::int64_t>& local_tokens, Index prefix,
                                         const ShardedStackCache<Scalar, Storage>& cache,
                                         const char* op) {
+  apex::detail::check_dense_stack(stack.config(), op);
   APEX_CHECK(cache.num_layers() == stack.config().num_layers,
              "[" << op << "] the cache has " << cache.num_layers() << " layers; the stack "
                  << stack.config().num_layers << " (make_sharded_cache makes it)");
@@ -320,6 +322,7 @@ RowMatrix<Scalar> context_parallel_decode_step(MPI_Comm comm,
   RowMatrix<Scalar> x;
   apex::distributed::detail::agree(
       comm, me, op, {{"token", token}, {"position", p}, {"layers", cache.num_layers()}}, [&] {
+        apex::detail::check_dense_stack(stack.config(), op);
         APEX_CHECK(cache.num_layers() == stack.config().num_layers && p > 0,
                    "[" << op << "] the cache must be this stack's, prefilled first");
         APEX_CHECK(p < stack.config().max_positions, "[" << op << "] position " << p
