@@ -7,6 +7,8 @@
 //                                              GBps counts the key bytes (read against BM_MemRead)
 //   BM_SparseMlaDecode/<format>/attention/<S>  sdpa_sparse over the 2048 selected latent rows
 //   BM_SparseMlaDecode/<format>/step/<S>       both: the whole sparse step
+//   BM_SparseMlaDecode/<format>/indexer_bf16/<S>, .../step_bf16/<S>: the same with the indexer's
+//                                              bfloat16 products permitted (allow_bf16_products)
 //   BM_DenseMlaDecode/<format>/<S>             absorbed MLA over all S rows (sdpa), at S = 2048
 //                                              (what the attention part should cost) and at S
 //   BM_SparseMlaPrefill/<S>                    a prompt of S tokens: the indexer selects for every
@@ -14,8 +16,9 @@
 //   BM_SparseMlaPrefill/indexer/<S>            the indexer's part of it
 //   BM_DenseMlaPrefill/<S>                     MLA's dense prefill: causal sdpa over decompressed
 //                                              heads (d_qk = 192, d_v = 128), as forward() runs it
-// <format>: f32 (latent rows and indexer keys in float) or bf16_fp8 (latent rows in bfloat16,
-// indexer keys in DeepSeek's fp8 e4m3 with a float scale per 128 values). GFLOPS counts
+// <format>: f32 (latent rows and indexer keys in float), bf16_fp8 (latent rows in bfloat16,
+// indexer keys in DeepSeek's fp8 e4m3 with a float scale per 128 values) or bf16 (both in
+// bfloat16). GFLOPS counts
 // 2·H_q·(2·d_kv + d_r) flops per attended row, and 2·H_I·d_I per scored key.
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 // GCC 12's own AVX-512 headers warn (-Wmaybe-uninitialized) when Eigen's kernels are inlined at
@@ -92,9 +95,10 @@ const DecodeCache<Latent, Key>& decode_cache() {
   return cache;
 }
 
-/// The indexer whose select() the step runs (its projections are not used here).
-const apex::LightningIndexer<float>& indexer() {
-  static const auto layer = [] {
+/// The indexer whose select() the step runs (its projections are not used here), with exact
+/// float products or with bfloat16 products permitted (IndexerConfig::allow_bf16_products).
+const apex::LightningIndexer<float>& indexer(bool bf16_products = false) {
+  const auto make = [](bool bf16) {
     apex::IndexerConfig c;
     c.d_model = 64;
     c.d_q = 64;
@@ -102,9 +106,12 @@ const apex::LightningIndexer<float>& indexer() {
     c.head_dim = kIndexDim;
     c.rope_dim = kRope;
     c.top_k = kTopK;
+    c.allow_bf16_products = bf16;
     return apex::LightningIndexer<float>::random(c, 1);
-  }();
-  return layer;
+  };
+  static const auto exact = make(false);
+  static const auto rounded = make(true);
+  return bf16_products ? rounded : exact;
 }
 
 /// The step's inputs: the absorbed query [1, H_q, 1, kRow], the indexer's query and weights.
@@ -122,7 +129,13 @@ const StepInputs& inputs() {
   return in;
 }
 
-enum class Part { kIndexer, kAttention, kStep };
+/// What a decoding benchmark times: the indexer's selection, the attention over the selected
+/// rows, or both; the indexer with exact products or with bfloat16 products permitted.
+struct Part {
+  bool select = true;
+  bool attend = true;
+  bool bf16_products = false;
+};
 
 template <class Latent, class Key>
 void BM_SparseMlaDecode(benchmark::State& state, Part part) {
@@ -133,13 +146,11 @@ void BM_SparseMlaDecode(benchmark::State& state, Part part) {
   const auto o = HeadsView<float>::token_major(out.data(), {1, kHeads, 1, kLatent});
   apex::SdpaParams params;
   params.scale = 1.0 / std::sqrt(192.0);
-  apex::KeySelection selected =
-      indexer().select(in.q_index, in.w_index, cache.index_keys(s), s - 1);
+  const auto& scorer = indexer(part.bf16_products);
+  apex::KeySelection selected = scorer.select(in.q_index, in.w_index, cache.index_keys(s), s - 1);
   for (auto _ : state) {
-    if (part != Part::kAttention) {
-      selected = indexer().select(in.q_index, in.w_index, cache.index_keys(s), s - 1);
-    }
-    if (part != Part::kIndexer) {
+    if (part.select) selected = scorer.select(in.q_index, in.w_index, cache.index_keys(s), s - 1);
+    if (part.attend) {
       apex::sdpa_sparse(in.query(), cache.latent_rows(s), cache.latent(s), selected, params, o);
     }
     benchmark::DoNotOptimize(out.data());
@@ -149,10 +160,9 @@ void BM_SparseMlaDecode(benchmark::State& state, Part part) {
   const double scoring = 2.0 * kIndexHeads * kIndexDim * double(s);
   const double key_bytes =
       double(apex::KvFormat<Key>::bytes(s * apex::KvFormat<Key>::elements(kIndexDim)));
-  if (part == Part::kIndexer) state.counters["GBps"] = apex::bench::gbps(state, key_bytes);
+  if (!part.attend) state.counters["GBps"] = apex::bench::gbps(state, key_bytes);
   state.counters["GFLOPS"] =
-      apex::bench::gflops(state, (part == Part::kIndexer ? 0.0 : attention) +
-                                     (part == Part::kAttention ? 0.0 : scoring));
+      apex::bench::gflops(state, (part.attend ? attention : 0.0) + (part.select ? scoring : 0.0));
 }
 
 template <class Latent, class Key>
@@ -227,8 +237,11 @@ void BM_DenseMlaPrefill(benchmark::State& state) {
 
 template <class Latent, class Key>
 void register_format(const std::string& name) {
-  const std::pair<const char*, Part> parts[] = {
-      {"indexer", Part::kIndexer}, {"attention", Part::kAttention}, {"step", Part::kStep}};
+  const std::pair<const char*, Part> parts[] = {{"indexer", {true, false, false}},
+                                                {"attention", {false, true, false}},
+                                                {"step", {true, true, false}},
+                                                {"indexer_bf16", {true, false, true}},
+                                                {"step_bf16", {true, true, true}}};
   for (const auto& [part_name, part] : parts) {
     const Part which = part;
     benchmark::RegisterBenchmark(
@@ -251,6 +264,7 @@ void register_format(const std::string& name) {
 const int kRegistered = [] {
   register_format<float, float>("f32");
   register_format<Eigen::bfloat16, apex::BlockFp8E4m3<128>>("bf16_fp8");
+  register_format<Eigen::bfloat16, Eigen::bfloat16>("bf16");
   for (const bool indexer_only : {false, true}) {
     benchmark::RegisterBenchmark(
         indexer_only ? "BM_SparseMlaPrefill/indexer" : "BM_SparseMlaPrefill",

@@ -4,6 +4,7 @@
 // Hadamard transform included), the selection against a sort of the scores, ties and NaN by
 // the documented order, every key format, bit-identical selections for any number of threads
 // and for a row scored alone or with others, and bad input rejected with nothing changed.
+#include <apex/detail/simd_kernels.hpp>
 #include <apex/indexer.hpp>
 #include <apex/kv_quant.hpp>
 #include <apex/rope.hpp>
@@ -283,6 +284,51 @@ TEST(Indexer, EveryKeyFormat) {
   expect_format_selects_its_values<Eigen::bfloat16>();
   expect_format_selects_its_values<apex::BlockQ8_0>();
   expect_format_selects_its_values<apex::BlockFp8E4m3<128>>();
+}
+
+// allow_bf16_products: where the CPU has the bfloat16 products, the scores are those of the
+// loop over the query heads and keys rounded to bfloat16 (for float and for bfloat16 keys, read
+// as they are); elsewhere the exact ones. A decoded row selects what it selects in a prompt.
+TEST(Indexer, Bf16ProductsRoundTheFactors) {
+  const apex::detail::FloatKernels* simd = apex::detail::float_kernels();
+  const bool rounds = simd != nullptr && simd->bf16 != nullptr;
+  IndexerConfig config = small_config(7);
+  config.allow_bf16_products = true;
+  IndexerCase<float> c(config, 2, 90, 12);
+  const RowMatrix<float> q = c.indexer.queries(c.c_q, c.batch, c.rope, 0);
+  const RowMatrix<float> w = c.indexer.head_weights(c.h);
+  const RowMatrix<float> k = c.indexer.keys(c.h, c.batch, c.rope, 0);
+  const auto rounded = [&](const RowMatrix<float>& m) -> Eigen::MatrixXd {
+    return rounds ? apex::converted<Eigen::bfloat16>(m).cast<double>() : as_double(m);
+  };
+  std::vector<long long> at;
+  for (Index s = 0; s < c.n; ++s) at.push_back(s);
+  auto f32 = c.indexer.make_cache(c.batch, 90);
+  auto b16 = c.indexer.make_cache<Eigen::bfloat16>(c.batch, 90);
+  f32.append(k, 0);
+  b16.append(k, 0);
+  const RowMatrix<float> from_f32 = c.indexer.scores(q, w, f32.keys(), 0);
+  const RowMatrix<float> from_b16 = c.indexer.scores(q, w, b16.keys(), 0);
+  const Eigen::MatrixXd bf16_keys = apex::converted<Eigen::bfloat16>(k).cast<double>();
+  for (Index b = 0; b < c.batch; ++b) {
+    const Eigen::MatrixXd want_w =
+        as_double(w.middleRows(b * c.n, c.n)) * std::sqrt(double(config.heads * config.head_dim));
+    const Eigen::MatrixXd want_f32 = apex::reference::indexer_scores(
+        rounded(q.middleRows(b * c.n, c.n)), want_w, rounded(k.middleRows(b * c.n, c.n)), at);
+    const Eigen::MatrixXd want_b16 = apex::reference::indexer_scores(
+        rounded(q.middleRows(b * c.n, c.n)), want_w, bf16_keys.middleRows(b * c.n, c.n), at);
+    EXPECT_LE(normwise(as_double(from_f32.middleRows(b * c.n, c.n)), want_f32),
+              Tolerances<float>::kIndexer);
+    EXPECT_LE(normwise(as_double(from_b16.middleRows(b * c.n, c.n)), want_b16),
+              Tolerances<float>::kIndexer);
+  }
+  const KeySelection all = c.indexer.select(q, w, b16.keys(), 0);
+  for (const Index t : {Index{0}, Index{41}, Index{89}}) {
+    const KeySelection alone =
+        c.indexer.select(q.middleRows(t, 1), w.middleRows(t, 1),
+                         b16.keys().middle_batches(0, 1).middle_rows(0, t + 1), t);
+    EXPECT_EQ(alone.row(0).head(alone.cols()), all.row(t).head(alone.cols())) << "row " << t;
+  }
 }
 
 // A row's selection does not depend on the thread count, nor on the rows scored with it: a

@@ -124,10 +124,14 @@ struct IndexerCall {
   template <class C>
   IndexerInputs<C, TK> inputs(const RowMatrix<C>& q, const RowMatrix<C>& w,
                               const IndexerConfig& c) const {
-    return {q.data(),       q.cols(),        w.data(),
-            w.cols(),       q.rows(),        c.heads,
-            c.head_dim,     segments.data(), row_sequence.data(),
-            row_end.data(), longest};
+    const FloatKernels* simd = std::is_same_v<C, float> ? float_kernels() : nullptr;
+    const Bf16Kernels* bf16 = simd != nullptr && c.allow_bf16_products ? simd->bf16 : nullptr;
+    APEX_ASSERT(bf16 == nullptr || bf16->panel <= 64);  // the bound of IndexerScratch
+    IndexerInputs<C, TK> in{
+        bf16,           q.data(), q.cols(),   w.data(),        w.cols(),
+        q.rows(),       c.heads,  c.head_dim, segments.data(), row_sequence.data(),
+        row_end.data(), longest};
+    return in;
   }
 };
 

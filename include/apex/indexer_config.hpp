@@ -23,6 +23,14 @@ struct IndexerConfig {
   Index rope_dim = 0;      ///< d_r: RoPE on the first d_r features (even, <= d_I)
   Index top_k = 0;         ///< k >= 1: keys selected per query
   double norm_eps = 1e-6;  ///< ε of the keys' LayerNorm
+  /// Permits the scores' products q_{t,j}·k_s with bfloat16 factors, summed in float, where the
+  /// CPU has AVX512-BF16's dot products or AMX's tiles (KernelIsa::kAvx512Bf16, kAmx, cpu.hpp):
+  /// each query head and each key (in float, or widened from its format) is rounded to
+  /// bfloat16 to nearest even; keys stored as bfloat16 are read as they are. Each product then
+  /// carries a relative error up to 2^-8·Σ_c |q_c·k_c| / |q·k|, so nearly equal scores may
+  /// swap ranks (DeepSeek's own indexer multiplies in fp8). Elsewhere, or when the indexer
+  /// computes in double, the products are exact as without it. Off by default.
+  bool allow_bf16_products = false;
 };
 
 /// The weights of a lightning indexer, applied as x·W.

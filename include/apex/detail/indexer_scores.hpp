@@ -12,8 +12,10 @@
 // HOW. The keys are read in fixed blocks of kIndexerKeyBlock positions (the blocks start at its
 // multiples), through the segment's block table when paged, and widened to the compute type C
 // where they are not stored as C (kv_read.hpp's rows_as); for one query row and one key block,
-// S = Q_t [H, d] · K_blockᵀ is one product on one thread (matmul_serial), then each key's score
-// is Σ_j w_j·max(0, S(j, s)) summed over j in order. A key's score therefore depends on its
+// S = Q_t [H, d] · K_blockᵀ is one product on one thread (matmul_serial; with
+// IndexerConfig::allow_bf16_products where the CPU has them, apex's bfloat16 products, on AMX
+// tiles where it has those), then each key's score is Σ_j w_j·max(0, S(j, s)) summed over j in
+// order. A key's score therefore depends on its
 // block's place alone: not on the number of threads, not on the other rows of the call, not on
 // whether the row is decoded alone or scored with a whole prompt, and not on whether the keys
 // are paged.
@@ -24,7 +26,8 @@
 //
 // MEMORY. The call holds the scores of at most kIndexerRows rows at once, kIndexerRows · S_k
 // values of C and as many of scratch (S_k: the most keys of a sequence), and each thread a widened
-// key block and its product, kIndexerKeyBlock · (d + H) values of C (thread_local, kept between
+// key block and its product, kIndexerKeyBlock · (d + H) values of C, and for the bfloat16
+// products the packed pairs of IndexerScratch, about as many again (thread_local, kept between
 // calls).
 #pragma once
 
@@ -59,6 +62,7 @@ inline constexpr Index kIndexerRows = 8;
 /// plus one when causal; the end of a bidirectional prefix for a row inside it).
 template <class C, class TK>
 struct IndexerInputs {
+  const Bf16Kernels* bf16;             // the bfloat16 products (C = float), where permitted
   const C* q;                          // [rows, heads·dim], row stride q_stride
   Index q_stride;                      //
   const C* w;                          // [rows, heads], row stride w_stride
@@ -74,28 +78,91 @@ struct IndexerInputs {
   Index end(Index t) const { return std::min(first(t) + segment(t).size(), row_end[t]); }
 };
 
+/// A thread's scratch for score_key_block, in values of C (thread_local, kept between calls):
+/// a widened key block [Bk, d], the product [H, Bk] and, for the bfloat16 products, the key
+/// block packed in pairs (at most (Bk + 64)·⌈d/2⌉ of them: panels of at most 64 keys) and the
+/// rounded query [H, ⌈d/2⌉ pairs], each pair one value of C's width or less.
+template <class C>
+struct IndexerScratch {
+  C* widened;
+  C* product;
+  C* packed;
+  C* q_pairs;
+
+  template <class TK>
+  static IndexerScratch of(const IndexerInputs<C, TK>& in) {
+    thread_local std::vector<C> scratch;
+    const Index pairs = in.bf16 != nullptr ? (in.dim + 1) / 2 : 0;
+    const Index widened = kIndexerKeyBlock * in.dim, product = in.heads * kIndexerKeyBlock;
+    const Index packed = (kIndexerKeyBlock + 64) * pairs;
+    scratch.resize(static_cast<std::size_t>(widened + product + packed + in.heads * pairs));
+    C* const at = scratch.data();
+    return {at, at + widened, at + widened + product, at + widened + product + packed};
+  }
+};
+
+/// product [H, n] = Q_t [H, d] · Kᵀ for n keys k [n, d] (row stride k.stride): where bf16 is
+/// set, on the bfloat16 products (Q_t and the keys rounded to pairs and packed; keys stored as
+/// bfloat16 read as they are, from `stored`); else in C (matmul_serial).
+template <class C, class TK>
+void key_block_products(const IndexerInputs<C, TK>& in, const C* q, const ConstRows<C>& k,
+                        const TK* stored, Index stored_stride, Index n, C* packed, C* q_pairs,
+                        C* product) {
+  if constexpr (std::is_same_v<C, float>) {
+    if (in.bf16 != nullptr) {
+      auto* b = reinterpret_cast<Bf16Pair*>(packed);   // NOLINT: scratch floats as pairs
+      auto* a = reinterpret_cast<Bf16Pair*>(q_pairs);  // NOLINT: likewise
+      if constexpr (std::is_same_v<TK, Eigen::bfloat16>) {
+        in.bf16->pack_keys_bf16(b, simd_elements(stored), stored_stride, n, in.dim);
+      } else {
+        in.bf16->pack_keys(b, k.data, k.stride, n, in.dim);
+      }
+      const Index pairs = Bf16Kernels::pairs(in.dim);
+      in.bf16->round_pairs(a, pairs, q, in.dim, in.heads, in.dim);
+      in.bf16->gemm(product, n, a, pairs, b, in.bf16->panel, in.bf16->panel * pairs, in.heads, n,
+                    pairs, false, nullptr);
+      return;
+    }
+  }
+  (void)stored;
+  (void)stored_stride;
+  (void)packed;
+  (void)q_pairs;
+  // S = Q_t [H, d] · Kᵀ [d, n]: the keys' rows are the columns of a column-major right side.
+  matmul_serial<C, Eigen::ColMajor>(in.heads, n, in.dim, q, in.dim, k.data, k.stride, product, n);
+}
+
 /// The scores of query row t against the visible keys of key block `block` (positions
 /// [block·Bk, (block + 1)·Bk)), written to scores[position − first(t)]. Scratch from the calling
-/// thread.
+/// thread (IndexerScratch).
 template <class C, class TK>
 void score_key_block(const IndexerInputs<C, TK>& in, Index t, Index block, C* scores) {
   const Index first = std::max(in.first(t), block * kIndexerKeyBlock);
   const Index n = std::min(in.end(t), (block + 1) * kIndexerKeyBlock) - first;
   if (n <= 0) return;
-  thread_local std::vector<C> scratch;
-  scratch.resize(static_cast<std::size_t>(kIndexerKeyBlock * (in.dim + in.heads)));
-  C* const product = scratch.data() + kIndexerKeyBlock * in.dim;  // [H, n]
+  const IndexerScratch<C> scratch = IndexerScratch<C>::of(in);
   const KeySegment<TK, TK>& keys = in.segment(t);
-  const ConstRows<C> k = rows_as<C>(SegmentHead<TK>(keys.k, keys.pages, 0, 0),
-                                    first - keys.first_position, n, scratch.data());
-  // S = Q_t [H, d] · Kᵀ [d, n]: the keys' rows are the columns of a column-major right side.
-  matmul_serial<C, Eigen::ColMajor>(in.heads, n, in.dim, in.q + t * in.q_stride, in.dim, k.data,
-                                    k.stride, product, n);
+  const SegmentHead<TK> head(keys.k, keys.pages, 0, 0);
+  const Index row = first - keys.first_position;
+  const TK* stored = nullptr;
+  Index stored_stride = 0;
+  if constexpr (std::is_same_v<TK, Eigen::bfloat16>) {
+    if (in.bf16 != nullptr) {  // bfloat16 keys feed the pairs as they are (copied if paged)
+      TK* const copy = reinterpret_cast<TK*>(scratch.widened);  // NOLINT: scratch, narrower rows
+      const ConstRows<TK> rows = stored_rows(head, row, n, copy);
+      stored = rows.data;
+      stored_stride = rows.stride;
+    }
+  }
+  const ConstRows<C> k =
+      stored != nullptr ? ConstRows<C>{nullptr, 0} : rows_as<C>(head, row, n, scratch.widened);
+  key_block_products(in, in.q + t * in.q_stride, k, stored, stored_stride, n, scratch.packed,
+                     scratch.q_pairs, scratch.product);
   const C* w = in.w + t * in.w_stride;
   C* out = scores + (first - keys.first_position);
   std::fill_n(out, n, C(0));
   for (Index j = 0; j < in.heads; ++j) {
-    const C* s = product + j * n;
+    const C* s = scratch.product + j * n;
     const C wj = w[j];
     for (Index i = 0; i < n; ++i) out[i] += wj * std::max(C(0), s[i]);
   }
