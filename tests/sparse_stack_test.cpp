@@ -5,7 +5,7 @@
 // included), equal to the dense stack when k covers every key, prefill / extend / decode_step
 // equal to forward, reserve, the cache memory of the indexer keys in every format, weights
 // converted with their indexers, bit-identical results for any number of threads, and bad
-// input rejected with nothing changed.
+// input rejected with nothing changed; serve() over paged caches against each sequence alone.
 #include <apex/kv_quant.hpp>
 #include <apex/stack.hpp>
 #include <apex/stack_training.hpp>
@@ -245,6 +245,68 @@ TEST(SparseStack, BitIdenticalForAnyNumberOfThreads) {
   EXPECT_EQ(stack.forward(t, 3), one);
 }
 
+// serve() over paged caches: each sequence's logits are those of the cached calls on that
+// sequence alone (a prompt with a prefix, its fork, and a prompt joining later, mixed with
+// decoding tokens in one call); the pools hold the indexer keys.
+TEST(SparseStack, ServeEqualsEachSequenceAlone) {
+  const auto stack = apex::AttentionStack<double>::random(sparse_config(4), 10);
+  const auto dense = dense_twin(stack);
+  const apex::ServingCacheShape shape{4, 16, 16};
+  auto serving = stack.make_serving_cache(shape);
+  EXPECT_EQ(serving.bytes(), dense.make_serving_cache(shape).bytes() +
+                                 2 * 16 * 4 * 8 * Index(sizeof(double)));  // 2 key pools
+  const apex::TokenMatrix t = tokens(3, 16);
+  auto row = [&](Index b, Index from, Index n) {
+    return std::vector<std::int64_t>(t.row(b).data() + from, t.row(b).data() + from + n);
+  };
+  const apex::SequenceId a = serving.add(3);
+  RowMatrix<double> got = stack.serve({a}, {row(0, 0, 9)}, serving);
+  const apex::SequenceId b = serving.fork(a);
+  std::vector<RowMatrix<double>> logits_a{got}, logits_b, logits_c;
+  const apex::SequenceId c = serving.add(0);
+  got = stack.serve({a, b, c}, {row(0, 9, 1), row(1, 9, 1), row(2, 0, 6)}, serving);
+  logits_a.push_back(got.row(0));
+  logits_b.push_back(got.row(1));
+  logits_c.push_back(got.row(2));
+  for (Index s = 10; s < 14; ++s) {
+    got = stack.serve({c, a, b}, {row(2, s - 4, 1), row(0, s, 1), row(1, s, 1)}, serving);
+    logits_c.push_back(got.row(0));
+    logits_a.push_back(got.row(1));
+    logits_b.push_back(got.row(2));
+  }
+  EXPECT_GT(serving.pages_in_use(), 0);
+  // Each sequence alone: its prompt (b's is a's 9 tokens), then one token at a time.
+  const auto alone = [&](Index seq, Index prompt, Index prefix, Index steps) {
+    auto cache = stack.make_cache(1, 16);
+    apex::TokenMatrix p(1, prompt);
+    for (Index i = 0; i < prompt; ++i) p(0, i) = seq == 1 ? t(0, i) : t(seq, i);
+    std::vector<RowMatrix<double>> out{
+        stack.prefill(p, prefix, apex::DecodeOptions{apex::LogitRows::kLast}, cache)};
+    for (Index s = prompt; s < prompt + steps; ++s) {
+      out.push_back(stack.decode_step({t(seq, s)}, cache));
+    }
+    return out;
+  };
+  const auto want_a = alone(0, 9, 3, 5);
+  const auto want_c = alone(2, 6, 0, 4);
+  auto want_b = alone(1, 9, 3, 5);
+  want_b.erase(want_b.begin());  // b's first logits are a's prompt's
+  const auto expect_steps = [](const std::vector<RowMatrix<double>>& got_steps,
+                               const std::vector<RowMatrix<double>>& want, const char* name) {
+    ASSERT_EQ(got_steps.size(), want.size()) << name;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_LE(normwise(got_steps[i], want[i]), Tolerances<double>::kDecode)
+          << name << ", step " << i;
+    }
+  };
+  expect_steps(logits_a, want_a, "a");
+  expect_steps(logits_b, want_b, "b");
+  expect_steps(logits_c, want_c, "c");
+  EXPECT_EQ(serving.indexer_keys(2).length(c), 10);
+  serving.free(b);
+  EXPECT_FALSE(serving.indexer_keys(5).contains(b));
+}
+
 // Bad configs, indexers and calls: clear errors, and a failed call changes no cache.
 TEST(SparseStack, BadInputIsRejectedAndChangesNothing) {
   apex::StackConfig bad = sparse_config(4);
@@ -287,19 +349,25 @@ TEST(SparseStack, BadInputIsRejectedAndChangesNothing) {
                                           stack.final_gamma(), layers, indexers);
       },
       {"[stack] indexers holds 5 entries; expected one per layer (6)"});
-  // Paths that run dense global layers only.
-  expect_invalid(
-      [&] {
-        (void)stack.make_serving_cache(apex::ServingCacheShape{4, 8, 8});
-      },
-      {"[make_serving_cache] takes a stack with dense global layers"});
-  auto serving = dense.make_serving_cache(apex::ServingCacheShape{4, 8, 8});
+  // Paths that run dense global layers only, and a dense stack's serving cache.
+  auto serving = stack.make_serving_cache(apex::ServingCacheShape{4, 8, 8});
   const apex::SequenceId id = serving.add();
   expect_invalid(
       [&] {
-        (void)stack.serve({id}, {{1, 2}}, serving);
+        (void)stack.verify_drafts({id}, {{1, 2}}, {apex::DraftTree({-1, 0})}, serving);
       },
-      {"takes a stack with dense global layers"});
+      {"[verify_drafts] takes a stack with dense global layers"});
+  auto dense_serving = dense.make_serving_cache(apex::ServingCacheShape{4, 8, 8});
+  const apex::SequenceId other_id = dense_serving.add();
+  expect_invalid(
+      [&] {
+        (void)stack.serve({other_id}, {{1, 2}}, dense_serving);
+      },
+      {"[serve] the serving cache was not made by this stack's make_serving_cache"});
+  expect_invalid([&] { (void)stack.serve({id}, {std::vector<std::int64_t>(40, 1)}, serving); },
+                 {"[serve]"});
+  EXPECT_EQ(serving.length(id), 0);
+  EXPECT_EQ(serving.indexer_keys(2).length(id), 0);
   apex::StackActivations<float> saved;
   expect_invalid([&] { (void)apex::stack_forward(stack, tokens(1, 4), 0, saved); },
                  {"[stack_forward] takes a stack with dense global layers"});

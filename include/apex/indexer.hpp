@@ -463,15 +463,17 @@ class LightningIndexer {
 
   /// select() over the sequences of a paged key cache: rows [cu_seqlens[i], cu_seqlens[i + 1])
   /// of q and w are the last tokens of sequence ids[i] (already appended), each ranking the keys
-  /// the sequence holds up to its own position -> [T, min(k, the most keys a sequence holds)],
-  /// positions ascending, then -1. The same selection as select() over the same keys stored
-  /// contiguously, bit for bit, for any number of threads. Allocates a few values per row.
+  /// the sequence holds up to its own position (all of [0, P) inside a bidirectional prefix P =
+  /// (*prefixes)[i], when given) -> [T, min(k, the most keys a sequence holds)], positions
+  /// ascending, then -1. The same selection as select() over the same keys stored contiguously,
+  /// bit for bit, for any number of threads. Allocates a few values per row.
   template <class Storage>
   KeySelection select_paged(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
                             const std::vector<Index>& cu_seqlens,
                             const PagedIndexerKeyCache<Scalar, Storage>& cache,
-                            const std::vector<SequenceId>& ids) const {
-    const detail::IndexerCall<Storage> call = paged_call(q, w, cu_seqlens, cache, ids);
+                            const std::vector<SequenceId>& ids,
+                            const std::vector<Index>* prefixes = nullptr) const {
+    const detail::IndexerCall<Storage> call = paged_call(q, w, cu_seqlens, cache, ids, prefixes);
     KeySelection selected(q.rows(), std::min(config().top_k, call.longest));
     detail::indexer_select(call.inputs(q, w, config()), config().top_k, selected);
     return selected;
@@ -566,13 +568,17 @@ class LightningIndexer {
   detail::IndexerCall<Storage> paged_call(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
                                           const std::vector<Index>& cu_seqlens,
                                           const PagedIndexerKeyCache<Scalar, Storage>& cache,
-                                          const std::vector<SequenceId>& ids) const {
+                                          const std::vector<SequenceId>& ids,
+                                          const std::vector<Index>* prefixes) const {
     const char* op = "indexer";
     check_queries(q, w);
     APEX_CHECK(cache.head_dim() == config().head_dim,
                "[indexer] the key cache's head_dim (" << cache.head_dim() << ") must equal d_I ("
                                                       << config().head_dim << ")");
     detail::check_offsets(cu_seqlens, static_cast<Index>(ids.size()), q.rows(), op, "cu_seqlens");
+    APEX_CHECK(prefixes == nullptr || prefixes->size() == ids.size(),
+               "[indexer] prefixes holds " << prefixes->size() << " entries; expected one per "
+                                           << "sequence (" << ids.size() << ")");
     detail::check_live_ids(cache, ids, op);
     detail::IndexerCall<Storage> call;
     for (std::size_t i = 0; i < ids.size(); ++i) {
@@ -582,9 +588,13 @@ class LightningIndexer {
       APEX_CHECK(n <= held, "[indexer] sequence " << ids[i] << " has " << n
                                                   << " query rows but holds " << held
                                                   << " keys: append before selecting");
+      const Index prefix = prefixes != nullptr ? (*prefixes)[i] : 0;
+      APEX_CHECK(prefix >= 0 && prefix <= held,
+                 "[indexer] the prefix (" << prefix << ") of sequence " << ids[i]
+                                          << " must lie in [0, " << held << "], the keys it holds");
       call.longest = std::max(call.longest, held);
       for (Index s = 0; s < n; ++s) {
-        call.add_row(static_cast<Index>(i), cache.length(ids[i]) - n + s, 0);
+        call.add_row(static_cast<Index>(i), cache.length(ids[i]) - n + s, prefix);
       }
     }
     return call;

@@ -9,7 +9,9 @@
 #pragma once
 
 #include <apex/config.hpp>
+#include <apex/indexer.hpp>
 #include <apex/paged_cache.hpp>
+#include <apex/stack_config.hpp>
 #include <apex/tree_mask.hpp>
 
 #include <cstdint>
@@ -21,7 +23,8 @@
 namespace apex {
 
 /// The pools of a ServingCache: pages of page_size tokens, local_pages for each local layer and
-/// global_pages for each global layer (each layer has a pool of its own).
+/// global_pages for each global layer (each layer has a pool of its own; a sparse global layer
+/// has two of global_pages pages, its latent rows' and its indexer keys').
 struct ServingCacheShape {
   Index page_size = 16;    ///< tokens per page
   Index local_pages = 0;   ///< pages of each local layer's PagedKvCache
@@ -37,13 +40,17 @@ struct ServingCacheAccess;  // stack_serving.hpp: make_serving_cache and serve
 /// members of those names call them). Memory: the pools, allocated (zeroed) at construction
 /// (bytes()), and a block table per sequence and layer.
 /// The local layers' pages store format Storage and the global layers' format Global (as
-/// StackCache's, stack_cache.hpp; Global is Storage unless given).
+/// StackCache's, stack_cache.hpp; Global is Storage unless given). A stack with sparse global
+/// layers (StackConfig::indexer) adds, per global layer, a PagedIndexerKeyCache in format
+/// indexer_key_format_t<Global> holding the same sequences.
 /// Default-constructed or moved from, it is empty (no layers; the stacks reject it).
 template <class Scalar, class Storage = Scalar, class Global = Storage>
 class ServingCache {
  public:
   /// The cache of one layer: a PagedKvCache (local) or a PagedLatentCache (global).
   using LayerCache = std::variant<PagedKvCache<Scalar, Storage>, PagedLatentCache<Scalar, Global>>;
+  /// The indexer keys of a sparse global layer.
+  using KeyCache = PagedIndexerKeyCache<Scalar, indexer_key_format_t<Global>>;
 
   ServingCache() = default;
 
@@ -54,6 +61,12 @@ class ServingCache {
     APEX_CHECK(l >= 0 && l < num_layers(),
                "[serving_cache] layer (" << l << ") must lie in [0, " << num_layers() << ")");
     return layers_[static_cast<std::size_t>(l)];
+  }
+  /// The indexer keys of layer l, read-only: a sparse global layer's, or an empty cache (no
+  /// pages) for the other layers. Throws unless 0 <= l < num_layers().
+  const KeyCache& indexer_keys(Index l) const {
+    (void)layer(l);  // the check
+    return keys_[static_cast<std::size_t>(l)];
   }
   /// Number of live sequences.
   Index sequences() const { return static_cast<Index>(prefix_.size()); }
@@ -85,6 +98,7 @@ class ServingCache {
   std::int64_t bytes() const {
     std::int64_t total = 0;
     for (const auto& c : layers_) total += std::visit([](const auto& x) { return x.bytes(); }, c);
+    for (const KeyCache& k : keys_) total += k.bytes();
     return total;
   }
   /// Pages in use, summed over the layers (a page shared by forks counts once).
@@ -93,6 +107,7 @@ class ServingCache {
     for (const auto& c : layers_) {
       total += std::visit([](const auto& x) { return x.pages_in_use(); }, c);
     }
+    for (const KeyCache& k : keys_) total += sparse(k) ? k.pages_in_use() : 0;
     return total;
   }
 
@@ -105,6 +120,9 @@ class ServingCache {
     APEX_CHECK(prefix >= 0, "[serving_cache] prefix (" << prefix << ") must be >= 0");
     SequenceId id;
     for (auto& c : layers_) id = std::visit([](auto& x) { return x.add(); }, c);
+    for (KeyCache& k : keys_) {
+      if (sparse(k)) same_id(id, k.add());
+    }
     prefix_.emplace(id, prefix);
     return id;
   }
@@ -115,6 +133,9 @@ class ServingCache {
     check_live(id);
     SequenceId child;
     for (auto& c : layers_) child = std::visit([id](auto& x) { return x.fork(id); }, c);
+    for (KeyCache& k : keys_) {
+      if (sparse(k)) same_id(child, k.fork(id));
+    }
     prefix_.emplace(child, prefix_.at(id));
     if (drafts_.count(id) == 1) drafts_.emplace(child, drafts_.at(id));  // its own to accept
     return child;
@@ -123,6 +144,9 @@ class ServingCache {
   void free(SequenceId id) {
     check_live(id);
     for (auto& c : layers_) std::visit([id](auto& x) { x.free(id); }, c);
+    for (KeyCache& k : keys_) {
+      if (sparse(k)) k.free(id);
+    }
     prefix_.erase(id);
     drafts_.erase(id);
   }
@@ -130,7 +154,17 @@ class ServingCache {
  private:
   friend struct detail::ServingCacheAccess;
 
-  explicit ServingCache(std::vector<LayerCache> layers) : layers_(std::move(layers)) {}
+  ServingCache(std::vector<LayerCache> layers, std::vector<KeyCache> keys)
+      : layers_(std::move(layers)), keys_(std::move(keys)) {}
+
+  /// Whether a layer's key cache is a sparse layer's (it has pages), not an empty one.
+  static bool sparse(const KeyCache& k) { return k.head_dim() >= 1; }
+  /// Every pool hands out ids in the same order: a key cache's id is its layers'.
+  static void same_id(SequenceId expected, SequenceId given) {
+    APEX_ASSERT(expected == given);
+    (void)expected;
+    (void)given;
+  }
 
   void check_live(SequenceId id) const {
     APEX_CHECK(prefix_.count(id) == 1,
@@ -144,6 +178,7 @@ class ServingCache {
   };
 
   std::vector<LayerCache> layers_;             // a moved-from vector is empty
+  std::vector<KeyCache> keys_;                 // one per layer; empty ones where not sparse
   std::map<SequenceId, Index> prefix_;         // the live sequences and their prefixes
   std::map<SequenceId, PendingDraft> drafts_;  // the verified drafts awaiting accept
 };

@@ -198,6 +198,110 @@ KeySelection sparse_mla_step(const SparseMlaParts<Scalar, Weight>& layer,
   return selected;
 }
 
+/// Every check of sparse_mla_paged_step; returns the positions of the rows.
+template <class Scalar, class Weight, class Storage, class KeyStorage>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the order of the step's arguments
+Vector<Index> check_sparse_paged_step(
+    const SparseMlaParts<Scalar, Weight>& layer, const ConstRowRef<Scalar>& x,
+    const std::vector<Index>& cu_seqlens, const std::vector<SequenceId>& ids,
+    const std::vector<Index>& prefixes, const AttentionLayerParams<Scalar>& params,
+    const PagedLatentCache<Scalar, Storage>& latent,
+    const PagedIndexerKeyCache<Scalar, KeyStorage>& keys, const RowRef<Scalar>& out) {
+  const char* op = "sparse_mla";
+  const MlaConfig& c = layer.mla.config();
+  check_constructed(c.d_model >= 1, op, "layer");
+  check_mla_rope(c, params.rope);
+  check_paged_layer_input(x, c.d_model, params.position_offset, op);
+  APEX_CHECK(params.row_positions == nullptr && params.draft_trees == nullptr,
+             "[" << op << "] params.row_positions and params.draft_trees must be unset: the "
+                 << "indexer ranks the keys of a sequence by their slots");
+  check_mla_paged_cache(c, latent);
+  APEX_CHECK(keys.head_dim() == layer.indexer.config().head_dim,
+             "[" << op << "] the key cache's head_dim (" << keys.head_dim() << ") must equal d_I ("
+                 << layer.indexer.config().head_dim << ")");
+  APEX_ASSERT(prefixes.size() == ids.size());
+  std::vector<PositionMask> masks(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    masks[i].causal = true;
+    masks[i].prefix = prefixes[i];
+  }
+  Vector<Index> positions =
+      paged_step_positions(x.rows(), cu_seqlens, ids, masks, latent, params.rope, op);
+  std::vector<std::pair<SequenceId, Index>> appends;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    APEX_CHECK(
+        keys.contains(ids[i]) && keys.length(ids[i]) == latent.length(ids[i]),
+        "[" << op << "] sequence " << ids[i] << " must hold as many indexer keys as latent rows");
+    appends.emplace_back(ids[i], cu_seqlens[i + 1] - cu_seqlens[i]);
+  }
+  keys.check_appends(appends, op);
+  const SdpaParams attention = mla_attention_params(c, layer.mla.weights().sinks, params.attention);
+  check_layer_attention<Scalar>({1, x.rows(), 0, "T"}, mla_absorbed_heads(c), {}, attention, out,
+                                c.d_model, op);
+  return positions;
+}
+
+/// The absorbed attention of a paged step's queries q [T, H_q·width] over their selected rows
+/// of the latent pages -> o_latent [T, H_q·d_kv].
+template <class Scalar, class Weight, class Storage>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the order of the step's arguments
+RowMatrix<Scalar> attend_selected_paged(const MultiHeadLatentAttention<Scalar, Weight>& mla,
+                                        const RowMatrix<Scalar>& q,
+                                        const std::vector<Index>& cu_seqlens,
+                                        const std::vector<SequenceId>& ids,
+                                        const KeySelection& selected,
+                                        const PagedLatentCache<Scalar, Storage>& cache,
+                                        const AttentionLayerParams<Scalar>& params) {
+  const MlaConfig& c = mla.config();
+  const Index width = c.d_kv + c.rope_key_heads() * c.rope_dim;
+  const SdpaParams attention = mla_attention_params(c, mla.weights().sinks, params.attention);
+  const auto queries =
+      HeadsView<const Scalar>::token_major(q.data(), {1, c.num_q_heads, q.rows(), width});
+  return latent_outputs<Scalar>(
+      queries.shape(), c.d_kv, cache.value_dim(), [&](const HeadsView<Scalar>& o) {
+        sdpa_sparse_paged(queries, cu_seqlens, cache, ids, selected, attention, o);
+      });
+}
+
+/// One step of sparse MLA over paged caches (SparseLatentAttention::forward_paged, and serve()
+/// of a stack with sparse global layers): rows [cu[i], cu[i + 1]) of x are the next tokens of
+/// sequence ids[i], at positions latent.length(ids[i]) + s, its first prefixes[i] positions
+/// bidirectional (§11.1). As sparse_mla_step for each sequence: the latent rows and indexer keys
+/// appended to its pages, each row's top k of the keys it sees (LightningIndexer::select_paged),
+/// absorbed MLA over those rows read in their pages. Every check runs before a cache or out is
+/// written; out may be x. Returns the selection.
+template <class Scalar, class Weight, class Storage, class KeyStorage>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the order of forward_paged's arguments
+KeySelection sparse_mla_paged_step(
+    const SparseMlaParts<Scalar, Weight>& layer, const ConstRowRef<Scalar>& x,
+    const std::vector<Index>& cu_seqlens, const std::vector<SequenceId>& ids,
+    const std::vector<Index>& prefixes, const AttentionLayerParams<Scalar>& params,
+    PagedLatentCache<Scalar, Storage>& latent, PagedIndexerKeyCache<Scalar, KeyStorage>& keys,
+    RowRef<Scalar> out) {
+  const Vector<Index> positions =
+      check_sparse_paged_step(layer, x, cu_seqlens, ids, prefixes, params, latent, keys, out);
+  const MlaConfig& c = layer.mla.config();
+  const MlaWeights<Weight>& w = layer.mla.weights();
+  const RowPositions at{0, 1, &positions};
+  const RowMatrix<Scalar> c_q = matmul<Scalar>(x, w.w_dq);
+  const RowMatrix<Scalar> q = absorbed_queries(c, w, x, c_q, at, params, layer.absorbed);
+  const RowMatrix<Scalar> q_index = layer.indexer.queries(c_q, *params.rope, positions);
+  const RowMatrix<Scalar> w_index = layer.indexer.head_weights(x);
+  const RowMatrix<Scalar> k_index = layer.indexer.keys(x, *params.rope, positions);
+  const RowMatrix<Scalar> rows = mla_latent_rows(c, w, x, at, params);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const Index first = cu_seqlens[i], n = cu_seqlens[i + 1] - first;
+    latent.append(ids[i], rows.middleRows(first, n));
+    keys.append(ids[i], k_index.middleRows(first, n));
+  }
+  KeySelection selected =
+      layer.indexer.select_paged(q_index, w_index, cu_seqlens, keys, ids, &prefixes);
+  const RowMatrix<Scalar> o_latent =
+      attend_selected_paged(layer.mla, q, cu_seqlens, ids, selected, latent, params);
+  absorbed_output(c, w, o_latent, layer.absorbed, out);
+  return selected;
+}
+
 }  // namespace detail
 
 /// A multi-head latent attention layer with a lightning indexer: DeepSeek Sparse Attention (see
@@ -286,28 +390,9 @@ class SparseLatentAttention {
                              const AttentionLayerParams<Scalar>& params,
                              SparsePagedCache<Scalar, Storage, KeyStorage>& cache,
                              RowRef<Scalar> out) const {
-    const ConstRowRef<Scalar> xr = detail::layer_rows<Scalar>(x);
-    const Vector<Index> positions = check_paged_step(xr, cu_seqlens, ids, params, cache, out);
-    const MlaConfig& c = mla_.config();
-    const detail::RowPositions at{0, 1, &positions};
-    const RowMatrix<Scalar> c_q = detail::matmul<Scalar>(xr, mla_.weights().w_dq);
-    const RowMatrix<Scalar> q =
-        detail::absorbed_queries(c, mla_.weights(), xr, c_q, at, params, absorbed_);
-    const RowMatrix<Scalar> q_index = indexer_.queries(c_q, *params.rope, positions);
-    const RowMatrix<Scalar> w_index = indexer_.head_weights(xr);
-    const RowMatrix<Scalar> k_index = indexer_.keys(xr, *params.rope, positions);
-    const RowMatrix<Scalar> latent = detail::mla_latent_rows(c, mla_.weights(), xr, at, params);
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      const Index first = cu_seqlens[i], n = cu_seqlens[i + 1] - first;
-      cache.latent.append(ids[i], latent.middleRows(first, n));
-      cache.indexer_keys.append(ids[i], k_index.middleRows(first, n));
-    }
-    KeySelection selected =
-        indexer_.select_paged(q_index, w_index, cu_seqlens, cache.indexer_keys, ids);
-    const RowMatrix<Scalar> o_latent =
-        attend_selected_paged(q, cu_seqlens, ids, selected, cache.latent, params);
-    detail::absorbed_output(c, mla_.weights(), o_latent, absorbed_, out);
-    return selected;
+    return detail::sparse_mla_paged_step(parts(), detail::layer_rows<Scalar>(x), cu_seqlens, ids,
+                                         std::vector<Index>(ids.size(), 0), params, cache.latent,
+                                         cache.indexer_keys, out);
   }
 
   /// Value-returning forward: the output [B*n, d] (the selection is dropped).
@@ -321,68 +406,6 @@ class SparseLatentAttention {
   }
 
  private:
-  /// Every check of forward_paged; returns the positions of the rows.
-  template <class Storage, class KeyStorage>
-  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the order of forward_paged's arguments
-  Vector<Index> check_paged_step(const ConstRowRef<Scalar>& x, const std::vector<Index>& cu_seqlens,
-                                 const std::vector<SequenceId>& ids,
-                                 const AttentionLayerParams<Scalar>& params,
-                                 const SparsePagedCache<Scalar, Storage, KeyStorage>& cache,
-                                 const RowRef<Scalar>& out) const {
-    const char* op = "sparse_mla";
-    detail::check_constructed(mla_.config().d_model >= 1, op, "layer");
-    const MlaConfig& c = mla_.config();
-    detail::check_mla_rope(c, params.rope);
-    detail::check_paged_layer_input(x, c.d_model, params.position_offset, op);
-    APEX_CHECK(params.row_positions == nullptr && params.draft_trees == nullptr,
-               "[" << op << "] params.row_positions and params.draft_trees must be unset: the "
-                   << "indexer ranks the keys of a sequence by their slots");
-    detail::check_mla_paged_cache(c, cache.latent);
-    APEX_CHECK(cache.indexer_keys.head_dim() == indexer_.config().head_dim,
-               "[" << op << "] the key cache's head_dim (" << cache.indexer_keys.head_dim()
-                   << ") must equal d_I (" << indexer_.config().head_dim << ")");
-    PositionMask causal;
-    causal.causal = true;
-    Vector<Index> positions = detail::paged_step_positions(x.rows(), cu_seqlens, ids, {causal},
-                                                           cache.latent, params.rope, op);
-    std::vector<std::pair<SequenceId, Index>> appends;
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      APEX_CHECK(
-          cache.indexer_keys.contains(ids[i]) &&
-              cache.indexer_keys.length(ids[i]) == cache.latent.length(ids[i]),
-          "[" << op << "] sequence " << ids[i] << " must hold as many indexer keys as latent rows");
-      appends.emplace_back(ids[i], cu_seqlens[i + 1] - cu_seqlens[i]);
-    }
-    cache.indexer_keys.check_appends(appends, op);
-    const SdpaParams attention =
-        detail::mla_attention_params(c, mla_.weights().sinks, params.attention);
-    detail::check_layer_attention<Scalar>({1, x.rows(), 0, "T"}, detail::mla_absorbed_heads(c), {},
-                                          attention, out, c.d_model, op);
-    return positions;
-  }
-
-  /// The absorbed attention of a paged step's queries q [T, H_q·width] over their selected
-  /// rows of the latent pages -> o_latent [T, H_q·d_kv].
-  template <class Storage>
-  // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the order of forward_paged's arguments
-  RowMatrix<Scalar> attend_selected_paged(const RowMatrix<Scalar>& q,
-                                          const std::vector<Index>& cu_seqlens,
-                                          const std::vector<SequenceId>& ids,
-                                          const KeySelection& selected,
-                                          const PagedLatentCache<Scalar, Storage>& cache,
-                                          const AttentionLayerParams<Scalar>& params) const {
-    const Index h_q = mla_.config().num_q_heads, rows = q.rows();
-    const Index width =
-        mla_.config().d_kv + mla_.config().rope_key_heads() * mla_.config().rope_dim;
-    const SdpaParams attention =
-        detail::mla_attention_params(mla_.config(), mla_.weights().sinks, params.attention);
-    const auto queries = HeadsView<const Scalar>::token_major(q.data(), {1, h_q, rows, width});
-    return detail::latent_outputs<Scalar>(
-        queries.shape(), mla_.config().d_kv, cache.value_dim(), [&](const HeadsView<Scalar>& o) {
-          sdpa_sparse_paged(queries, cu_seqlens, cache, ids, selected, attention, o);
-        });
-  }
-
   /// The layer's parts, as detail::sparse_mla_step reads them.
   detail::SparseMlaParts<Scalar, Weight> parts() const { return {mla_, absorbed_, indexer_}; }
 

@@ -131,6 +131,14 @@ inline void check_stack_layer_rule(const StackConfig& c) {
              "[stack] global_every F_g (" << c.global_every << ") must be >= 1");
 }
 
+/// Throws for a stack with sparse global layers (config.indexer) where `op` runs dense ones
+/// only: speculative verification, training and the context-parallel calls.
+inline void check_dense_stack(const StackConfig& c, const char* op) {
+  APEX_CHECK(!c.indexer, "[" << op << "] takes a stack with dense global layers: config.indexer "
+                             << "(sparse global layers) runs in forward(), the cached calls "
+                             << "(prefill, extend, decode_step) and serve() only");
+}
+
 }  // namespace detail
 
 /// The cache memory of a stack with this config holding `context` tokens for `batch` sequences,

@@ -8,7 +8,8 @@
 //   x_{l+1} = x_l + Attention_l(RMSNorm(x_l; γ_l); layer_mask(l, P_i) for sequence i)  paged
 //   logits  = RMSNorm(x_L[last row of each sequence]; γ_final) · W_Eᵀ                  [N, V]
 //
-// The global layers take the absorbed MLA path (exact for any chunk); the local layers give back
+// The global layers take the absorbed MLA path (exact for any chunk; sparse ones, with
+// StackConfig::indexer, over each row's selection: sparse_mla.hpp); the local layers give back
 // the pages that their window has passed. AttentionStack::make_serving_cache and
 // AttentionStack::serve are these functions.
 #pragma once
@@ -19,6 +20,7 @@
 #include <apex/mask.hpp>
 #include <apex/paged_cache.hpp>
 #include <apex/serving_cache.hpp>
+#include <apex/sparse_mla.hpp>
 #include <apex/stack_config.hpp>
 
 #include <algorithm>
@@ -38,12 +40,17 @@ namespace detail {
 /// The one door into a ServingCache's layers: only this header builds a cache and writes it.
 struct ServingCacheAccess {
   template <class Cache>
-  static Cache make(std::vector<typename Cache::LayerCache> layers) {
-    return Cache(std::move(layers));
+  static Cache make(std::vector<typename Cache::LayerCache> layers,
+                    std::vector<typename Cache::KeyCache> keys) {
+    return Cache(std::move(layers), std::move(keys));
   }
   template <class Cache>
   static typename Cache::LayerCache& layer(Cache& cache, Index l) {
     return cache.layers_[static_cast<std::size_t>(l)];
+  }
+  template <class Cache>
+  static typename Cache::KeyCache& indexer_keys(Cache& cache, Index l) {
+    return cache.keys_[static_cast<std::size_t>(l)];
   }
   /// The verified drafts awaiting accept (stack_speculative.hpp).
   template <class Cache>
@@ -57,15 +64,17 @@ template <class Scalar, class Weight, class Storage, class Global>
 void check_serving_layers(const AttentionStack<Scalar, Weight>& stack,
                           const ServingCache<Scalar, Storage, Global>& cache, const char* op) {
   const auto& config = stack.config();
-  check_dense_stack(config, op);
   bool matches = cache.num_layers() == config.num_layers;
   for (Index l = 0; matches && l < config.num_layers; ++l) {
     const auto& c = cache.layer(l);
+    const Index d_i =
+        config.indexer && is_global_layer(l, config.global_every) ? config.indexer->head_dim : 0;
     if (is_global_layer(l, config.global_every)) {
       const auto* latent = std::get_if<PagedLatentCache<Scalar, Global>>(&c);
       matches = latent != nullptr && latent->latent_dim() == config.global.d_kv &&
                 latent->row_dim() ==
-                    config.global.d_kv + config.global.rope_key_heads() * config.global.rope_dim;
+                    config.global.d_kv + config.global.rope_key_heads() * config.global.rope_dim &&
+                cache.indexer_keys(l).head_dim() == d_i;
     } else {
       const auto* kv = std::get_if<PagedKvCache<Scalar, Storage>>(&c);
       matches = kv != nullptr && kv->num_kv_heads() == config.local.num_kv_heads &&
@@ -141,6 +150,7 @@ void check_serve_room(const std::vector<SequenceId>& ids, const std::vector<Inde
   for (std::size_t i = 0; i < ids.size(); ++i) appends.emplace_back(ids[i], cu[i + 1] - cu[i]);
   for (Index l = 0; l < cache.num_layers(); ++l) {
     std::visit([&](const auto& c) { c.check_appends(appends, op); }, cache.layer(l));
+    if (cache.indexer_keys(l).head_dim() >= 1) cache.indexer_keys(l).check_appends(appends, op);
   }
 }
 
@@ -157,8 +167,16 @@ void paged_layer_step(const AttentionStack<Scalar, Weight>& stack, Index l,
   using Stack = AttentionStack<Scalar, Weight>;
   auto& layer_cache = ServingCacheAccess::layer(cache, l);
   if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
-    mla->forward_paged(normed, cu, ids, masks, params, stack.absorbed_weights(l),
-                       std::get<PagedLatentCache<Scalar, Global>>(layer_cache), attended);
+    auto& latent = std::get<PagedLatentCache<Scalar, Global>>(layer_cache);
+    if (stack.sparse()) {
+      std::vector<Index> prefixes(masks.size());
+      for (std::size_t i = 0; i < masks.size(); ++i) prefixes[i] = masks[i].prefix;
+      sparse_mla_paged_step(stack.sparse_parts(l), ConstRowRef<Scalar>(normed), cu, ids, prefixes,
+                            params, latent, ServingCacheAccess::indexer_keys(cache, l),
+                            RowRef<Scalar>(attended));
+      return;
+    }
+    mla->forward_paged(normed, cu, ids, masks, params, stack.absorbed_weights(l), latent, attended);
     return;
   }
   std::get<typename Stack::Gqa>(stack.layer(l))
@@ -204,8 +222,8 @@ void serve_layer(const AttentionStack<Scalar, Weight>& stack, Index l,
 /// shape.page_size tokens, the local ones storing Storage (void: the stack's Scalar) and the
 /// global ones Global (void: as the local ones). Throws unless the pools of the layers the stack
 /// has are >= 1 page of >= 1 token, and where a layer's widths are not whole elements of its
-/// format (kv_format.hpp), or for a stack with sparse global layers (not served over paged caches
-/// yet: detail::check_dense_stack). Allocates the pools.
+/// format (kv_format.hpp). A stack with sparse global layers gets, per global layer, a
+/// PagedIndexerKeyCache of shape.global_pages pages beside the latent one. Allocates the pools.
 template <class Storage = void, class Global = void, class Scalar, class Weight>
 auto make_serving_cache(const AttentionStack<Scalar, Weight>& stack,
                         const ServingCacheShape& shape) {
@@ -214,21 +232,25 @@ auto make_serving_cache(const AttentionStack<Scalar, Weight>& stack,
   using Cache = ServingCache<Scalar, Stored, Latent>;
   using Stack = AttentionStack<Scalar, Weight>;
   detail::check_constructed(stack.config().vocab_size >= 1, "stack", "stack");
-  detail::check_dense_stack(stack.config(), "make_serving_cache");
   std::vector<typename Cache::LayerCache> caches;
+  std::vector<typename Cache::KeyCache> keys(static_cast<std::size_t>(stack.config().num_layers));
   caches.reserve(static_cast<std::size_t>(stack.config().num_layers));
   for (Index l = 0; l < stack.config().num_layers; ++l) {
     if (const auto* mla = std::get_if<typename Stack::Mla>(&stack.layer(l))) {
       const auto& c = mla->config();
       caches.emplace_back(PagedLatentCache<Scalar, Latent>(
           {c.d_kv, c.rope_key_heads(), c.rope_dim, shape.page_size, shape.global_pages}));
+      if (stack.sparse()) {
+        keys[static_cast<std::size_t>(l)] = typename Cache::KeyCache(
+            stack.config().indexer->head_dim, shape.page_size, shape.global_pages);
+      }
     } else {
       const auto& c = std::get<typename Stack::Gqa>(stack.layer(l)).config();
       caches.emplace_back(PagedKvCache<Scalar, Stored>(
           {c.num_kv_heads, c.head_dim, shape.page_size, shape.local_pages}));
     }
   }
-  return detail::ServingCacheAccess::make<Cache>(std::move(caches));
+  return detail::ServingCacheAccess::make<Cache>(std::move(caches), std::move(keys));
 }
 
 /// One pass of many sequences of a ServingCache through the stack (continuous batching):

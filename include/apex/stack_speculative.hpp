@@ -27,6 +27,7 @@
 #include <apex/mask.hpp>
 #include <apex/paged_cache.hpp>
 #include <apex/serving_cache.hpp>
+#include <apex/stack_config.hpp>
 #include <apex/stack_serving.hpp>
 #include <apex/tree_mask.hpp>
 
@@ -132,6 +133,7 @@ RowMatrix<Scalar> verify_drafts(const AttentionStack<Scalar, Weight>& stack,
                                 const std::vector<std::vector<std::int64_t>>& drafts,
                                 const std::vector<DraftTree>& trees,
                                 ServingCache<Scalar, Storage, Global>& cache) {
+  detail::check_dense_stack(stack.config(), "verify_drafts");
   const std::vector<Index> cu = detail::check_serve(stack, ids, drafts, cache, "verify_drafts");
   detail::check_drafts(ids, drafts, trees, cache);
   detail::check_serve_room(ids, cu, cache, "verify_drafts");
@@ -172,6 +174,7 @@ template <class Scalar, class Weight, class Storage, class Global>
 void accept_drafts(const AttentionStack<Scalar, Weight>& stack, const std::vector<SequenceId>& ids,
                    const std::vector<std::vector<Index>>& paths,
                    ServingCache<Scalar, Storage, Global>& cache) {
+  detail::check_dense_stack(stack.config(), "accept_drafts");
   detail::check_serving_layers(stack, cache, "accept_drafts");
   detail::check_accept(ids, paths, cache);
   auto& pending = detail::ServingCacheAccess::drafts(cache);

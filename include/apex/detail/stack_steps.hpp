@@ -263,14 +263,6 @@ inline void check_stack_constructed(const StackConfig& c) {
   check_constructed(c.vocab_size >= 1, "stack", "stack");
 }
 
-/// Throws for a stack with sparse global layers (config.indexer) where `op` runs dense ones
-/// only: serving over paged caches, training and the context-parallel calls.
-inline void check_dense_stack(const StackConfig& c, const char* op) {
-  APEX_CHECK(!c.indexer, "[" << op << "] takes a stack with dense global layers: config.indexer "
-                             << "(sparse global layers) runs in forward() and the cached calls "
-                             << "(make_cache, prefill, extend, decode_step) only");
-}
-
 /// Throws unless the stack is constructed and 0 <= l < L.
 inline void check_stack_block(const StackConfig& c, Index l) {
   check_stack_constructed(c);
