@@ -12,7 +12,8 @@
 //      with the same compiler flags as the rest (the same -march, the same APEX_ macros).
 // The instances are listed in apex/detail/kernel_instances.hpp (float and double compute, with
 // float, double, half and bfloat16 storage, and float compute with q8_0, q4_0 and fp8 storage in
-// blocks of 128; no user rules), with the SIMD kernels they read rows through
+// blocks of 128, without user rules; and the stack's draft-tree verification over float, double,
+// half, bfloat16 and q8_0 caches), with the SIMD kernels they read rows through
 // (APEX_ROW_TABLE_ELEMENTS, apex/detail/simd_kernels.hpp); everything else is compiled where it
 // is used. Results are the same bit for bit: it is the same code, compiled once.
 #pragma once
