@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -222,6 +223,28 @@ TEST(Indexer, ReserveKeepsTheKeys) {
   EXPECT_EQ(cache.capacity(), 70);
   apex::IndexerKeyCache<float> empty;
   expect_invalid([&] { empty.reserve(4); }, {"[indexer_cache]", "cache"});
+}
+
+// Two configs are equal when every field is: changing any one of them makes them differ.
+TEST(Indexer, ConfigsAreEqualWhenEveryFieldIs) {
+  const IndexerConfig base = small_config(5);
+  EXPECT_TRUE(base == small_config(5));
+  EXPECT_FALSE(base != small_config(5));
+  const std::vector<std::function<void(IndexerConfig&)>> changes = {
+      [](IndexerConfig& c) { c.d_model += 1; },
+      [](IndexerConfig& c) { c.d_q += 1; },
+      [](IndexerConfig& c) { c.heads += 1; },
+      [](IndexerConfig& c) { c.head_dim *= 2; },
+      [](IndexerConfig& c) { c.rope_dim += 2; },
+      [](IndexerConfig& c) { c.top_k += 1; },
+      [](IndexerConfig& c) { c.norm_eps *= 2; },
+      [](IndexerConfig& c) { c.allow_bf16_products = !c.allow_bf16_products; }};
+  for (std::size_t i = 0; i < changes.size(); ++i) {
+    IndexerConfig changed = base;
+    changes[i](changed);
+    EXPECT_FALSE(changed == base) << "field " << i;
+    EXPECT_TRUE(changed != base) << "field " << i;
+  }
 }
 
 // Equal scores rank the lower position first; NaN ranks last; fewer visible keys than k are

@@ -228,12 +228,10 @@ class IndexerKeyCache {
     detail::check_constructed(batch() >= 1, "indexer_cache", "cache");
     if (capacity <= this->capacity()) return;
     const Index stride = KvFormat<Storage>::elements(head_dim());
-    detail::CacheBuffer<Storage> keys = detail::zeroed_buffer<Storage>(
-        detail::checked_product({batch(), capacity, stride}, "indexer_cache", "B*C*d_I"));
-    for (Index b = 0; b < batch(); ++b) {
-      std::copy_n(row_at(b, 0), size_ * stride, keys.data() + b * capacity * stride);
-    }
-    keys_ = std::move(keys);
+    const Index size =
+        detail::checked_product({batch(), capacity, stride}, "indexer_cache", "B*C*d_I");
+    detail::grow_token_rows<Storage>(keys_, {batch(), this->capacity(), stride}, capacity, size_,
+                                     size);
     capacity_ = capacity;
   }
 

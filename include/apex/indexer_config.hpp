@@ -31,6 +31,16 @@ struct IndexerConfig {
   /// swap ranks (DeepSeek's own indexer multiplies in fp8). Elsewhere, or when the indexer
   /// computes in double, the products are exact as without it. Off by default.
   bool allow_bf16_products = false;
+
+  /// Whether every field is equal (the stack checks each global layer's indexer against
+  /// StackConfig::indexer so).
+  friend bool operator==(const IndexerConfig& a, const IndexerConfig& b) {
+    return a.d_model == b.d_model && a.d_q == b.d_q && a.heads == b.heads &&
+           a.head_dim == b.head_dim && a.rope_dim == b.rope_dim && a.top_k == b.top_k &&
+           a.norm_eps == b.norm_eps && a.allow_bf16_products == b.allow_bf16_products;
+  }
+  /// !(a == b).
+  friend bool operator!=(const IndexerConfig& a, const IndexerConfig& b) { return !(a == b); }
 };
 
 /// The weights of a lightning indexer, applied as x·W.

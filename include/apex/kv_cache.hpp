@@ -600,13 +600,8 @@ class LatentCache {
   void reserve(Index capacity) {
     detail::check_constructed(batch() >= 1, "latent_cache", "cache");
     if (capacity <= this->capacity()) return;
-    detail::CacheBuffer<Storage> rows =
-        detail::zeroed_buffer<Storage>(storage_size(shape(), capacity));
-    const Index stride = elements(row_width());
-    for (Index b = 0; b < batch(); ++b) {
-      std::copy_n(row_at(b, 0), size_ * stride, rows.data() + b * capacity * stride);
-    }
-    rows_ = std::move(rows);
+    detail::grow_token_rows<Storage>(rows_, {batch(), this->capacity(), elements(row_width())},
+                                     capacity, size_, storage_size(shape(), capacity));
     shape_.get().capacity = capacity;
   }
 

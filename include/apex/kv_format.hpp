@@ -34,6 +34,7 @@
 #include <array>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace apex {
@@ -117,6 +118,31 @@ auto zeroed_buffer(Index size) {
 /// The type of zeroed_buffer<F>.
 template <class F>
 using CacheBuffer = decltype(zeroed_buffer<F>(0));
+
+/// The layout of a contiguous cache of one row per token: `batch` sequences of `capacity` rows
+/// of `stride` elements, [batch, capacity, stride].
+struct TokenRows {
+  Index batch = 0;
+  Index capacity = 0;
+  Index stride = 0;
+};
+
+/// Moves `rows` (laid out as `from`) into a zeroed buffer of `size` elements laid out as
+/// [from.batch, capacity, from.stride] (capacity >= from.capacity; `size` checked by the caller),
+/// keeping the first `kept` rows of each sequence: reserve() of the caches of one row per token
+/// (LatentCache, IndexerKeyCache). Allocates the new buffer, then frees the old one; `rows` is
+/// unchanged if the allocation throws.
+template <class F>
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, two callers (the reserves)
+void grow_token_rows(CacheBuffer<F>& rows, const TokenRows& from, Index capacity, Index kept,
+                     Index size) {
+  CacheBuffer<F> grown = zeroed_buffer<F>(size);
+  for (Index b = 0; b < from.batch; ++b) {
+    std::copy_n(rows.data() + b * from.capacity * from.stride, kept * from.stride,
+                grown.data() + b * capacity * from.stride);
+  }
+  rows = std::move(grown);
+}
 
 /// Head (b, h) of a view of K, V or latent rows in any format, as a [seq, row_values] matrix of
 /// Scalar: the view's own map when it holds Scalar, else its rows widened through their format

@@ -213,11 +213,7 @@ void check_stack_indexers(const StackConfig& c, const std::vector<Indexer>& inde
   for (Index l = 0; l < c.num_layers; ++l) {
     const IndexerConfig& i = indexers[static_cast<std::size_t>(l)].config();
     const bool global = is_global_layer(l, c.global_every);
-    const bool fits = global ? i.d_model == e.d_model && i.d_q == e.d_q && i.heads == e.heads &&
-                                   i.head_dim == e.head_dim && i.rope_dim == e.rope_dim &&
-                                   i.top_k == e.top_k && i.norm_eps == e.norm_eps &&
-                                   i.allow_bf16_products == e.allow_bf16_products
-                             : i.d_model == 0;
+    const bool fits = global ? i == e : i.d_model == 0;
     APEX_CHECK(fits, "[stack] indexers[" << l << "] must be "
                                          << (global ? "an indexer of config.indexer's shape"
                                                     : "empty (a local layer has no indexer)"));
