@@ -28,7 +28,7 @@
 // values of C and as many of scratch (S_k: the most keys of a sequence), and each thread a widened
 // key block and its product, kIndexerKeyBlock · (d + H) values of C, and for the bfloat16
 // products the packed pairs of IndexerScratch, about as many again (thread_local, kept between
-// calls).
+// calls), and the held rows' queries rounded to pairs once, kIndexerRows · H · ⌈d/2⌉ pairs.
 #pragma once
 
 #include <apex/config.hpp>
@@ -80,14 +80,13 @@ struct IndexerInputs {
 
 /// A thread's scratch for score_key_block, in values of C (thread_local, kept between calls):
 /// a widened key block [Bk, d], the product [H, Bk] and, for the bfloat16 products, the key
-/// block packed in pairs (at most (Bk + 64)·⌈d/2⌉ of them: panels of at most 64 keys) and the
-/// rounded query [H, ⌈d/2⌉ pairs], each pair one value of C's width or less.
+/// block packed in pairs (at most (Bk + 64)·⌈d/2⌉ of them: panels of at most 64 keys), each
+/// pair one value of C's width or less.
 template <class C>
 struct IndexerScratch {
   C* widened;
   C* product;
   C* packed;
-  C* q_pairs;
 
   template <class TK>
   static IndexerScratch of(const IndexerInputs<C, TK>& in) {
@@ -95,48 +94,68 @@ struct IndexerScratch {
     const Index pairs = in.bf16 != nullptr ? (in.dim + 1) / 2 : 0;
     const Index widened = kIndexerKeyBlock * in.dim, product = in.heads * kIndexerKeyBlock;
     const Index packed = (kIndexerKeyBlock + 64) * pairs;
-    scratch.resize(static_cast<std::size_t>(widened + product + packed + in.heads * pairs));
+    scratch.resize(static_cast<std::size_t>(widened + product + packed));
     C* const at = scratch.data();
-    return {at, at + widened, at + widened + product, at + widened + product + packed};
+    return {at, at + widened, at + widened + product};
   }
 };
 
-/// product [H, n] = Q_t [H, d] · Kᵀ for n keys k [n, d] (row stride k.stride): where bf16 is
-/// set, on the bfloat16 products (Q_t and the keys rounded to pairs and packed; keys stored as
-/// bfloat16 read as they are, from `stored`); else in C (matmul_serial).
+/// For the bfloat16 products (C = float, in.bf16 set): query rows [first, first + count) rounded
+/// to pairs once, [count, H, ⌈d/2⌉], which every key block's product of those rows reads as
+/// they are. Empty otherwise. Allocates count·H·⌈d/2⌉ pairs.
 template <class C, class TK>
-void key_block_products(const IndexerInputs<C, TK>& in, const C* q, const ConstRows<C>& k,
-                        const TK* stored, Index stored_stride, Index n, C* packed, C* q_pairs,
-                        C* product) {
+std::vector<Bf16Pair> rounded_queries(const IndexerInputs<C, TK>& in, Index first, Index count) {
+  std::vector<Bf16Pair> rounded;
   if constexpr (std::is_same_v<C, float>) {
     if (in.bf16 != nullptr) {
-      auto* b = reinterpret_cast<Bf16Pair*>(packed);   // NOLINT: scratch floats as pairs
-      auto* a = reinterpret_cast<Bf16Pair*>(q_pairs);  // NOLINT: likewise
+      const Index pairs = Bf16Kernels::pairs(in.dim), row = in.heads * pairs;
+      rounded.resize(static_cast<std::size_t>(count * row));
+      for (Index r = 0; r < count; ++r) {
+        in.bf16->round_pairs(rounded.data() + r * row, pairs, in.q + (first + r) * in.q_stride,
+                             in.dim, in.heads, in.dim);
+      }
+    }
+  }
+  return rounded;
+}
+
+/// product [H, n] = Q_t [H, d] · Kᵀ for n keys k [n, d] (row stride k.stride): where bf16 is
+/// set, on the bfloat16 products (Q_t already rounded to pairs, `q_pairs` [H, ⌈d/2⌉]; the keys
+/// rounded to pairs and packed, keys stored as bfloat16 read as they are, from `stored`); else
+/// in C (matmul_serial).
+template <class C, class TK>
+void key_block_products(const IndexerInputs<C, TK>& in, const C* q, const Bf16Pair* q_pairs,
+                        const ConstRows<C>& k, const TK* stored, Index stored_stride, Index n,
+                        C* packed, C* product) {
+  if constexpr (std::is_same_v<C, float>) {
+    if (in.bf16 != nullptr) {
+      auto* b = reinterpret_cast<Bf16Pair*>(packed);  // NOLINT: scratch floats as pairs
       if constexpr (std::is_same_v<TK, Eigen::bfloat16>) {
         in.bf16->pack_keys_bf16(b, simd_elements(stored), stored_stride, n, in.dim);
       } else {
         in.bf16->pack_keys(b, k.data, k.stride, n, in.dim);
       }
       const Index pairs = Bf16Kernels::pairs(in.dim);
-      in.bf16->round_pairs(a, pairs, q, in.dim, in.heads, in.dim);
-      in.bf16->gemm(product, n, a, pairs, b, in.bf16->panel, in.bf16->panel * pairs, in.heads, n,
-                    pairs, false, nullptr);
+      in.bf16->gemm(product, n, q_pairs, pairs, b, in.bf16->panel, in.bf16->panel * pairs, in.heads,
+                    n, pairs, false, nullptr);
       return;
     }
   }
+  (void)q_pairs;
   (void)stored;
   (void)stored_stride;
   (void)packed;
-  (void)q_pairs;
   // S = Q_t [H, d] · Kᵀ [d, n]: the keys' rows are the columns of a column-major right side.
   matmul_serial<C, Eigen::ColMajor>(in.heads, n, in.dim, q, in.dim, k.data, k.stride, product, n);
 }
 
 /// The scores of query row t against the visible keys of key block `block` (positions
-/// [block·Bk, (block + 1)·Bk)), written to scores[position − first(t)]. Scratch from the calling
-/// thread (IndexerScratch).
+/// [block·Bk, (block + 1)·Bk)), written to scores[position − first(t)]; q_pairs: row t's
+/// rounded_queries (read only for the bfloat16 products). Scratch from the calling thread
+/// (IndexerScratch).
 template <class C, class TK>
-void score_key_block(const IndexerInputs<C, TK>& in, Index t, Index block, C* scores) {
+void score_key_block(const IndexerInputs<C, TK>& in, Index t, Index block, const Bf16Pair* q_pairs,
+                     C* scores) {
   const Index first = std::max(in.first(t), block * kIndexerKeyBlock);
   const Index n = std::min(in.end(t), (block + 1) * kIndexerKeyBlock) - first;
   if (n <= 0) return;
@@ -156,8 +175,8 @@ void score_key_block(const IndexerInputs<C, TK>& in, Index t, Index block, C* sc
   }
   const ConstRows<C> k =
       stored != nullptr ? ConstRows<C>{nullptr, 0} : rows_as<C>(head, row, n, scratch.widened);
-  key_block_products(in, in.q + t * in.q_stride, k, stored, stored_stride, n, scratch.packed,
-                     scratch.q_pairs, scratch.product);
+  key_block_products(in, in.q + t * in.q_stride, q_pairs, k, stored, stored_stride, n,
+                     scratch.packed, scratch.product);
   const C* w = in.w + t * in.w_stride;
   C* out = scores + (first - keys.first_position);
   std::fill_n(out, n, C(0));
@@ -196,15 +215,19 @@ void select_top_k(const C* scores, Index n, Index k, Index base, Index width, C*
 
 /// The scores of rows [first, first + count) into scores (count × longest, row-major; entries
 /// past a row's visible keys are left as they are), one task per (row, key block) in one
-/// parallel loop, the tasks of a key block next to each other.
+/// parallel loop, the tasks of a key block next to each other; for the bfloat16 products each
+/// row's queries are rounded once before the loop (rounded_queries).
 template <class C, class TK>
 void score_rows(const IndexerInputs<C, TK>& in, Index first, Index count, C* scores) {
   // A row's keys start anywhere in a block: at most ⌈longest / Bk⌉ + 1 blocks.
   const Index blocks = (in.longest + kIndexerKeyBlock - 1) / kIndexerKeyBlock + 1;
+  const std::vector<Bf16Pair> rounded = rounded_queries(in, first, count);
+  const Index row_pairs = in.heads * Bf16Kernels::pairs(in.dim);
   parallel_for(blocks * count, [&](Index task) {
     const Index b = task / count, r = task % count;
     const Index t = first + r;
-    score_key_block(in, t, in.first(t) / kIndexerKeyBlock + b, scores + r * in.longest);
+    const Bf16Pair* q_pairs = rounded.empty() ? nullptr : rounded.data() + r * row_pairs;
+    score_key_block(in, t, in.first(t) / kIndexerKeyBlock + b, q_pairs, scores + r * in.longest);
   });
 }
 
