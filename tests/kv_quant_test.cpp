@@ -382,6 +382,8 @@ TYPED_TEST(QuantizedAttention, IsAttentionOverTheDecodedValues) {
   const Case cases[] = {
       {1, 4, 4, 1, 300, wide, kBlock, false, 0.0},      // one query: streaming, split keys
       {2, 8, 2, 1, 1000, wide, kBlock, true, 0.0},      // GQA groups of 4, decoding
+      {1, 8, 1, 1, 300, wide, kBlock, false, 0.0},      // a group of 8: eight rows a tile
+      {1, 4, 1, 2, 150, wide, kBlock, true, 0.0},       // 2 queries × 4 heads: eight rows
       {1, 16, 1, 7, 77, wide, kBlock, true, 30.0},      // 16 heads on one K/V head, soft-cap
       {1, 4, 4, 64, 64, wide, wide, true, 0.0},         // the GEMM path, causal
       {1, 2, 1, 200, 333, kBlock, kBlock, false, 0.0},  // more keys than a block, not a multiple

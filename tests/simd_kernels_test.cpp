@@ -241,30 +241,35 @@ TEST(SimdKernels, StreamingProductsReadFloatBfloat16AndHalfRows) {
 }
 
 /// Every fp8 code of kind K through each level's streaming scores, which decode the codes in
-/// registers: key j is a block of 128 copies of code j (scale 0.5) and the query is 1/128 in every
-/// lane, so that score j is exactly value(j)·0.5 (128 equal terms of at most 4 significant bits
-/// sum without rounding), NaN for a NaN code and ±inf for e5m2's infinities.
+/// registers: key j is a block of 128 copies of code j (scale s) and the query is 1/128 in every
+/// lane, so that score j is exactly value(j)·s rounded once (128 equal terms sum without
+/// rounding), NaN for a NaN code and ±inf for e5m2's infinities. The scales: 0.5; 2^121, which
+/// times e4m3's 2^8 would overflow (the kernels then scale each value first: the large codes'
+/// products overflow, the small ones' do not); and 2^-120, whose products are subnormal for the
+/// smallest codes. (QuantizedAttention's tests check scales whose products round.)
 template <apex::Fp8Kind K>
 void check_every_fp8_code(const char* kind) {
   using Block = apex::BlockFp8<K>;
   constexpr Index kCodes = 256, kValues = Block::kValues;
-  std::vector<Block> keys(kCodes);
-  for (Index j = 0; j < kCodes; ++j) {
-    Block& key = keys[static_cast<std::size_t>(j)];
-    key.scale = 0.5f;
-    std::fill(std::begin(key.code), std::end(key.code), static_cast<std::uint8_t>(j));
-  }
-  const std::vector<float> q(kValues, 1.0f / kValues);
-  for (const KernelIsa isa : levels()) {
-    const auto& kernels = apex::detail::float_kernels(isa)->rows<Block>();
-    std::vector<float> s(kCodes);
-    kernels.dots(s.data(), kCodes, q.data(), 1, keys.data(), 1, kCodes, kValues);
+  for (const float scale : {0.5f, 0x1p121f, 0x1p-120f}) {
+    std::vector<Block> keys(kCodes);
     for (Index j = 0; j < kCodes; ++j) {
-      const float expected = apex::fp8_decode<K>(static_cast<std::uint8_t>(j)) * 0.5f;
-      const float got = s[static_cast<std::size_t>(j)];
-      ASSERT_TRUE(got == expected || (std::isnan(got) && std::isnan(expected)))
-          << kind << " " << apex::to_string(isa) << " code " << j << ": " << got << " vs "
-          << expected;
+      Block& key = keys[static_cast<std::size_t>(j)];
+      key.scale = scale;
+      std::fill(std::begin(key.code), std::end(key.code), static_cast<std::uint8_t>(j));
+    }
+    const std::vector<float> q(kValues, 1.0f / kValues);
+    for (const KernelIsa isa : levels()) {
+      const auto& kernels = apex::detail::float_kernels(isa)->rows<Block>();
+      std::vector<float> s(kCodes);
+      kernels.dots(s.data(), kCodes, q.data(), 1, keys.data(), 1, kCodes, kValues);
+      for (Index j = 0; j < kCodes; ++j) {
+        const float expected = apex::fp8_decode<K>(static_cast<std::uint8_t>(j)) * scale;
+        const float got = s[static_cast<std::size_t>(j)];
+        ASSERT_TRUE(got == expected || (std::isnan(got) && std::isnan(expected)))
+            << kind << " " << apex::to_string(isa) << " scale " << scale << " code " << j << ": "
+            << got << " vs " << expected;
+      }
     }
   }
 }

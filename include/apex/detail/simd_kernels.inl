@@ -34,6 +34,37 @@ V load(BlockValues<Block> p, Mask m) {
 APEX_ALWAYS_INLINE V broadcast(const float* a) { return set1(*a); }
 APEX_ALWAYS_INLINE V madd(const float* /*a*/, V x, V b, V acc) { return fmadd(x, b, acc); }
 
+#if !defined(APEX_SIMD_LOADS_OF_AVX512)
+/// first, second = a block's values [at, at + kLanes) and [at + kLanes, at + 2·kLanes): its codes'
+/// values times its scale, widened once for the two. A level may declare an overload for a block
+/// type that forms the same bits with fewer operations (AVX-512's for q4_0).
+template <class Block>
+APEX_ALWAYS_INLINE void block_pair(const Block& b, Index at, V& first, V& second) {
+  const V scale = block_scale(b);
+  first = mul(block_codes(b, at), scale);
+  second = mul(block_codes(b, at + kLanes), scale);
+}
+/// block_pair for fp8 blocks: the codes' halves are their values over fp8_half_unit (2^8 for
+/// e4m3), and the unit goes into the scale, once for the pair, instead of into every value. The
+/// same bits: both products are the exact value times the scale, rounded once; where the scale
+/// times the unit would overflow, each value is multiplied by the unit first, as block_codes does.
+template <Fp8Kind K, int B>
+APEX_ALWAYS_INLINE void block_pair(const BlockFp8<K, B>& b, Index at, V& first, V& second) {
+  constexpr float kUnit = fp8_half_unit<K>();
+  V low = fp8_half_values<K>(b.code + at);
+  V high = fp8_half_values<K>(b.code + at + kLanes);
+  float scale = b.scale;
+  if (std::fabs(scale) <= std::numeric_limits<float>::max() / kUnit) {
+    scale *= kUnit;
+  } else {
+    low = mul(low, set1(kUnit));
+    high = mul(high, set1(kUnit));
+  }
+  first = mul(low, set1(scale));
+  second = mul(high, set1(scale));
+}
+#endif
+
 /// first, second = the vectors at p and p + kLanes; for values of blocks (p at a multiple of
 /// 2·kLanes values, so both lie in one block) the block's scale is widened once for the two.
 template <class P>
@@ -45,10 +76,7 @@ template <class Block>
 APEX_ALWAYS_INLINE void load_pair(V& first, V& second, BlockValues<Block> p) {
   static_assert(Block::kValues % (2 * kLanes) == 0, "a pair of vectors lies in one block");
   APEX_ASSERT(p.offset() % (2 * kLanes) == 0);
-  const Block& b = p.block();
-  const V scale = block_scale(b);
-  first = mul(block_codes(b, p.offset()), scale);
-  second = mul(block_codes(b, p.offset() + kLanes), scale);
+  block_pair(p.block(), p.offset(), first, second);
 }
 
 /// row[u] = the vector at p + u·kLanes for u < kVecs, the last one only the lanes of `last` when
@@ -184,6 +212,15 @@ void gemm(float* c, Index ldc, const A* a, Index lda, const T* b, Index ldb, Ind
 /// registers) or × two (8 of AVX2's 16). Fewer columns per tile measured slower: each loaded
 /// value feeds fewer multiply-adds (a 4 × 2 tile of AVX-512 streamed at half the speed).
 constexpr int kStreamVecs = kLanes == 16 ? 4 : 2;
+/// Whether the streaming kernels take rows of P eight at a time (then four, then one): on
+/// AVX-512 for rows widened in registers (16-bit formats and blocks), whose widening then serves
+/// eight query rows instead of four (GQA groups of 8 and more). Eight rows × two vectors of
+/// values (16 accumulators) is the streaming update's tile then.
+template <class P>
+constexpr bool kEightRows = kLanes == 16 && !std::is_same_v<P, const float*>;
+/// Vectors of columns of the streaming update's tile of R rows.
+template <int R>
+constexpr int kStreamTileVecs = R > 4 ? 2 : kStreamVecs;
 /// Keys of one group of the streaming update: every column of their rows before the next group.
 constexpr Index kStreamGroup = 8;
 
@@ -192,11 +229,11 @@ constexpr Index kStreamGroup = 8;
 template <int R, class P>
 void stream_group(float* acc, Index ld_acc, const float* p, Index ld_p, P v, Index stride, Index n,
                   Index d_v) {
-  constexpr Index kWide = kStreamVecs * kLanes;
+  constexpr int kVecs = kStreamTileVecs<R>;
+  constexpr Index kWide = kVecs * kLanes;
   Index c = 0;
   for (; c + kWide <= d_v; c += kWide) {
-    madd_tile<R, kStreamVecs, false>(acc + c, ld_acc, p, ld_p, v + c, stride, n, true, nullptr,
-                                     Mask{});
+    madd_tile<R, kVecs, false>(acc + c, ld_acc, p, ld_p, v + c, stride, n, true, nullptr, Mask{});
   }
   for (; c + kLanes <= d_v; c += kLanes) {
     madd_tile<R, 1, false>(acc + c, ld_acc, p, ld_p, v + c, stride, n, true, nullptr, Mask{});
@@ -210,7 +247,8 @@ void stream_group(float* acc, Index ld_acc, const float* p, Index ld_p, P v, Ind
 /// acc_r += Σ_j p(r, j) v_j for `rows` rows and n value rows (row j at v + j·stride): the
 /// streaming update of decoding (a few rows, bound by reading v). Groups of kStreamGroup keys,
 /// every column of them before the next group, so that each value row is read once, whole, in
-/// memory order; 16-bit and block rows are prefetched 16 rows ahead (prefetch_values). v is a
+/// memory order, for eight rows at a time where kEightRows, else four; 16-bit and block rows are
+/// prefetched 16 rows ahead (prefetch_values). v is a
 /// pointer to rows of float or a 16-bit format, or BlockValues (stride then counts values). Each
 /// acc(r, c) is one chain of fused multiply-adds over the keys in order, whatever the groups and
 /// the rows beside it. Allocates nothing.
@@ -222,6 +260,11 @@ void stream_update(float* acc, Index ld_acc, const float* p, Index ld_p, Index r
     const P values = v + j0 * stride;
     for (Index j = 16; j < 16 + m; ++j) prefetch_values(values + j * stride, d_v);
     Index r = 0;
+    if constexpr (kEightRows<P>) {
+      for (; r + 8 <= rows; r += 8) {
+        stream_group<8>(acc + r * ld_acc, ld_acc, p + r * ld_p + j0, ld_p, values, stride, m, d_v);
+      }
+    }
     for (; r + 4 <= rows; r += 4) {
       stream_group<4>(acc + r * ld_acc, ld_acc, p + r * ld_p + j0, ld_p, values, stride, m, d_v);
     }
@@ -239,13 +282,13 @@ template <int R, class P>
 APEX_ALWAYS_INLINE void dot_sums(V* sums, const float* q, Index d, P key) {
   V even[R];
   V odd[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) even[i] = odd[i] = zero();
   Index c = 0;
   for (; c + 2 * kLanes <= d; c += 2 * kLanes) {
     V k0, k1;
     load_pair(k0, k1, key + c);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       even[i] = fmadd(load(q + i * d + c), k0, even[i]);
       odd[i] = fmadd(load(q + i * d + c + kLanes), k1, odd[i]);
@@ -253,17 +296,17 @@ APEX_ALWAYS_INLINE void dot_sums(V* sums, const float* q, Index d, P key) {
   }
   if (c + kLanes <= d) {
     const V k0 = load(key + c);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) even[i] = fmadd(load(q + i * d + c), k0, even[i]);
     c += kLanes;
   }
   if (c < d) {
     const Mask lanes = first_lanes(d - c);
     const V k1 = load(key + c, lanes);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) odd[i] = fmadd(load(q + i * d + c, lanes), k1, odd[i]);
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) sums[i] = add(even[i], odd[i]);
 }
 
@@ -294,8 +337,9 @@ void dot_keys(float* s, Index ld_s, const float* q, Index d, P k, Index k_stride
 
 /// s(r, j) = q_r · k_j for `rows` query rows q (contiguous, rows × d) and n key rows (row j at
 /// k + j·k_stride): the streaming product of the scores (a few rows, bound by reading the keys).
-/// Groups of kLanes keys, each read in memory order, widened in registers, used by four query
-/// rows at a time and summed across lanes together (dot_keys); 16-bit and block rows are
+/// Groups of kLanes keys, each read in memory order, widened in registers, used by eight query
+/// rows at a time where kEightRows, else four, and summed across lanes together (dot_keys), the
+/// same operations for every row whatever the rows beside it; 16-bit and block rows are
 /// prefetched 16 rows ahead (prefetch_values). k as stream_update's v. Allocates nothing.
 template <class P>
 void dots(float* s, Index ld_s, const float* q, Index rows, P k, Index k_stride, Index n, Index d) {
@@ -304,6 +348,10 @@ void dots(float* s, Index ld_s, const float* q, Index rows, P k, Index k_stride,
     const P keys = k + j0 * k_stride;
     for (Index j = 16; j < 16 + m; ++j) prefetch_values(keys + j * k_stride, d);
     Index r = 0;
+    if constexpr (kEightRows<P>) {
+      for (; r + 8 <= rows; r += 8)
+        dot_keys<8>(s + r * ld_s + j0, ld_s, q + r * d, d, keys, k_stride, m);
+    }
     for (; r + 4 <= rows; r += 4)
       dot_keys<4>(s + r * ld_s + j0, ld_s, q + r * d, d, keys, k_stride, m);
     for (; r < rows; ++r) dot_keys<1>(s + r * ld_s + j0, ld_s, q + r * d, d, keys, k_stride, m);

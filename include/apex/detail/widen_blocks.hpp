@@ -75,21 +75,21 @@ APEX_WIDEN_TARGET void widen_q4_0_avx2(const Block* src, float* dst, Index count
   }
 }
 
-/// The IEEE half bits of 16 fp8 codes of kind K (bytes zero-extended to 16-bit lanes): e5m2's
-/// sign, exponent and mantissa are a half's upper byte (the same bias, ±inf and NaN alike), so its
-/// half has the code's value; e4m3's moved into a half's places (exponent bias 7 against 15) give
-/// the code's value times 2^-8, normal and subnormal codes alike, and its NaN (magnitude 0x7f,
-/// which would read 1.875) is made a half NaN.
+/// The IEEE half bits of the 16 fp8 codes of kind K in `bytes`: e5m2's sign, exponent and
+/// mantissa are a half's upper byte (the same bias, ±inf and NaN alike), so its half has the
+/// code's value; e4m3's, sign-extended to 16 bits and shifted into a half's places (exponent bias
+/// 7 against 15), give the code's value times 2^-8, normal and subnormal codes alike, once bit 14
+/// (a copy of the sign) is cleared; its NaN (magnitude 0x7f, which would read 1.875) is made a
+/// half NaN.
 template <Fp8Kind K>
-APEX_WIDEN_TARGET __m256i fp8_halves(__m256i code) {
+APEX_WIDEN_TARGET __m256i fp8_halves(__m128i bytes) {
   if constexpr (K == Fp8Kind::kE5m2) {
-    return _mm256_slli_epi16(code, 8);
+    return _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
   } else {
-    const __m256i shifted = _mm256_slli_epi16(code, 7);  // the sign on bit 14, a half's is 15
-    const __m256i half =
-        _mm256_add_epi16(shifted, _mm256_and_si256(shifted, _mm256_set1_epi16(0x4000)));
-    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(half, _mm256_set1_epi16(0x7fff)),
-                                           _mm256_set1_epi16(0x3f80));
+    const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7);
+    const __m256i magnitude = _mm256_set1_epi16(0x3f80);
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(shifted, magnitude), magnitude);
+    const __m256i half = _mm256_and_si256(shifted, _mm256_set1_epi16(static_cast<short>(0xbfff)));
     return _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
   }
 }
@@ -103,7 +103,7 @@ constexpr float fp8_half_unit() {
 /// The values of the fp8 codes of kind K in the 8 low bytes of `bytes`, exactly.
 template <Fp8Kind K>
 APEX_WIDEN_TARGET __m256 fp8_values(__m128i bytes) {
-  const __m256i half = fp8_halves<K>(_mm256_cvtepu8_epi16(bytes));
+  const __m256i half = fp8_halves<K>(bytes);
   const __m256 value = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
   return K == Fp8Kind::kE4m3 ? _mm256_mul_ps(value, _mm256_set1_ps(fp8_half_unit<K>())) : value;
 }
