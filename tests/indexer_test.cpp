@@ -16,6 +16,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -273,6 +274,34 @@ TEST(Indexer, TiesNanAndShortRowsFollowTheDocumentedOrder) {
   EXPECT_EQ(s.row(3), (Eigen::Matrix<Index, 1, 3>() << 0, 1, 3).finished());  // NaN out
   EXPECT_EQ(s.row(4), (Eigen::Matrix<Index, 1, 3>() << 0, 1, 3).finished());  // 4 ties, later
   EXPECT_EQ(s.row(5), (Eigen::Matrix<Index, 1, 3>() << 0, 1, 3).finished());  // ReLU(-1) = 0
+}
+
+// A row decoded alone has its keys split into runs that select in parallel
+// (detail::select_top_k_split): the same selection as one pass over the row, for any number of
+// runs (more runs than keys included), on scores with many ties, NaN and -inf, and k below,
+// at and above the row's length.
+TEST(Indexer, SplitSelectionIsTheSelectionOfTheWholeRow) {
+  std::mt19937 gen(5);
+  std::uniform_int_distribution<int> value(-3, 3);  // few values: many ties
+  for (const Index n : {1, 5, 64, 1000}) {
+    std::vector<float> scores(static_cast<std::size_t>(n));
+    for (float& x : scores) x = static_cast<float>(value(gen));
+    scores[0] = std::nanf("");
+    if (n > 3) scores[3] = -std::numeric_limits<float>::infinity();
+    if (n > 4) scores[static_cast<std::size_t>(n - 1)] = std::nanf("");
+    for (const Index k : {Index{1}, Index{2}, n / 2 + 1, n, n + 3}) {
+      const Index width = std::min(k, n) + 2;
+      std::vector<float> ranks(static_cast<std::size_t>(n));
+      std::vector<Index> whole(static_cast<std::size_t>(width), -7);
+      apex::detail::select_top_k(scores.data(), n, k, 100, width, ranks.data(), whole.data());
+      for (const Index parts : {1, 2, 3, 7}) {
+        std::vector<Index> split(static_cast<std::size_t>(width), -7);
+        apex::detail::select_top_k_split(scores.data(), n, k, 100, width, ranks.data(),
+                                         split.data(), parts);
+        EXPECT_EQ(split, whole) << "n " << n << ", k " << k << ", parts " << parts;
+      }
+    }
+  }
 }
 
 // Every key format the cache stores: the selection is that of the keys the cache holds, widened

@@ -22,13 +22,15 @@
 //
 // ORDER. Key a ranks before key b when I_a > I_b, or I_a = I_b and a < b (lower position first);
 // a NaN score ranks as -∞. That is a strict total order, so the k selected keys are one set
-// whatever the algorithm's path (select_top_k: the k-th best value, then one pass by position).
+// whatever the algorithm's path (select_top_k: the k-th best value, then one pass by position;
+// select_top_k_split, for a row decoded alone: the same over runs of keys in parallel).
 //
 // MEMORY. The call holds the scores of at most kIndexerRows rows at once, kIndexerRows · S_k
 // values of C and as many of scratch (S_k: the most keys of a sequence), and each thread a widened
 // key block and its product, kIndexerKeyBlock · (d + H) values of C, and for the bfloat16
 // products the packed pairs of IndexerScratch, about as many again (thread_local, kept between
-// calls), and the held rows' queries rounded to pairs once, kIndexerRows · H · ⌈d/2⌉ pairs.
+// calls), and the held rows' queries rounded to pairs once, kIndexerRows · H · ⌈d/2⌉ pairs; a
+// row decoded alone also the best k values of each thread's run of keys (select_top_k_split).
 #pragma once
 
 #include <apex/config.hpp>
@@ -187,6 +189,17 @@ void score_key_block(const IndexerInputs<C, TK>& in, Index t, Index block, const
   }
 }
 
+/// Run p of `parts` runs of consecutive keys among n: [p·n / parts, (p + 1)·n / parts).
+inline std::pair<Index, Index> key_run(Index p, Index n, Index parts) {
+  return {p * n / parts, (p + 1) * n / parts};
+}
+
+/// The rank of a score in the selection's order (ORDER above): a NaN ranks as -∞.
+template <class C>
+C selection_rank(C s) {
+  return std::isnan(s) ? -std::numeric_limits<C>::infinity() : s;
+}
+
 /// Writes the selection of one row: the min(k, n) best of scores[0, n) (ORDER above) in
 /// ascending position (base + index), then -1 up to `width`. Exact and in O(n): the k-th best
 /// value t by std::nth_element on a copy of the values (`ranks`, n of scratch), then, in one pass
@@ -194,7 +207,7 @@ void score_key_block(const IndexerInputs<C, TK>& in, Index t, Index block, const
 template <class C>
 void select_top_k(const C* scores, Index n, Index k, Index base, Index width, C* ranks,
                   Index* selected) {
-  const auto rank = [](C s) { return std::isnan(s) ? -std::numeric_limits<C>::infinity() : s; };
+  const auto rank = selection_rank<C>;
   const Index taken = std::min(k, n);
   Index above = 0;  // keys ranked strictly above the k-th best value
   C kth = -std::numeric_limits<C>::infinity();
@@ -210,6 +223,83 @@ void select_top_k(const C* scores, Index n, Index k, Index base, Index width, C*
     const C r = rank(scores[j]);
     if (taken == n || r > kth || (r == kth && ties-- > 0)) selected[out++] = base + j;
   }
+  std::fill(selected + taken, selected + width, Index{-1});
+}
+
+/// The taken-th best rank of scores[0, n) (1 <= taken < n), its keys cut into `parts` runs in
+/// parallel: each run's own best min(taken, run) ranks by std::nth_element on its copy in
+/// `ranks`, then the taken-th best among those (every rank above it, and the rank itself, lie in
+/// their run's own best `taken`). Allocates those candidates, at most parts · taken values.
+template <class C>
+C split_kth_rank(const C* scores, Index n, Index taken, C* ranks, Index parts) {
+  parallel_for(parts, [&](Index p) {
+    const auto [begin, end] = key_run(p, n, parts);
+    std::transform(scores + begin, scores + end, ranks + begin, selection_rank<C>);
+    const Index best = std::min(taken, end - begin);
+    if (best > 0) {
+      std::nth_element(ranks + begin, ranks + begin + (best - 1), ranks + end, std::greater<C>());
+    }
+  });
+  std::vector<C> candidates;
+  candidates.reserve(static_cast<std::size_t>(parts * taken));
+  for (Index p = 0; p < parts; ++p) {
+    const auto [begin, end] = key_run(p, n, parts);
+    candidates.insert(candidates.end(), ranks + begin,
+                      ranks + begin + std::min(taken, end - begin));
+  }
+  const auto kth = candidates.begin() + (taken - 1);
+  std::nth_element(candidates.begin(), kth, candidates.end(), std::greater<C>());
+  return *kth;
+}
+
+/// select_top_k for one long row, its keys cut into `parts` runs of consecutive positions that
+/// run in parallel (decoding has one row, and the selection would otherwise keep one thread
+/// while the others wait). The same selection, whatever `parts`: the k-th best rank t
+/// (split_kth_rank); each run's keys above t and equal to t, counted; then each run writes its
+/// keys above t and its share of the ties, which go to the first runs first, in ascending
+/// position after the runs before it. Allocates split_kth_rank's candidates and 2·parts counts.
+template <class C>
+void select_top_k_split(const C* scores, Index n, Index k, Index base, Index width, C* ranks,
+                        Index* selected, Index parts) {
+  const Index taken = std::min(k, n);
+  if (taken == n || parts <= 1) {
+    select_top_k(scores, n, k, base, width, ranks, selected);
+    return;
+  }
+  const C kth = split_kth_rank(scores, n, taken, ranks, parts);
+  // counts[2p]: run p's keys above kth, then its offset; counts[2p + 1]: equal to it, then its
+  // share of the ties
+  std::vector<Index> counts(static_cast<std::size_t>(2 * parts));
+  parallel_for(parts, [&](Index p) {
+    const auto [begin, end] = key_run(p, n, parts);
+    Index above = 0, equal = 0;  // summed here, not in counts, which the threads share
+    for (Index j = begin; j < end; ++j) {
+      const C r = selection_rank(scores[j]);
+      above += r > kth ? 1 : 0;
+      equal += r == kth ? 1 : 0;
+    }
+    counts[static_cast<std::size_t>(2 * p)] = above;
+    counts[static_cast<std::size_t>(2 * p + 1)] = equal;
+  });
+  Index ties = taken, out = 0;
+  for (Index p = 0; p < parts; ++p) ties -= counts[static_cast<std::size_t>(2 * p)];
+  for (Index p = 0; p < parts; ++p) {
+    Index& above = counts[static_cast<std::size_t>(2 * p)];
+    Index& equal = counts[static_cast<std::size_t>(2 * p + 1)];
+    equal = std::min(ties, equal);
+    ties -= equal;
+    out += above + equal;
+    above = out - above - equal;
+  }
+  parallel_for(parts, [&](Index p) {
+    const auto [begin, end] = key_run(p, n, parts);
+    Index at = counts[static_cast<std::size_t>(2 * p)];
+    Index share = counts[static_cast<std::size_t>(2 * p + 1)];
+    for (Index j = begin; j < end; ++j) {
+      const C r = selection_rank(scores[j]);
+      if (r > kth || (r == kth && share-- > 0)) selected[at++] = base + j;
+    }
+  });
   std::fill(selected + taken, selected + width, Index{-1});
 }
 
@@ -241,11 +331,17 @@ void indexer_select(const IndexerInputs<C, TK>& in, Index k, KeySelection& selec
   for (Index first = 0; first < in.rows; first += kIndexerRows) {
     const Index count = std::min(kIndexerRows, in.rows - first);
     score_rows(in, first, count, scores.data());
-    parallel_for(count, [&](Index r) {
+    const auto select = [&](Index r, Index parts) {
       const Index t = first + r;
-      select_top_k(scores.data() + r * in.longest, std::max<Index>(0, in.end(t) - in.first(t)), k,
-                   in.first(t), width, ranks.data() + r * in.longest, selected.row(t).data());
-    });
+      select_top_k_split(scores.data() + r * in.longest,
+                         std::max<Index>(0, in.end(t) - in.first(t)), k, in.first(t), width,
+                         ranks.data() + r * in.longest, selected.row(t).data(), parts);
+    };
+    if (count == 1) {
+      select(0, max_threads());  // one row (decoding): its keys split over the threads
+    } else {
+      parallel_for(count, [&](Index r) { select(r, 1); });
+    }
   }
 }
 
