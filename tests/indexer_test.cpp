@@ -3,11 +3,13 @@
 // scores against the plain double loops of reference/indexer.hpp (RoPE, LayerNorm and the
 // Hadamard transform included), the selection against a sort of the scores, ties and NaN by
 // the documented order, every key format, bit-identical selections for any number of threads
-// and for a row scored alone or with others, and bad input rejected with nothing changed.
+// and for a row scored alone or with others, draft tokens ranking what their tree shows them, and
+// bad input rejected with nothing changed.
 #include <apex/detail/simd_kernels.hpp>
 #include <apex/indexer.hpp>
 #include <apex/kv_quant.hpp>
 #include <apex/rope.hpp>
+#include <apex/tree_mask.hpp>
 
 #include <gtest/gtest.h>
 
@@ -412,6 +414,66 @@ TYPED_TEST(Indexer, BitIdenticalForThreadsAndForRowsAlone) {
   }
   omp_set_num_threads(saved);
 #endif
+}
+
+// Draft trees (speculative verification): a draft token ranks the committed keys, its ancestors
+// and itself only; the other draft keys are left out before the top k, not ranked low. Against a
+// sort of the scores of exactly those keys, for two sequences of a paged cache (300 committed
+// keys, past a key block, and 40) with trees of 12 and 5 tokens, k below and above the visible
+// counts.
+TEST(Indexer, DraftTokensRankTheKeysTheirTreeShows) {
+  const std::vector<Index> committed{300, 40};
+  const std::vector<apex::DraftTree> trees{apex::DraftTree({-1, 0, 0, 1, -1, 3, 2, 4, 5, 5, 8, 1}),
+                                           apex::DraftTree({-1, -1, 0, 2, 1})};
+  const apex::TreeMasks masks(trees, committed);
+  const std::vector<Index> cu{0, 12, 17};
+  for (const Index top_k : {Index{1}, Index{20}, Index{400}}) {
+    SCOPED_TRACE("k = " + std::to_string(top_k));
+    const auto indexer = apex::LightningIndexer<float>::random(small_config(top_k), 3);
+    const RowMatrix<float> q = apex::testing::random_matrix<float>(17, 6 * 32, 4u);
+    const RowMatrix<float> w = apex::testing::random_matrix<float>(17, 6, 5u);
+    apex::PagedIndexerKeyCache<float> paged(32, 16, 64);
+    std::vector<apex::SequenceId> ids;
+    std::vector<RowMatrix<float>> keys;
+    for (std::size_t i = 0; i < 2; ++i) {
+      const Index held = committed[i] + trees[i].size();
+      keys.push_back(apex::testing::random_matrix<float>(held, 32, 6u + std::uint32_t(i)));
+      ids.push_back(paged.add());
+      paged.append(ids.back(), keys.back());
+    }
+    const KeySelection got = indexer.select_paged(q, w, cu, paged, ids, nullptr, &masks);
+    ASSERT_EQ(got.cols(), std::min<Index>(top_k, 312));
+    for (std::size_t i = 0; i < 2; ++i) {
+      const Index n = trees[i].size(), c = committed[i];
+      auto contiguous = indexer.make_cache(1, c + n);
+      contiguous.append(keys[i], 0);
+      const RowMatrix<float> scores =
+          indexer.scores(RowMatrix<float>(q.middleRows(cu[i], n)),
+                         RowMatrix<float>(w.middleRows(cu[i], n)), contiguous.keys(), c);
+      for (Index t = 0; t < n; ++t) {
+        std::vector<Index> visible;
+        for (Index s = 0; s < c + n; ++s) {
+          if (s < c || trees[i].sees(t, s - c)) visible.push_back(s);
+        }
+        std::vector<double> row;
+        for (const Index s : visible) row.push_back(double(scores(t, s)));
+        const std::vector<long> want =
+            apex::reference::top_k(row, long(visible.size()), long(top_k));
+        for (Index j = 0; j < got.cols(); ++j) {
+          const Index expected =
+              j < Index(want.size()) ? visible[std::size_t(want[std::size_t(j)])] : -1;
+          ASSERT_EQ(got(cu[i] + t, j), expected)
+              << "sequence " << i << ", draft token " << t << ", slot " << j;
+        }
+      }
+    }
+    const apex::TreeMasks one({trees[0]}, {committed[0]});
+    expect_invalid([&] { (void)indexer.select_paged(q, w, cu, paged, ids, nullptr, &one); },
+                   {"[indexer] draft trees (1) must be one per sequence (2)"});
+    const apex::TreeMasks windowed(trees, committed, 4);
+    expect_invalid([&] { (void)indexer.select_paged(q, w, cu, paged, ids, nullptr, &windowed); },
+                   {"[indexer] the draft trees have a window (4)"});
+  }
 }
 
 // Bad configs, weights, inputs and cache appends: clear messages, nothing changed.

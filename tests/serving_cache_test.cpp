@@ -17,8 +17,10 @@
 #include <map>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "draft_paths.hpp"
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
@@ -369,27 +371,6 @@ TEST(ServingCache, ErrorsNameTheCall_ServeAndPagedLayerSteps) {
   EXPECT_EQ(kv.length(b), 3);
 }
 
-/// The tokens of a draft tree's path from a root to token t, root first.
-Tokens path_tokens(const apex::DraftTree& tree, const Tokens& draft, Index t) {
-  Tokens path;
-  for (Index a = t; a >= 0; a = tree.parent(a)) path.insert(path.begin(), draft[std::size_t(a)]);
-  return path;
-}
-
-/// The draft indices of a path from a root down to a random depth (possibly empty).
-std::vector<Index> random_path(const apex::DraftTree& tree, std::mt19937& rng) {
-  std::vector<Index> path;
-  for (;;) {
-    const Index parent = path.empty() ? -1 : path.back();
-    std::vector<Index> children;
-    for (Index t = 0; t < tree.size(); ++t) {
-      if (tree.parent(t) == parent) children.push_back(t);
-    }
-    if (children.empty() || rng() % 4 == 0) return path;
-    path.push_back(children[rng() % children.size()]);
-  }
-}
-
 /// Speculative decoding through serve's caches: rounds of random draft trees for three
 /// sequences (one with a prefix; windows of 5 that the drafts cross), verified in one pass, a
 /// random path of each accepted (sometimes none), then a token served. Every draft token's
@@ -405,78 +386,23 @@ TEST(ServingCache, VerifiedDraftsAndAcceptedPathsEqualEachTextAlone) {
                                        Tokens(12, 4),
                                        {3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3, 2, 38, 4, 6}};
   const std::vector<Index> prefixes = {0, 3, 0};
-  std::vector<SequenceId> ids;
-  std::vector<Tokens> texts = prompts;
-  std::vector<std::size_t> prompt_of;
+  apex::testing::SpeculativeTexts seqs;
   for (std::size_t i = 0; i < prompts.size(); ++i) {
-    ids.push_back(cache.add(prefixes[i]));
-    prompt_of.push_back(i);
-    stack.serve({ids.back()}, {prompts[i]}, cache);
+    seqs.ids.push_back(cache.add(prefixes[i]));
+    seqs.texts.push_back(prompts[i]);
+    seqs.origin.push_back(i);
+    stack.serve({seqs.ids.back()}, {prompts[i]}, cache);
   }
-  const auto expect_alone = [&](std::size_t i, const Tokens& text, const RowMatrix<double>& got,
+  const auto expect_alone = [&](std::size_t p, const Tokens& text, const auto& got,
                                 const std::string& what) {
-    const std::size_t p = prompt_of[i];
     const RowMatrix<double> all = alone(stack, text, prompts[p].size(), prefixes[p]);
     const auto want = all.row(all.rows() - 1);
     EXPECT_LE((got - want).cwiseAbs().maxCoeff(), apex::testing::Tolerances<double>::kDecode *
                                                       std::max(1.0, want.cwiseAbs().maxCoeff()))
         << what;
   };
-  for (int round = 0; round < 4; ++round) {
-    std::vector<apex::DraftTree> trees;
-    std::vector<Tokens> drafts;
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      std::vector<Index> parents;
-      Tokens draft;
-      const Index n = std::uniform_int_distribution<Index>(1, 9)(rng);
-      for (Index t = 0; t < n; ++t) {
-        parents.push_back(std::uniform_int_distribution<Index>(-1, t - 1)(rng));
-        draft.push_back(std::uniform_int_distribution<std::int64_t>(0, 39)(rng));
-      }
-      trees.emplace_back(parents);
-      drafts.push_back(draft);
-    }
-    const RowMatrix<double> logits = stack.verify_drafts(ids, drafts, trees, cache);
-    Index row = 0;
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      EXPECT_TRUE(cache.verifying(ids[i]));
-      for (Index t = 0; t < trees[i].size(); ++t, ++row) {
-        Tokens text = texts[i];
-        const Tokens path = path_tokens(trees[i], drafts[i], t);
-        text.insert(text.end(), path.begin(), path.end());
-        expect_alone(i, text, logits.row(row),
-                     "round " + std::to_string(round) + ", sequence " + std::to_string(i) +
-                         ", draft token " + std::to_string(t));
-      }
-    }
-    if (round == 1) {  // a fork while verifying accepts its own path
-      ids.push_back(cache.fork(ids[0]));
-      texts.push_back(texts[0]);
-      prompt_of.push_back(prompt_of[0]);
-      trees.push_back(trees[0]);
-      drafts.push_back(drafts[0]);
-    }
-    std::vector<std::vector<Index>> paths;
-    std::vector<Tokens> next;
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      paths.push_back(random_path(trees[i], rng));
-      for (const Index t : paths.back()) texts[i].push_back(drafts[i][std::size_t(t)]);
-      next.push_back({std::int64_t(rng() % 40)});
-    }
-    stack.accept_drafts(ids, paths, cache);
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      EXPECT_FALSE(cache.verifying(ids[i]));
-      EXPECT_EQ(cache.length(ids[i]), Index(texts[i].size()));
-      texts[i].push_back(next[i][0]);
-    }
-    const RowMatrix<double> served = stack.serve(ids, next, cache);
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      expect_alone(
-          i, texts[i], served.row(Index(i)),
-          "round " + std::to_string(round) + ", sequence " + std::to_string(i) + ", after accept");
-    }
-  }
-  for (const SequenceId id : ids) cache.free(id);
+  apex::testing::speculative_rounds(stack, cache, seqs, 4, 9, rng, expect_alone);
+  for (const SequenceId id : seqs.ids) cache.free(id);
   EXPECT_EQ(cache.pages_in_use(), 0);
 }
 

@@ -5,7 +5,8 @@
 // included), equal to the dense stack when k covers every key, prefill / extend / decode_step
 // equal to forward, reserve, the cache memory of the indexer keys in every format, weights
 // converted with their indexers, bit-identical results for any number of threads, and bad
-// input rejected with nothing changed; serve() over paged caches against each sequence alone.
+// input rejected with nothing changed; serve() over paged caches against each sequence alone,
+// and speculative verification and acceptance against each text alone.
 #include <apex/kv_quant.hpp>
 #include <apex/stack.hpp>
 #include <apex/stack_training.hpp>
@@ -14,10 +15,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <random>
+#include <string>
 #include <utility>
 #include <variant>
 #include <vector>
 
+#include "draft_paths.hpp"
 #include "reference/indexer.hpp"
 #include "test_util.hpp"
 #include "tolerances.hpp"
@@ -307,6 +311,43 @@ TEST(SparseStack, ServeEqualsEachSequenceAlone) {
   EXPECT_FALSE(serving.indexer_keys(5).contains(b));
 }
 
+// Speculative decoding with sparse global layers, k = 4 below every context: rounds of random
+// draft trees for two sequences (one with a prefix) verified in one pass, and in the second
+// round a fork of the first, made while it verifies, accepting a path of its own. Every draft
+// token's logits equal those of its text (committed ‖ its path) prefilled alone: its indexer ranks
+// the same keys, each rotated at its position in the text, its siblings left out. After accept, the
+// next token's logits equal the text run alone: the accepted latent rows and indexer keys are the
+// text's. No page leaks.
+TEST(SparseStack, VerifiedDraftsAndAcceptedPathsEqualEachTextAlone) {
+  using Tokens = std::vector<std::int64_t>;
+  std::mt19937 rng(21);
+  const auto stack = apex::AttentionStack<double>::random(sparse_config(4), 12);
+  auto serving = stack.make_serving_cache(apex::ServingCacheShape{4, 64, 64});
+  const std::vector<Index> prefixes{0, 3};
+  apex::testing::SpeculativeTexts seqs;
+  seqs.texts = {{5, 9, 2, 33, 7, 1, 18, 4}, {3, 14, 15, 9, 26, 5, 35, 8, 9, 7}};
+  for (std::size_t i = 0; i < seqs.texts.size(); ++i) {
+    seqs.ids.push_back(serving.add(prefixes[i]));
+    seqs.origin.push_back(i);
+    (void)stack.serve({seqs.ids.back()}, {seqs.texts[i]}, serving);
+  }
+  const auto expect_alone = [&](std::size_t p, const Tokens& text, const auto& got,
+                                const std::string& what) {
+    auto cache = stack.make_cache(1, stack.config().max_positions);
+    const Eigen::Map<const apex::TokenMatrix> all(text.data(), 1, Index(text.size()));
+    const RowMatrix<double> want =
+        stack.prefill(all, prefixes[p], apex::DecodeOptions{apex::LogitRows::kLast}, cache);
+    EXPECT_LE(normwise(RowMatrix<double>(got), want), Tolerances<double>::kDecode) << what;
+  };
+  apex::testing::speculative_rounds(stack, serving, seqs, 3, 6, rng, expect_alone);
+  for (const apex::SequenceId id : seqs.ids) {
+    EXPECT_EQ(serving.indexer_keys(2).length(id), serving.length(id));
+    EXPECT_EQ(serving.indexer_keys(5).length(id), serving.length(id));
+    serving.free(id);
+  }
+  EXPECT_EQ(serving.pages_in_use(), 0);
+}
+
 // Bad configs, indexers and calls: clear errors, and a failed call changes no cache.
 TEST(SparseStack, BadInputIsRejectedAndChangesNothing) {
   apex::StackConfig bad = sparse_config(4);
@@ -349,14 +390,9 @@ TEST(SparseStack, BadInputIsRejectedAndChangesNothing) {
                                           stack.final_gamma(), layers, indexers);
       },
       {"[stack] indexers holds 5 entries; expected one per layer (6)"});
-  // Paths that run dense global layers only, and a dense stack's serving cache.
+  // A dense stack's serving cache, and paths that run dense global layers only.
   auto serving = stack.make_serving_cache(apex::ServingCacheShape{4, 8, 8});
   const apex::SequenceId id = serving.add();
-  expect_invalid(
-      [&] {
-        (void)stack.verify_drafts({id}, {{1, 2}}, {apex::DraftTree({-1, 0})}, serving);
-      },
-      {"[verify_drafts] takes a stack with dense global layers"});
   auto dense_serving = dense.make_serving_cache(apex::ServingCacheShape{4, 8, 8});
   const apex::SequenceId other_id = dense_serving.add();
   expect_invalid(

@@ -40,6 +40,7 @@
 #include <apex/rope.hpp>
 #include <apex/storage.hpp>
 #include <apex/tensor.hpp>
+#include <apex/tree_mask.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -105,19 +106,33 @@ void rotate_and_mix(const RopeTable<S>& rope, const RowPositions& at, Index head
   hadamard_blocks(x, head_dim);
 }
 
-/// The key segments of a call of the indexer (one per sequence) and each query row's sequence
-/// and the end of its visible keys: what detail::IndexerInputs points to.
+/// Throws unless `trees` (when given) holds one tree per sequence of the call and no window (the
+/// indexer serves global layers), in a message naming `op`.
+inline void check_indexer_trees(const TreeMasks* trees, Index sequences, const char* op) {
+  if (trees == nullptr) return;
+  APEX_CHECK(trees->size() == sequences, "[" << op << "] draft trees (" << trees->size()
+                                             << ") must be one per sequence (" << sequences << ")");
+  APEX_CHECK(trees->window() == 0,
+             "[" << op << "] the draft trees have a window (" << trees->window()
+                 << "); the indexer ranks a global layer's keys, which have none");
+}
+
+/// The key segments of a call of the indexer (one per sequence), each query row's sequence,
+/// position and the end of its visible keys, and the sequences' draft trees (or none): what
+/// detail::IndexerInputs points to.
 template <class TK>
 struct IndexerCall {
   std::vector<KeySegment<TK, TK>> segments;
-  std::vector<Index> row_sequence, row_end;
-  Index longest = 0;  // most keys of a segment
+  std::vector<Index> row_sequence, row_position, row_end;
+  Index longest = 0;                 // most keys of a segment
+  const TreeMasks* trees = nullptr;  // windowless
 
   /// A query row of `sequence` at `position`: it sees the keys up to its own position, and the
   /// whole bidirectional prefix [0, prefix) when it lies inside it (§11.1).
   // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): internal, one caller per layout
   void add_row(Index sequence, Index position, Index prefix) {
     row_sequence.push_back(sequence);
+    row_position.push_back(position);
     row_end.push_back(position < prefix ? prefix : position + 1);
   }
 
@@ -128,9 +143,9 @@ struct IndexerCall {
     const Bf16Kernels* bf16 = simd != nullptr && c.allow_bf16_products ? simd->bf16 : nullptr;
     APEX_ASSERT(bf16 == nullptr || bf16->panel <= 64);  // the bound of IndexerScratch
     IndexerInputs<C, TK> in{
-        bf16,           q.data(), q.cols(),   w.data(),        w.cols(),
-        q.rows(),       c.heads,  c.head_dim, segments.data(), row_sequence.data(),
-        row_end.data(), longest};
+        bf16,           q.data(), q.cols(),   w.data(),           w.cols(),
+        q.rows(),       c.heads,  c.head_dim, segments.data(),    row_sequence.data(),
+        row_end.data(), longest,  trees,      row_position.data()};
     return in;
   }
 };
@@ -465,13 +480,19 @@ class LightningIndexer {
   /// (*prefixes)[i], when given) -> [T, min(k, the most keys a sequence holds)], positions
   /// ascending, then -1. The same selection as select() over the same keys stored contiguously,
   /// bit for bit, for any number of threads. Allocates a few values per row.
+  /// With `trees` (speculative verification, tree_mask.hpp: sequence ids[i] is its batch i, its
+  /// draft the keys from trees->first(i) on, no window), a row also leaves out the draft keys its
+  /// tree hides (TreeMasks::allows): a draft token ranks the committed keys, its ancestors and
+  /// itself, the same keys, with the same scores, as the last token of its path committed.
   template <class Storage>
   KeySelection select_paged(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& w,
                             const std::vector<Index>& cu_seqlens,
                             const PagedIndexerKeyCache<Scalar, Storage>& cache,
                             const std::vector<SequenceId>& ids,
-                            const std::vector<Index>* prefixes = nullptr) const {
-    const detail::IndexerCall<Storage> call = paged_call(q, w, cu_seqlens, cache, ids, prefixes);
+                            const std::vector<Index>* prefixes = nullptr,
+                            const TreeMasks* trees = nullptr) const {
+    const detail::IndexerCall<Storage> call =
+        paged_call(q, w, cu_seqlens, cache, ids, prefixes, trees);
     KeySelection selected(q.rows(), std::min(config().top_k, call.longest));
     detail::indexer_select(call.inputs(q, w, config()), config().top_k, selected);
     return selected;
@@ -567,7 +588,8 @@ class LightningIndexer {
                                           const std::vector<Index>& cu_seqlens,
                                           const PagedIndexerKeyCache<Scalar, Storage>& cache,
                                           const std::vector<SequenceId>& ids,
-                                          const std::vector<Index>* prefixes) const {
+                                          const std::vector<Index>* prefixes,
+                                          const TreeMasks* trees) const {
     const char* op = "indexer";
     check_queries(q, w);
     APEX_CHECK(cache.head_dim() == config().head_dim,
@@ -577,8 +599,10 @@ class LightningIndexer {
     APEX_CHECK(prefixes == nullptr || prefixes->size() == ids.size(),
                "[indexer] prefixes holds " << prefixes->size() << " entries; expected one per "
                                            << "sequence (" << ids.size() << ")");
+    detail::check_indexer_trees(trees, static_cast<Index>(ids.size()), op);
     detail::check_live_ids(cache, ids, op);
     detail::IndexerCall<Storage> call;
+    call.trees = trees;
     for (std::size_t i = 0; i < ids.size(); ++i) {
       call.segments.push_back(cache.segment(ids[i]));
       const Index held = call.segments.back().size();

@@ -212,9 +212,7 @@ Vector<Index> check_sparse_paged_step(
   check_constructed(c.d_model >= 1, op, "layer");
   check_mla_rope(c, params.rope);
   check_paged_layer_input(x, c.d_model, params.position_offset, op);
-  APEX_CHECK(params.row_positions == nullptr && params.draft_trees == nullptr,
-             "[" << op << "] params.row_positions and params.draft_trees must be unset: the "
-                 << "indexer ranks the keys of a sequence by their slots");
+  check_indexer_trees(params.draft_trees, static_cast<Index>(ids.size()), op);
   check_mla_paged_cache(c, latent);
   APEX_CHECK(keys.head_dim() == layer.indexer.config().head_dim,
              "[" << op << "] the key cache's head_dim (" << keys.head_dim() << ") must equal d_I ("
@@ -225,8 +223,8 @@ Vector<Index> check_sparse_paged_step(
     masks[i].causal = true;
     masks[i].prefix = prefixes[i];
   }
-  Vector<Index> positions =
-      paged_step_positions(x.rows(), cu_seqlens, ids, masks, latent, params.rope, op);
+  Vector<Index> positions = paged_step_positions(x.rows(), cu_seqlens, ids, masks, latent,
+                                                 params.rope, op, params.row_positions);
   std::vector<std::pair<SequenceId, Index>> appends;
   for (std::size_t i = 0; i < ids.size(); ++i) {
     APEX_CHECK(
@@ -268,8 +266,10 @@ RowMatrix<Scalar> attend_selected_paged(const MultiHeadLatentAttention<Scalar, W
 /// sequence ids[i], at positions latent.length(ids[i]) + s, its first prefixes[i] positions
 /// bidirectional (§11.1). As sparse_mla_step for each sequence: the latent rows and indexer keys
 /// appended to its pages, each row's top k of the keys it sees (LightningIndexer::select_paged),
-/// absorbed MLA over those rows read in their pages. Every check runs before a cache or out is
-/// written; out may be x. Returns the selection.
+/// absorbed MLA over those rows read in their pages. With params.row_positions and
+/// params.draft_trees (speculative verification, tree_mask.hpp), each row is rotated at its
+/// position in the text and ranks only the keys its tree lets it see. Every check runs before a
+/// cache or out is written; out may be x. Returns the selection.
 template <class Scalar, class Weight, class Storage, class KeyStorage>
 // NOLINTNEXTLINE(bugprone-easily-swappable-parameters): the order of forward_paged's arguments
 KeySelection sparse_mla_paged_step(
@@ -294,8 +294,8 @@ KeySelection sparse_mla_paged_step(
     latent.append(ids[i], rows.middleRows(first, n));
     keys.append(ids[i], k_index.middleRows(first, n));
   }
-  KeySelection selected =
-      layer.indexer.select_paged(q_index, w_index, cu_seqlens, keys, ids, &prefixes);
+  KeySelection selected = layer.indexer.select_paged(q_index, w_index, cu_seqlens, keys, ids,
+                                                     &prefixes, params.draft_trees);
   const RowMatrix<Scalar> o_latent =
       attend_selected_paged(layer.mla, q, cu_seqlens, ids, selected, latent, params);
   absorbed_output(c, w, o_latent, layer.absorbed, out);
@@ -379,8 +379,12 @@ class SparseLatentAttention {
   /// (sdpa_sparse_paged).
   ///   x: [T, d]; cu_seqlens: N + 1 row offsets; ids: N distinct sequences live in both parts,
   ///   of equal lengths; params: the RoPE table (head_dim d_r) covering every new position,
-  ///   position_offset 0, no row_positions or draft trees -> out: [T, d]; returns the selection
-  ///   [T, min(k, the most keys a sequence holds)] of positions.
+  ///   position_offset 0 -> out: [T, d]; returns the selection [T, min(k, the most keys a
+  ///   sequence holds)] of positions.
+  /// Speculative verification (tree_mask.hpp): with params.row_positions the rows are rotated at
+  /// those positions (latent rows, queries and indexer keys), and with params.draft_trees (one
+  /// tree per sequence, no window) a draft token ranks, and attends to, the committed keys, its
+  /// ancestors and itself only: what the last token of its path would, committed.
   /// Every check runs before the cache or out is written; out may be x itself. Allocates the
   /// step's projections, positions, queries, selection and latent output.
   template <class Derived, class Storage, class KeyStorage>

@@ -132,11 +132,12 @@ inline void check_stack_layer_rule(const StackConfig& c) {
 }
 
 /// Throws for a stack with sparse global layers (config.indexer) where `op` runs dense ones
-/// only: speculative verification, training and the context-parallel calls.
+/// only: training and the context-parallel calls.
 inline void check_dense_stack(const StackConfig& c, const char* op) {
   APEX_CHECK(!c.indexer, "[" << op << "] takes a stack with dense global layers: config.indexer "
                              << "(sparse global layers) runs in forward(), the cached calls "
-                             << "(prefill, extend, decode_step) and serve() only");
+                             << "(prefill, extend, decode_step), serve() and speculative "
+                             << "decoding (verify_drafts, accept_drafts) only");
 }
 
 }  // namespace detail

@@ -15,6 +15,10 @@
 //                   rest (PagedKvCache::keep_tokens); the local layers then give back the pages
 //                   their window has passed, as serve does.
 //
+// A stack with sparse global layers (StackConfig::indexer) verifies and accepts drafts too: a
+// draft token's indexer ranks the committed keys, its ancestors and itself, and accept keeps the
+// path's indexer keys beside its latent rows.
+//
 // Between the two a sequence is `verifying` (ServingCache::verifying) and takes no serve or
 // verify_drafts. With greedy acceptance (the longest path along which each draft token is the
 // target's argmax after its parent), the tokens produced equal greedy decoding of the target
@@ -102,16 +106,16 @@ void check_accept(const std::vector<SequenceId>& ids, const std::vector<std::vec
                         "before it");
     }
   }
+  const auto check_room = [&](const auto& c) {
+    Index copies = 0;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      copies += c.keep_copies(ids[i], drafts.at(ids[i]).committed, paths[i], op);
+    }
+    c.check_room(copies, "keeping the accepted rows", op);
+  };
   for (Index l = 0; l < cache.num_layers(); ++l) {
-    std::visit(
-        [&](const auto& c) {
-          Index copies = 0;
-          for (std::size_t i = 0; i < ids.size(); ++i) {
-            copies += c.keep_copies(ids[i], drafts.at(ids[i]).committed, paths[i], op);
-          }
-          c.check_room(copies, "keeping the accepted rows", op);
-        },
-        cache.layer(l));
+    std::visit(check_room, cache.layer(l));
+    if (cache.indexer_keys(l).head_dim() >= 1) check_room(cache.indexer_keys(l));
   }
 }
 
@@ -133,7 +137,6 @@ RowMatrix<Scalar> verify_drafts(const AttentionStack<Scalar, Weight>& stack,
                                 const std::vector<std::vector<std::int64_t>>& drafts,
                                 const std::vector<DraftTree>& trees,
                                 ServingCache<Scalar, Storage, Global>& cache) {
-  detail::check_dense_stack(stack.config(), "verify_drafts");
   const std::vector<Index> cu = detail::check_serve(stack, ids, drafts, cache, "verify_drafts");
   detail::check_drafts(ids, drafts, trees, cache);
   detail::check_serve_room(ids, cu, cache, "verify_drafts");
@@ -174,21 +177,23 @@ template <class Scalar, class Weight, class Storage, class Global>
 void accept_drafts(const AttentionStack<Scalar, Weight>& stack, const std::vector<SequenceId>& ids,
                    const std::vector<std::vector<Index>>& paths,
                    ServingCache<Scalar, Storage, Global>& cache) {
-  detail::check_dense_stack(stack.config(), "accept_drafts");
   detail::check_serving_layers(stack, cache, "accept_drafts");
   detail::check_accept(ids, paths, cache);
   auto& pending = detail::ServingCacheAccess::drafts(cache);
+  const auto keep = [&](auto& c) {
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      c.keep_tokens(ids[i], pending.at(ids[i]).committed, paths[i]);
+    }
+  };
   for (Index l = 0; l < cache.num_layers(); ++l) {
-    std::visit(
-        [&](auto& c) {
-          for (std::size_t i = 0; i < ids.size(); ++i) {
-            c.keep_tokens(ids[i], pending.at(ids[i]).committed, paths[i]);
-          }
-          if (!is_global_layer(l, stack.config().global_every)) {
-            for (const SequenceId id : ids) detail::forget_past_window(c, id, stack.config());
-          }
-        },
-        detail::ServingCacheAccess::layer(cache, l));
+    auto& layer = detail::ServingCacheAccess::layer(cache, l);
+    std::visit(keep, layer);
+    auto& keys = detail::ServingCacheAccess::indexer_keys(cache, l);
+    if (keys.head_dim() >= 1) keep(keys);
+    if (!is_global_layer(l, stack.config().global_every)) {
+      auto& kv = std::get<PagedKvCache<Scalar, Storage>>(layer);
+      for (const SequenceId id : ids) detail::forget_past_window(kv, id, stack.config());
+    }
   }
   for (const SequenceId id : ids) pending.erase(id);
 }

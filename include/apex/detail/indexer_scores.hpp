@@ -20,6 +20,11 @@
 // whether the row is decoded alone or scored with a whole prompt, and not on whether the keys
 // are paged.
 //
+// DRAFT TREES. With a TreeMasks (speculative verification, tree_mask.hpp; sequence i is its
+// batch i), a row also drops the draft keys its tree hides from it (TreeMasks::allows: a draft
+// token sees the committed keys, its ancestors and itself) before the selection, which then
+// ranks the keys it may see, as if its path alone followed the committed ones.
+//
 // ORDER. Key a ranks before key b when I_a > I_b, or I_a = I_b and a < b (lower position first);
 // a NaN score ranks as -∞. That is a strict total order, so the k selected keys are one set
 // whatever the algorithm's path (select_top_k: the k-th best value, then one pass by position;
@@ -40,8 +45,10 @@
 #include <apex/key_selection.hpp>
 #include <apex/kv_format.hpp>
 #include <apex/tensor.hpp>
+#include <apex/tree_mask.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -61,7 +68,8 @@ inline constexpr Index kIndexerRows = 8;
 /// every sequence as a key segment (kv_read.hpp: contiguous, or paged and read through its block
 /// table). Row t belongs to sequence row_sequence[t] and sees that sequence's keys
 /// [first, end(t)): from the segment's first position to row_end[t], excluded (its own position
-/// plus one when causal; the end of a bidirectional prefix for a row inside it).
+/// plus one when causal; the end of a bidirectional prefix for a row inside it), less the draft
+/// keys its tree hides (trees, when set: batch row_sequence[t], the row at slot row_position[t]).
 template <class C, class TK>
 struct IndexerInputs {
   const Bf16Kernels* bf16;             // the bfloat16 products (C = float), where permitted
@@ -74,6 +82,8 @@ struct IndexerInputs {
   const Index* row_sequence;           // [rows]
   const Index* row_end;                // [rows]
   Index longest;                       // most keys of a segment: the scores' row width
+  const TreeMasks* trees;              // the sequences' draft trees, windowless (null: none)
+  const Index* row_position;           // [rows], the rows' slots (read with trees only)
 
   const KeySegment<TK, TK>& segment(Index t) const { return segments[row_sequence[t]]; }
   Index first(Index t) const { return segment(t).first_position; }
@@ -321,6 +331,46 @@ void score_rows(const IndexerInputs<C, TK>& in, Index first, Index count, C* sco
   });
 }
 
+/// The draft keys a row of a draft tree keeps (DRAFT TREES above): where they start among the
+/// row's keys and their slots, ascending (a tree holds at most DraftTree::kMaxTokens).
+struct KeptDraftKeys {
+  bool active = false;  // the row belongs to a tree
+  Index from = 0;       // index of the first draft key among the row's keys
+  Index count = 0;      // draft keys kept
+  std::array<Index, DraftTree::kMaxTokens> slots{};
+
+  /// A selection of `taken` keys of the row with the hidden keys dropped, its first key at
+  /// `base`, mapped back to slots: base + from + j -> slots[j].
+  void restore(Index* selected, Index taken, Index base) const {
+    if (!active) return;
+    for (Index j = 0; j < taken; ++j) {
+      const Index at = selected[j] - base - from;
+      if (at >= 0) selected[j] = slots[static_cast<std::size_t>(at)];
+    }
+  }
+};
+
+/// Drops from row t's scores[0, n) (keys first(t) + j) the draft keys its tree hides, those
+/// after them moved down in order, their slots kept in `kept`; returns the number of keys left.
+/// The committed keys stay: a windowless tree hides none of them.
+template <class C, class TK>
+Index drop_hidden_draft_keys(const IndexerInputs<C, TK>& in, Index t, C* scores, Index n,
+                             KeptDraftKeys& kept) {
+  const Index b = in.row_sequence[t];
+  if (in.trees == nullptr || b >= in.trees->size()) return n;
+  const Index base = in.first(t);
+  kept.active = true;
+  kept.from = std::clamp(in.trees->first(b) - base, Index{0}, n);
+  Index left = kept.from;
+  for (Index j = kept.from; j < n; ++j) {
+    if (!in.trees->allows(b, in.row_position[t], base + j)) continue;
+    APEX_ASSERT(kept.count < DraftTree::kMaxTokens);  // allowed keys past first are draft keys
+    kept.slots[static_cast<std::size_t>(kept.count++)] = base + j;
+    scores[left++] = scores[j];
+  }
+  return left;
+}
+
 /// The whole kernel: every row's scores, kIndexerRows rows at a time, and its selection of
 /// the top `k` into selected [rows, width].
 template <class C, class TK>
@@ -333,9 +383,13 @@ void indexer_select(const IndexerInputs<C, TK>& in, Index k, KeySelection& selec
     score_rows(in, first, count, scores.data());
     const auto select = [&](Index r, Index parts) {
       const Index t = first + r;
-      select_top_k_split(scores.data() + r * in.longest,
-                         std::max<Index>(0, in.end(t) - in.first(t)), k, in.first(t), width,
-                         ranks.data() + r * in.longest, selected.row(t).data(), parts);
+      C* const row = scores.data() + r * in.longest;
+      Index* const out = selected.row(t).data();
+      KeptDraftKeys kept;
+      const Index n =
+          drop_hidden_draft_keys(in, t, row, std::max<Index>(0, in.end(t) - in.first(t)), kept);
+      select_top_k_split(row, n, k, in.first(t), width, ranks.data() + r * in.longest, out, parts);
+      kept.restore(out, std::min(k, n), in.first(t));
     };
     if (count == 1) {
       select(0, max_threads());  // one row (decoding): its keys split over the threads
