@@ -413,12 +413,42 @@ TEST(SimdKernels, Bf16GemmEqualsTheDoubleLoopsOnTheRoundedFactors) {
   }
 }
 
+// pack_keys writes the documented layout: panel p's row t holds, in lane l, the pair
+// (k(j, 2t), k(j, 2t + 1)) of key j = p·panel + l rounded to bfloat16 (to nearest even, as
+// Eigen rounds), 0 past n or d; n and d around the 16 × 16 blocks it transposes.
+TEST(SimdKernels, Bf16PackedKeysFollowTheLayout) {
+  const auto levels = bf16_kernels();
+  if (levels.empty()) GTEST_SKIP() << "this CPU lacks AVX512-BF16: the kernels are not run";
+  const auto bits = [](float x) {
+    return static_cast<std::uint32_t>(Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(x)));
+  };
+  for (const auto& [name, k] : levels) {
+    for (const Index n : {1, 15, 16, 17, 33, 64, 100}) {
+      for (const Index d : {1, 2, 21, 31, 32, 33, 64, 129}) {
+        const Index ld = d + 3, pairs = Bf16Kernels::pairs(d);
+        const auto x = normal(static_cast<std::size_t>(n * ld), 11);
+        std::vector<Bf16Pair> packed(static_cast<std::size_t>(k->packed_pairs(n, d)), {1U});
+        k->pack_keys(packed.data(), x.data(), ld, n, d);
+        const auto value = [&](Index j, Index c) {
+          return j < n && c < d ? bits(x[std::size_t(j * ld + c)]) : 0U;
+        };
+        for (std::size_t at = 0; at < packed.size(); ++at) {
+          const Index panel = Index(at) / (k->panel * pairs), l = Index(at) % k->panel;
+          const Index t = Index(at) / k->panel % pairs, j = panel * k->panel + l;
+          ASSERT_EQ(packed[at].bits, value(j, 2 * t) | value(j, 2 * t + 1) << 16U)
+              << name << ": n " << n << " d " << d << ", key " << j << " pair " << t;
+        }
+      }
+    }
+  }
+}
+
 TEST(SimdKernels, Bf16PackingOfStoredRowsEqualsPackingTheirFloatValues) {
   const auto levels = bf16_kernels();
   if (levels.empty()) GTEST_SKIP() << "this CPU lacks AVX512-BF16: the kernels are not run";
   const Bf16Kernels* k = levels.front().second;  // AMX packs and rounds with the same functions
   for (const Index n : {1, 15, 16, 17, 33, 64}) {
-    for (const Index d : {1, 2, 21, 64, 129}) {
+    for (const Index d : {1, 2, 21, 31, 32, 33, 64, 129}) {
       const Index ld = d + 3;  // rows with a stride
       auto x = normal(static_cast<std::size_t>(n * ld), 7);
       for (float& value : x) value = static_cast<float>(bf16_value(value));

@@ -155,7 +155,7 @@ struct Bf16Kernels {
   /// p's row t holds pair (k(j, 2t), k(j, 2t + 1)) of keys j = p·panel + l (0 past n or d);
   /// k [n × d] with row stride ld_k. Writes packed_pairs(n, d) pairs.
   void (*pack_keys)(Bf16Pair* packed, const float* k, Index ld_k, Index n, Index d);
-  /// pack_keys for keys stored as bfloat16 (read as they are, nothing rounded); ld_k < 2^27.
+  /// pack_keys for keys stored as bfloat16 (read as they are, nothing rounded).
   void (*pack_keys_bf16)(Bf16Pair* packed, const Bf16Bits* k, Index ld_k, Index n, Index d);
   /// packed [⌈n / 2⌉ × d_v] (gemm's b with ldb = d_v, panel_step = panel): row u holds pairs
   /// (v(2u, c), v(2u + 1, c)) rounded, 0 for the row past an odd n; v [n × d_v], row stride ld_v.
@@ -612,52 +612,90 @@ inline void zero_last_half_panel(Bf16Pair* packed, Index n, Index pairs) {
   }
 }
 
-/// Bf16Kernels::pack_keys: 16 keys at a time, each pair row of the panel from two gathers (the
-/// even and the odd columns of the 16 key rows).
-inline void pack_keys(Bf16Pair* packed, const float* k, Index ld_k, Index n, Index d) {
+/// The 16 × 16 words of r transposed: word l of r[i] becomes word i of r[l]. Three passes of
+/// unpacks and lane shuffles, 64 instructions in all. (Written in the masked forms with every
+/// lane set, the same instructions: GCC before 12.3 warns falsely that the unmasked ones read an
+/// uninitialized value.)
+inline void transpose16(__m512i (&r)[16]) {
+  constexpr __mmask16 kAll = 0xFFFF;
+  constexpr __mmask8 kAll8 = 0xFF;
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: (r_i[c], r_{i+1}[c]) pairs
+    t[i] = _mm512_mask_unpacklo_epi32(r[i], kAll, r[i], r[i + 1]);
+    t[i + 1] = _mm512_mask_unpackhi_epi32(r[i], kAll, r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // per 128-bit lane: word c of rows i .. i + 3
+    r[i] = _mm512_mask_unpacklo_epi64(t[i], kAll8, t[i], t[i + 2]);
+    r[i + 1] = _mm512_mask_unpackhi_epi64(t[i], kAll8, t[i], t[i + 2]);
+    r[i + 2] = _mm512_mask_unpacklo_epi64(t[i + 1], kAll8, t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_mask_unpackhi_epi64(t[i + 1], kAll8, t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // lanes 0 and 2, then 1 and 3, of the row groups 0, 1 and 2, 3
+    t[i] = _mm512_mask_shuffle_i32x4(r[i], kAll, r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_mask_shuffle_i32x4(r[i], kAll, r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_mask_shuffle_i32x4(r[i + 8], kAll, r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_mask_shuffle_i32x4(r[i + 8], kAll, r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {  // the four row groups of word i, then of word i + 8
+    r[i] = _mm512_mask_shuffle_i32x4(t[i], kAll, t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_mask_shuffle_i32x4(t[i], kAll, t[i], t[i + 8], 0xdd);
+  }
+}
+
+/// Packs n keys of d values into the panels of Bf16Kernels::pack_keys, 16 keys and 16 pairs at
+/// a time: row_pairs(j, c, left) gives key j's 16 pairs from value c on (left > 0 values left in
+/// the row, 0 past them), and transpose16 turns the 16 keys' pairs into 16 rows of the panel.
+template <class RowPairs>
+void pack_key_panels(Bf16Pair* packed, Index n, Index d, const RowPairs& row_pairs) {
   const Index pairs = Bf16Kernels::pairs(d);
-  const __m512i rows =
-      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                         _mm512_set1_epi32(static_cast<int>(ld_k)));
   for (Index j0 = 0; j0 < n; j0 += kLanes) {
-    const Mask keys = first_lanes(n - j0);
+    const Index keys = std::min(kLanes, n - j0);
     Bf16Pair* out = packed + (j0 / kPanel) * kPanel * pairs + j0 % kPanel;
-    const float* base = k + j0 * ld_k;
-    for (Index t = 0; t < pairs; ++t) {
-      const V even = _mm512_mask_i32gather_ps(zero(), keys, rows, base + 2 * t, 4);
-      const V odd = 2 * t + 1 < d
-                        ? _mm512_mask_i32gather_ps(zero(), keys, rows, base + 2 * t + 1, 4)
-                        : zero();
-      _mm512_storeu_si512(out + t * kPanel, interleave16(even, odd));
+    for (Index t0 = 0; t0 < pairs; t0 += kLanes) {
+      __m512i r[16];
+      for (Index l = 0; l < kLanes; ++l) {
+        r[l] = l < keys ? row_pairs(j0 + l, 2 * t0, d - 2 * t0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (Index t = t0; t < std::min(pairs, t0 + kLanes); ++t) {
+        _mm512_storeu_si512(out + t * kPanel, r[t - t0]);
+      }
     }
   }
   zero_last_half_panel(packed, n, pairs);
 }
 
-/// Bf16Kernels::pack_keys_bf16: each pair row of 16 keys in one gather of 32-bit words, and
-/// the last value of an odd d alone (its pair's second half 0, nothing read past a row).
-inline void pack_keys_bf16(Bf16Pair* packed, const Bf16Bits* k, Index ld_k, Index n, Index d) {
-  const Index pairs = Bf16Kernels::pairs(d), whole = d / 2;
-  const __m512i rows =
-      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                         _mm512_set1_epi32(static_cast<int>(ld_k)));  // in bfloat16 values: scale 2
-  for (Index j0 = 0; j0 < n; j0 += kLanes) {
-    const Mask keys = first_lanes(n - j0);
-    Bf16Pair* out = packed + (j0 / kPanel) * kPanel * pairs + j0 % kPanel;
-    const Bf16Bits* base = k + j0 * ld_k;
-    for (Index t = 0; t < whole; ++t) {
-      const __m512i x =
-          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keys, rows, base + 2 * t, 2);
-      _mm512_storeu_si512(out + t * kPanel, x);
-    }
-    if (whole < pairs) {
-      Bf16Pair* last = out + whole * kPanel;
-      for (Index l = 0; l < kLanes; ++l) {
-        last[l].bits = j0 + l < n ? base[l * ld_k + d - 1].bits : 0U;
-      }
-    }
+/// pack_key_panels' pairs of float keys k [n × d] (row stride ld): 32 values rounded in one
+/// conversion.
+struct FloatKeyPairs {
+  const float* k;
+  Index ld;
+  __m512i operator()(Index j, Index c, Index left) const {
+    const float* row = k + j * ld + c;
+    const V high = left > kLanes ? load(row + kLanes, first_lanes(left - kLanes)) : zero();
+    return (__m512i)_mm512_cvtne2ps_pbh(high, load(row, first_lanes(left)));
   }
-  zero_last_half_panel(packed, n, pairs);
+};
+
+/// pack_key_panels' pairs of keys stored as bfloat16: 32 values read as they are.
+struct Bf16KeyPairs {
+  const Bf16Bits* k;
+  Index ld;
+  __m512i operator()(Index j, Index c, Index left) const {
+    const __mmask32 values = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1U;
+    return _mm512_maskz_loadu_epi16(values, k + j * ld + c);
+  }
+};
+
+/// Bf16Kernels::pack_keys: each key's values rounded along its row, then transposed in
+/// registers (pack_key_panels).
+inline void pack_keys(Bf16Pair* packed, const float* k, Index ld_k, Index n, Index d) {
+  pack_key_panels(packed, n, d, FloatKeyPairs{k, ld_k});
+}
+
+/// Bf16Kernels::pack_keys_bf16: as pack_keys, the values read as they are.
+inline void pack_keys_bf16(Bf16Pair* packed, const Bf16Bits* k, Index ld_k, Index n, Index d) {
+  pack_key_panels(packed, n, d, Bf16KeyPairs{k, ld_k});
 }
 
 /// Bf16Kernels::pack_values_bf16: rows 2u and 2u + 1 interleaved, 16 columns at a time.
