@@ -257,7 +257,9 @@ void decode_args(benchmark::internal::Benchmark* b) {
 
 /// BM_DecodeStep/<kind>/<precision>: f32 for every kind, f16 and bf16 (Eigen::half and
 /// Eigen::bfloat16 weights and caches, float arithmetic) for all but the naive MLA oracle, and
-/// q8_0, q4_0 and fp8_e4m3 caches with bf16 weights for gqa, mla_absorbed and local_window.
+/// q8_0, q4_0 and fp8_e4m3 caches with bf16 weights for gqa, mla_absorbed and local_window
+/// (mla_absorbed's fp8 cache in FlashMLA's rows: c_kv in e4m3 blocks of 128, K_rope in
+/// bfloat16).
 const bool kRegistered = [] {
   const std::pair<const char*, Kind> kinds[] = {{"mha", Kind::kMha},
                                                 {"gqa", Kind::kGqa},
@@ -280,7 +282,12 @@ const bool kRegistered = [] {
     if (kind == Kind::kMha) continue;
     add(std::string(name) + "/q8_0", kind, Eigen::bfloat16{}, apex::BlockQ8_0{});
     add(std::string(name) + "/q4_0", kind, Eigen::bfloat16{}, apex::BlockQ4_0{});
-    add(std::string(name) + "/fp8_e4m3", kind, Eigen::bfloat16{}, apex::BlockFp8E4m3<128>{});
+    if (kind == Kind::kMlaAbsorbed) {  // d_r = 64 is no whole block of 128: FlashMLA's rows
+      add(std::string(name) + "/fp8_e4m3", kind, Eigen::bfloat16{},
+          apex::FlashMlaFp8Row<512, 128>{});
+    } else {
+      add(std::string(name) + "/fp8_e4m3", kind, Eigen::bfloat16{}, apex::BlockFp8E4m3<128>{});
+    }
   }
   const std::pair<const char*, LatentShape> shapes[] = {{"apex1", {kQueryHeads, 512, 2, 64}},
                                                         {"deepseek", {128, 512, 1, 64}}};
