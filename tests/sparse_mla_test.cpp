@@ -297,27 +297,16 @@ TEST(SparseMla, BadInputIsRejectedAndChangesNothing) {
   const apex::Vector<Index> at = apex::Vector<Index>::LinSpaced(10, 0, 9);
   const apex::DraftTree chain({-1, 0, 1, 2, 3, 4, 5, 6, 7, 8});
   const apex::TreeMasks windowed({chain}, {0}, 3), two({chain, chain}, {0, 0});
+  const auto step = [&] { layer.forward_paged(x, {0, 10}, {id}, params, paged, out); };
   params.row_positions = &at;
   params.draft_trees = &windowed;
-  expect_invalid(
-      [&] {
-        layer.forward_paged(x, {0, 10}, {id}, params, paged, out);
-      },
-      {"[sparse_mla] the draft trees have a window (3)"});
+  expect_invalid(step, {"[sparse_mla] the draft trees have a window (3)"});
   params.draft_trees = &two;
-  expect_invalid(
-      [&] {
-        layer.forward_paged(x, {0, 10}, {id}, params, paged, out);
-      },
-      {"[sparse_mla] draft trees (2) must be one per sequence (1)"});
+  expect_invalid(step, {"[sparse_mla] draft trees (2) must be one per sequence (1)"});
   params.draft_trees = nullptr;
   const apex::Vector<Index> short_positions = at.head(9);
   params.row_positions = &short_positions;
-  expect_invalid(
-      [&] {
-        layer.forward_paged(x, {0, 10}, {id}, params, paged, out);
-      },
-      {"[sparse_mla] row_positions holds 9 positions; expected one per row (10)"});
+  expect_invalid(step, {"[sparse_mla] row_positions holds 9 positions; expected one per row (10)"});
   params.row_positions = nullptr;
   expect_invalid(
       [&] {
