@@ -759,7 +759,8 @@ TEST(FlashMlaRow, EveryKernelLevelWidensToTheScalarValues) {
     rows[i].scale[1] = i % 4 == 3 ? std::nanf("") : -0.75f;
   }
   constexpr std::size_t kValues = 320;
-  for (const apex::KernelIsa isa : {apex::KernelIsa::kPortable, apex::KernelIsa::kAvx2}) {
+  for (const apex::KernelIsa isa :
+       {apex::KernelIsa::kPortable, apex::KernelIsa::kAvx2, apex::KernelIsa::kAvx512}) {
     if (!apex::cpu_supports(isa)) continue;
     const apex::KernelIsa before = apex::kernel_isa();
     apex::set_kernel_isa(isa);
@@ -916,14 +917,16 @@ TYPED_TEST(QuantizedAttention, HiddenKeysWithNaNValuesTakeNoPart) {
 }
 
 TYPED_TEST(QuantizedAttention, EveryKernelLevelWidensToTheScalarValues) {
-  // KvFormat::widen (AVX2 where the kernel level has it) against the scalar dequantize, on
+  // KvFormat::widen (AVX2 or AVX-512 where the kernel level has it) against the scalar
+  // dequantize, on
   // blocks of random bytes (every code): each value bit for bit, NaN for NaN.
   using F = TypeParam;
   constexpr Index kValues = apex::KvFormat<F>::kValuesPerElement;
   std::mt19937 gen(31);
   std::vector<F> blocks;
   for (int i = 0; i < 256; ++i) blocks.push_back(random_block<F>(gen, i));
-  for (const apex::KernelIsa isa : {apex::KernelIsa::kPortable, apex::KernelIsa::kAvx2}) {
+  for (const apex::KernelIsa isa :
+       {apex::KernelIsa::kPortable, apex::KernelIsa::kAvx2, apex::KernelIsa::kAvx512}) {
     if (!apex::cpu_supports(isa)) continue;
     const apex::KernelIsa before = apex::kernel_isa();
     apex::set_kernel_isa(isa);

@@ -293,23 +293,23 @@ FlashMlaFp8Row<D_kv, D_rope> quantize_block(const float* x, const FlashMlaFp8Row
 }
 
 #if APEX_X86_KERNELS
-/// The AVX2 widening of each block format (detail/widen_blocks.hpp).
-inline void widen_avx2(const BlockQ8_0* src, float* dst, Index count) {
+/// The SIMD widening of each block format (detail/widen_blocks.hpp: AVX2, fp8 with AVX-512
+/// where the kernel level has it).
+inline void widen_simd(const BlockQ8_0* src, float* dst, Index count) {
   widen_q8_0_avx2(src, dst, count);
 }
-inline void widen_avx2(const BlockQ4_0* src, float* dst, Index count) {
+inline void widen_simd(const BlockQ4_0* src, float* dst, Index count) {
   widen_q4_0_avx2(src, dst, count);
 }
 template <Fp8Kind K, int B>
-void widen_avx2(const BlockFp8<K, B>* src, float* dst, Index count) {
-  widen_fp8_avx2<K>(src, dst, count);
+void widen_simd(const BlockFp8<K, B>* src, float* dst, Index count) {
+  widen_fp8_blocks<K>(src, dst, count);
 }
 template <int D_kv, int D_rope>
-void widen_avx2(const FlashMlaFp8Row<D_kv, D_rope>* src, float* dst, Index count) {
+void widen_simd(const FlashMlaFp8Row<D_kv, D_rope>* src, float* dst, Index count) {
   for (Index i = 0; i < count; ++i, dst += D_kv + D_rope) {
     for (Index g = 0; g < D_kv / 128; ++g) {
-      widen_fp8_codes_avx2<Fp8Kind::kE4m3>(src[i].code + g * 128, src[i].scale[g], dst + g * 128,
-                                           128);
+      widen_fp8_codes<Fp8Kind::kE4m3>(src[i].code + g * 128, src[i].scale[g], dst + g * 128, 128);
     }
     widen(src[i].rope, dst + D_kv, D_rope);
   }
@@ -329,12 +329,12 @@ struct BlockFormat {
     return count * static_cast<std::int64_t>(sizeof(Block));
   }
   /// dst[0, count·kValuesPerElement) = the values of src[0, count) as C (dequantize; for float
-  /// with AVX2 where the kernel level has it, the same bits).
+  /// with AVX2 or AVX-512 where the kernel level has it, the same bits).
   template <class C>
   static void widen(const Block* src, C* dst, Index count) {
 #if APEX_X86_KERNELS
     if constexpr (std::is_same_v<C, float>) {
-      if (widen_blocks_with_avx2()) return widen_avx2(src, dst, count);
+      if (widen_blocks_with_avx2()) return widen_simd(src, dst, count);
     }
 #endif
     for (Index i = 0; i < count; ++i) dequantize(src[i], dst + i * kValuesPerElement);

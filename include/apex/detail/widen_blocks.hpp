@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
-// Widening the blocks of the quantized K/V formats (kv_quant.hpp) to float with AVX2, chosen at
-// run time by the kernel level (cpu.hpp's kernel_isa() at kAvx2 or above), whatever the compiler
-// targets: the conversion behind every read of a quantized K or V (the kernel's loaders widen a
-// block of keys, or a panel of rows while decoding, through KvFormat::widen).
+// Widening the blocks of the quantized K/V formats (kv_quant.hpp) to float with AVX2 (fp8 with
+// AVX-512 where the level has it), chosen at run time by the kernel level (cpu.hpp's
+// kernel_isa() at kAvx2 or above), whatever the compiler targets: the conversion behind every read
+// of a quantized K or V (the kernel's loaders widen a block of keys, or a panel of rows while
+// decoding, through KvFormat::widen).
 //
 // Each value is the one the scalar dequantize of kv_quant.hpp forms, bit for bit:
 //   q8_0, q4_0   code · d: the integer code converted exactly, times the half scale widened
@@ -119,11 +120,42 @@ APEX_WIDEN_TARGET void widen_fp8_codes_avx2(const std::uint8_t* code, float scal
   }
 }
 
+#if APEX_MAX_KERNEL_ISA >= 2
+/// widen_fp8_codes_avx2 with AVX-512: 16 codes a step, the same operations on each value (a last
+/// 8 codes with AVX2).
+template <Fp8Kind K>
+__attribute__((target("avx512f,avx2,fma,f16c"))) void widen_fp8_codes_avx512(
+    const std::uint8_t* code, float scale, float* dst, Index n) {
+  const __m512 s = _mm512_set1_ps(scale);
+  Index j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(code + j));
+    // The masked form with every lane: GCC before 12.3 warns falsely about the unmasked one.
+    __m512 value = _mm512_maskz_cvtph_ps(__mmask16(0xFFFF), fp8_halves<K>(bytes));
+    if constexpr (K == Fp8Kind::kE4m3) {
+      value = _mm512_mul_ps(value, _mm512_set1_ps(fp8_half_unit<K>()));
+    }
+    _mm512_storeu_ps(dst + j, _mm512_mul_ps(value, s));
+  }
+  if (j < n) widen_fp8_codes_avx2<K>(code + j, scale, dst + j, n - j);
+}
+#endif
+
+/// dst[0, n) = the values of n fp8 codes of kind K times `scale` (n a multiple of 8): with
+/// AVX-512 where the kernel level has it, else with AVX2; the same bits.
+template <Fp8Kind K>
+void widen_fp8_codes(const std::uint8_t* code, float scale, float* dst, Index n) {
+#if APEX_MAX_KERNEL_ISA >= 2
+  if (kernel_isa() >= KernelIsa::kAvx512) return widen_fp8_codes_avx512<K>(code, scale, dst, n);
+#endif
+  widen_fp8_codes_avx2<K>(code, scale, dst, n);
+}
+
 /// dst[0, B·count) = the values of `count` fp8 blocks of kind K: value(code_j)·scale.
 template <Fp8Kind K, class Block>
-APEX_WIDEN_TARGET void widen_fp8_avx2(const Block* src, float* dst, Index count) {
+void widen_fp8_blocks(const Block* src, float* dst, Index count) {
   for (Index i = 0; i < count; ++i, dst += Block::kValues) {
-    widen_fp8_codes_avx2<K>(src[i].code, src[i].scale, dst, Block::kValues);
+    widen_fp8_codes<K>(src[i].code, src[i].scale, dst, Block::kValues);
   }
 }
 
