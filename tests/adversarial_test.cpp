@@ -33,6 +33,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace adversarial_test {
 namespace {
 
 using apex::AttentionMask;
@@ -952,3 +953,4 @@ TEST(C10Aliasing, NoViewOfATemporary) {
 }
 
 }  // namespace
+}  // namespace adversarial_test

@@ -39,6 +39,7 @@
 #include "attention_case.hpp"
 #include "test_util.hpp"
 
+namespace bf16_products_test {
 namespace {
 
 using apex::Index;
@@ -341,3 +342,4 @@ TEST(Bf16Products, ChangeNothingOnOtherLevelsAndWhenDecoding) {
 }
 
 }  // namespace
+}  // namespace bf16_products_test

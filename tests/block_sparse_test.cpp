@@ -46,6 +46,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace block_sparse_test {
 namespace {
 
 using apex::BlockCoverage;
@@ -250,10 +251,6 @@ void expect_equals_dense(const Case& c, const Rules& rules, const PairRule& allo
   }
 }
 
-}  // namespace
-
-namespace {
-
 /// The map of a DenseMap, built the three ways (dense states, a classifier, compressed rows),
 /// which must agree.
 BlockSparseMask map_of(const DenseMap& d) {
@@ -272,8 +269,6 @@ BlockSparseMask map_of(const DenseMap& d) {
 apex::BlockSparseRules<PairRule> scattered_rules(const BlockSparseMask& map) {
   return apex::block_sparse_rules(map, PairRule(scattered_pairs));
 }
-
-}  // namespace
 
 // Random maps (40 % absent, 30 % kAll, 30 % kPartial) equal their dense mask: blocks that do not
 // divide S, S_q < S_k (bottom-right and top-left), S_q = 1, a causal PositionMask on top, GQA,
@@ -332,8 +327,6 @@ TYPED_TEST(BlockSparse, MapWithoutPartialBlocksNeedsNoRule) {
 
 // ---- the named patterns ---------------------------------------------------------------------
 
-namespace {
-
 /// Longformer's pattern, written out pair by pair: window W (the query counted), global tokens.
 bool longformer_allows(Index q, Index k, Index window, const std::vector<Index>& global,
                        bool causal) {
@@ -372,8 +365,6 @@ void expect_exact_blocks(const BlockSparseMask& map, const PairRule& allows) {
     }
   }
 }
-
-}  // namespace
 
 // The sliding window with global tokens, causal and not, against its per-pair definition: the
 // map block by block, and attention with the pattern as partial rule.
@@ -517,8 +508,6 @@ TYPED_TEST(BlockSparse, AbsentBlocksAreNeverRead) {
 
 // ---- the ragged and paged entry points --------------------------------------------------------
 
-namespace {
-
 /// Sequence i's output equals the reference in double over its own keys, causal (bottom-right),
 /// with `allows` (sequence i as batch i) as the dense mask, normwise (kAttention).
 /// q: [1, H_q, nq, d], k, v: [1, H_kv, nk, d] (token-major), the queries the last nq positions.
@@ -556,8 +545,6 @@ void expect_sequence_equals_reference(const apex::HeadsView<const Scalar>& q,
   }
   EXPECT_LE(max_err, apex::testing::Tolerances<Scalar>::kAttention * max_ref) << what;
 }
-
-}  // namespace
 
 // sdpa_varlen with a map of one batch per sequence (and one shared by all): each sequence equals
 // its reference, causal per sequence, sequences of 0 queries and of more keys than queries.
@@ -787,3 +774,6 @@ TYPED_TEST(BlockSparse, RejectsMapsThatDoNotFitTheCall) {
       "the call's queries are at [20, 40)");
   EXPECT_TRUE(out.all_equal(Scalar(42)));
 }
+
+}  // namespace
+}  // namespace block_sparse_test

@@ -11,6 +11,7 @@
 
 #include "test_util.hpp"
 
+namespace cache_memory_test {
 namespace {
 
 using apex::Index;
@@ -167,3 +168,4 @@ TEST(CacheMemory, QuantizedCachesOfApex1Large) {
   expect_invalid([&] { (void)apex::quantized_cache_comparison(odd); },
                  {"[quantized_cache_comparison] head_dim (96)"});
 }
+}  // namespace cache_memory_test

@@ -17,6 +17,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace cached_attention_test {
 namespace {
 
 using apex::HeadsView;
@@ -158,3 +159,4 @@ TEST(CachedAttention, WindowAttentionRejectsARuleTheRingCannotServe) {
 }
 
 }  // namespace
+}  // namespace cached_attention_test

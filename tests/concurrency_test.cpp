@@ -27,6 +27,7 @@
 
 #include "test_util.hpp"
 
+namespace concurrency_test {
 namespace {
 
 using apex::AttentionMask;
@@ -161,3 +162,4 @@ TYPED_TEST(ConcurrencyTyped, EightThreadsMatchSequentialBitForBit) {
 }
 
 }  // namespace
+}  // namespace concurrency_test

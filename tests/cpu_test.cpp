@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+namespace cpu_test {
 namespace {
 
 using apex::KernelIsa;
@@ -109,3 +110,4 @@ TEST(Cpu, LevelsHaveNames) {
 }
 
 }  // namespace
+}  // namespace cpu_test

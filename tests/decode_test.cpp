@@ -33,6 +33,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace decode_test {
 namespace {
 
 using apex::AttentionLayerParams;
@@ -997,3 +998,4 @@ TEST(Decode, BadMlaCallsThrowAndLeaveCacheAndOutputUnchanged) {
 }
 
 }  // namespace
+}  // namespace decode_test

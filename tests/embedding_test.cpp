@@ -15,6 +15,7 @@
 #include "reference/embedding.hpp"
 #include "test_util.hpp"
 
+namespace embedding_test {
 namespace {
 
 using apex::EmbeddingParams;
@@ -398,13 +399,9 @@ TEST(EmbeddingBackward, RejectsBadInputBeforeWriting) {
   EXPECT_TRUE((d_table.array() == 7.0f).all() && (d_h.array() == 7.0f).all());
 }
 
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------
 // 16-bit tables (Eigen::half, Eigen::bfloat16)
 // ---------------------------------------------------------------------------------------------
-
-namespace {
 
 template <class T>
 class Embedding16Bit : public ::testing::Test {};
@@ -453,3 +450,4 @@ TYPED_TEST(Embedding16Bit, RejectsBadIdsBeforeWriting) {
 }
 
 }  // namespace
+}  // namespace embedding_test

@@ -21,6 +21,7 @@
 
 #include "test_util.hpp"
 
+namespace fuzz_regressions_test {
 namespace {
 
 using apex::AttentionMask;
@@ -380,3 +381,4 @@ TYPED_TEST(FuzzRegressionsTyped, F14_CausalPrefillIsolatesLaterTokens) {
 }
 
 }  // namespace
+}  // namespace fuzz_regressions_test

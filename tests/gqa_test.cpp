@@ -18,6 +18,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace gqa_test {
 namespace {
 
 using apex::AttentionLayerParams;
@@ -650,3 +651,4 @@ TEST(GqaBackward, FloatMatchesDoubleAndRejectsBadShapes) {
 }
 
 }  // namespace
+}  // namespace gqa_test

@@ -26,6 +26,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace indexer_test {
 namespace {
 
 using apex::HeadsView;
@@ -520,3 +521,4 @@ TEST(Indexer, BadInputIsRejectedAndChangesNothing) {
 }
 
 }  // namespace
+}  // namespace indexer_test

@@ -27,6 +27,7 @@
 
 #include "attention_case.hpp"
 
+namespace kernel_cap_test {
 namespace {
 
 using apex::KernelIsa;
@@ -122,3 +123,4 @@ TEST(KernelCap, AttentionOnTheRemainingLevelsEqualsThePlainLoops) {
 }
 
 }  // namespace
+}  // namespace kernel_cap_test

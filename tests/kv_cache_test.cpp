@@ -18,6 +18,7 @@
 
 #include "test_util.hpp"
 
+namespace kv_cache_test {
 namespace {
 
 using apex::HeadsView;
@@ -316,13 +317,9 @@ TEST(KvCache, SizesBeyond64BitsAreRejectedNotWrapped) {
   // (The size formulas of apex/cache_memory.hpp: cache_memory_test.cpp.)
 }
 
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------
 // 16-bit storage: KvCache<float, T>, SlidingWindowCache<float, T>, LatentCache<float, T>
 // ---------------------------------------------------------------------------------------------
-
-namespace {
 
 template <class T>
 class Cache16Bit : public ::testing::Test {};
@@ -419,3 +416,4 @@ TYPED_TEST(Cache16Bit, LatentCacheRowsAreRoundedOnce) {
 }
 
 }  // namespace
+}  // namespace kv_cache_test

@@ -36,6 +36,7 @@
 #include "reference/quantize.hpp"
 #include "tolerances.hpp"
 
+namespace kv_quant_test {
 namespace {
 
 using apex::Fp8Kind;
@@ -450,10 +451,6 @@ TYPED_TEST(QuantizedAttention, KeysMustHaveTheQueryWidth) {
   EXPECT_EQ(out[0], -7.0f);  // nothing written
 }
 
-}  // namespace
-
-namespace {
-
 // ---------------------------------------------------------------------------------------------
 // Caches of quantized rows
 // ---------------------------------------------------------------------------------------------
@@ -595,10 +592,6 @@ TYPED_TEST(QuantizedAttention, SlidingWindowCacheKeepsTheLastRows) {
   EXPECT_EQ(position, 7);
 }
 
-}  // namespace
-
-namespace {
-
 TYPED_TEST(QuantizedAttention, WindowCacheAttendsOverWhatItKeeps) {
   // Decoding chunk by chunk over a quantized ring equals decoding over a float ring that holds
   // the decoded values, bit for bit: the chunk is quantized as the ring will keep it.
@@ -632,10 +625,6 @@ TYPED_TEST(QuantizedAttention, WindowCacheAttendsOverWhatItKeeps) {
     position += n;
   }
 }
-
-}  // namespace
-
-namespace {
 
 template <class F>
 class QuantizedLatent : public ::testing::Test {};
@@ -854,10 +843,6 @@ TEST(QuantizedLatentShapes, PartsMustBeWholeBlocks) {
                std::invalid_argument);
 }
 
-}  // namespace
-
-namespace {
-
 /// A block of random bytes (every code), with a finite random scale in 3 blocks of 4 and a
 /// non-finite one (NaN, ±inf) in the fourth.
 template <class F>
@@ -947,10 +932,6 @@ TYPED_TEST(QuantizedAttention, EveryKernelLevelWidensToTheScalarValues) {
   }
 }
 
-}  // namespace
-
-namespace {
-
 TYPED_TEST(QuantizedAttention, IsBitIdenticalForAnyThreadCount) {
 #ifdef _OPENMP
   using F = TypeParam;
@@ -983,10 +964,6 @@ TYPED_TEST(QuantizedAttention, IsBitIdenticalForAnyThreadCount) {
   GTEST_SKIP() << "built without OpenMP, one thread only";
 #endif
 }
-
-}  // namespace
-
-namespace {
 
 /// The largest normwise relative error of attention over K and V stored in F, against the same
 /// attention over the unquantized float K and V, measured over 100 random problems (below), with
@@ -1044,3 +1021,4 @@ TYPED_TEST(QuantizedAttention, ErrorOfStoringKAndVIsBounded) {
 }
 
 }  // namespace
+}  // namespace kv_quant_test

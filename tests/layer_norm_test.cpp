@@ -19,6 +19,7 @@
 #include "finite_differences.hpp"
 #include "test_util.hpp"
 
+namespace layer_norm_test {
 namespace {
 
 using apex::Index;
@@ -614,3 +615,4 @@ TEST(LayerNormBackward, RejectsBadInputBeforeWriting) {
 }
 
 }  // namespace
+}  // namespace layer_norm_test

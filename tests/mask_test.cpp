@@ -17,6 +17,7 @@
 #include "reference/attention.hpp"
 #include "test_util.hpp"
 
+namespace mask_test {
 namespace {
 
 using apex::BoolMatrix;
@@ -642,3 +643,4 @@ TEST(Mask, RejectsRenderRowOutOfRange) {
 }
 
 }  // namespace
+}  // namespace mask_test

@@ -14,6 +14,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace mha_test {
 namespace {
 
 using apex::AttentionMask;
@@ -379,3 +380,4 @@ TEST(Mha, SplitAndMergeRejectBadShapes) {
 }
 
 }  // namespace
+}  // namespace mha_test

@@ -18,6 +18,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace mla_test {
 namespace {
 
 using apex::AttentionLayerParams;
@@ -610,3 +611,4 @@ TEST(MlaBackward, RejectsBadShapesBeforeWriting) {
 }
 
 }  // namespace
+}  // namespace mla_test

@@ -24,6 +24,7 @@
 #include <omp.h>
 #endif
 
+namespace mrope_test {
 namespace {
 
 using apex::Index;
@@ -403,12 +404,8 @@ TYPED_TEST(MropeTyped, SameBitsOnOneAndTwoThreads) {
 #endif
 }
 
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------
 // 16-bit rows (Eigen::half, Eigen::bfloat16) with a float table
-
-namespace {
 
 template <class T>
 class Mrope16Bit : public ::testing::Test {};
@@ -603,3 +600,4 @@ TYPED_TEST(MropeTyped, BackwardIsTheTransposedRotation) {
 }
 
 }  // namespace
+}  // namespace mrope_test

@@ -32,6 +32,7 @@
 #include <omp.h>
 #endif
 
+namespace paged_cache_test {
 namespace {
 
 using apex::Index;
@@ -691,10 +692,6 @@ TEST(PagedKvCache, ErrorsNameTheCall_UnknownIdsInSdpaPaged) {
       {"[my_step] the pool is full", "the step needs 25 pages"});
 }
 
-}  // namespace
-
-namespace {
-
 /// The value stored for row 0 of a one-sequence paged cache, column c of key head h.
 template <class Cache>
 double stored_key(const Cache& cache, SequenceId id, Index h, Index c) {
@@ -1082,3 +1079,4 @@ TEST(SdpaCascade, RejectsBadInputAndChangesNothing) {
 }  // namespace cascade
 
 }  // namespace
+}  // namespace paged_cache_test

@@ -34,6 +34,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace paged_quant_test {
 namespace {
 
 using apex::Index;
@@ -511,3 +512,4 @@ TEST(PagedFlashMlaRows, MlaForwardPagedEqualsTheContiguousCache) {
 }
 
 }  // namespace
+}  // namespace paged_quant_test

@@ -15,6 +15,7 @@
 #include "reference/rms_norm.hpp"
 #include "test_util.hpp"
 
+namespace rms_norm_test {
 namespace {
 
 using apex::Index;
@@ -360,14 +361,10 @@ TEST(RmsNorm, NonFiniteInputPropagates) {
   EXPECT_TRUE(out.row(1).allFinite()) << "a NaN in one row must not leak into another";
 }
 
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------
 // 16-bit rows (Eigen::half, Eigen::bfloat16): read as stored, computed in double, written in the
 // caller's type
 // ---------------------------------------------------------------------------------------------
-
-namespace {
 
 template <class T>
 class RmsNorm16Bit : public ::testing::Test {};
@@ -419,13 +416,9 @@ TYPED_TEST(RmsNorm16Bit, RejectsBadInputBeforeWriting) {
   EXPECT_TRUE((out.array() == 7.0f).all());
 }
 
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------
 // Gemma's convention, out = x / RMS(x) · (1 + γ) (RmsNormGamma::kOnePlusGamma)
 // ---------------------------------------------------------------------------------------------
-
-namespace {
 
 using apex::RmsNormGamma;
 
@@ -821,3 +814,4 @@ TEST(RmsNormBackward, RejectsBadInputBeforeWriting) {
 }
 
 }  // namespace
+}  // namespace rms_norm_test

@@ -13,6 +13,7 @@
 
 #include "test_util.hpp"
 
+namespace rope_config_test {
 namespace {
 
 using apex::Index;
@@ -313,3 +314,4 @@ TEST(RopeConfig, BadFieldsAreNamed) {
 }
 
 }  // namespace
+}  // namespace rope_config_test

@@ -23,6 +23,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace rope_scaling_test {
 namespace {
 
 using apex::DynamicNtkRope;
@@ -496,3 +497,4 @@ TEST(RopeScaling, BadParametersNameTheField) {
 }
 
 }  // namespace
+}  // namespace rope_scaling_test

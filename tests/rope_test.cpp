@@ -14,6 +14,7 @@
 #include "reference/rope.hpp"
 #include "test_util.hpp"
 
+namespace rope_test {
 namespace {
 
 using apex::Index;
@@ -691,13 +692,9 @@ TEST_F(RopeBadApplication, ColumnsNotAMultipleOfHeadDim) {
   EXPECT_EQ(x, before);
 }
 
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------
 // 16-bit rows (Eigen::half, Eigen::bfloat16) with a float table
 // ---------------------------------------------------------------------------------------------
-
-namespace {
 
 template <class T>
 class Rope16Bit : public ::testing::Test {};
@@ -829,3 +826,4 @@ TEST(RopeBackward, RejectsBadPositionsBeforeWriting) {
 }
 
 }  // namespace
+}  // namespace rope_test

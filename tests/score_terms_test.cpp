@@ -16,6 +16,7 @@
 
 #include "test_util.hpp"
 
+namespace score_terms_test {
 namespace {
 
 using apex::Index;
@@ -208,3 +209,4 @@ TEST(KvFormat, ScalarFormatsStoreRoundedOnceAndWidenExactly) {
 }
 
 }  // namespace
+}  // namespace score_terms_test

@@ -24,6 +24,7 @@
 
 #include "test_util.hpp"
 
+namespace scratch_test {
 namespace {
 
 using apex::AttentionMask;
@@ -191,3 +192,4 @@ TEST(Scratch, EveryBufferStartsOnACacheLine) {
 }
 
 }  // namespace
+}  // namespace scratch_test

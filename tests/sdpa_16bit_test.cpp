@@ -47,6 +47,7 @@
 #include "attention_case.hpp"
 #include "test_util.hpp"
 
+namespace sdpa_16bit_test {
 namespace {
 
 using apex::Index;
@@ -375,3 +376,4 @@ TYPED_TEST(Widening16Bit, ProductsEqualTheProductOfTheWidenedWeight) {
 }
 
 }  // namespace
+}  // namespace sdpa_16bit_test

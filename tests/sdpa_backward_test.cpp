@@ -29,6 +29,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace sdpa_backward_test {
 namespace {
 
 using apex::AttentionMask;
@@ -637,3 +638,4 @@ TEST(SdpaBackwardErrors, BadShapesThrowAndWriteNothing) {
 }
 
 }  // namespace
+}  // namespace sdpa_backward_test

@@ -41,6 +41,7 @@
 #include "reference/attention.hpp"
 #include "test_util.hpp"
 
+namespace sdpa_fast_test {
 namespace {
 
 using apex::HeadsView;
@@ -705,3 +706,4 @@ TYPED_TEST(SdpaFast, RejectsBadInputBeforeWriting) {
 }
 
 }  // namespace
+}  // namespace sdpa_fast_test

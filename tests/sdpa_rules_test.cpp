@@ -50,6 +50,7 @@
 #include "reference/attention.hpp"
 #include "test_util.hpp"
 
+namespace sdpa_rules_test {
 namespace {
 
 using apex::Index;
@@ -951,3 +952,4 @@ TYPED_TEST(SdpaRules, RejectsBadRulesBeforeWriting) {
 }
 
 }  // namespace
+}  // namespace sdpa_rules_test

@@ -28,6 +28,7 @@
 #include "reference/attention.hpp"
 #include "test_util.hpp"
 
+namespace sdpa_test {
 namespace {
 
 using apex::AttentionMask;
@@ -876,3 +877,4 @@ TYPED_TEST(Sdpa, MergeRejectsMismatchedShapes) {
 }
 
 }  // namespace
+}  // namespace sdpa_test

@@ -26,6 +26,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace sequence_masks_test {
 namespace {
 
 using apex::HeadsView;
@@ -317,3 +318,4 @@ TEST(SequenceMasks, RejectsMasksThatDoNotFitAndChangesNothing) {
 }
 
 }  // namespace
+}  // namespace sequence_masks_test

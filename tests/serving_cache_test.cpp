@@ -24,6 +24,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace serving_cache_test {
 namespace {
 
 using apex::Index;
@@ -468,3 +469,4 @@ TEST(ServingCache, SpeculativeCallsRejectBadInputAndChangeNothing) {
 }
 
 }  // namespace
+}  // namespace serving_cache_test

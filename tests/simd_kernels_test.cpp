@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+namespace simd_kernels_test {
 namespace {
 
 using apex::Index;
@@ -602,3 +603,4 @@ TEST(SimdKernels, ExpSumIsWithinTwoUlpsAndMarksHiddenKeys) {
 }
 
 }  // namespace
+}  // namespace simd_kernels_test

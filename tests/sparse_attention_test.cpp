@@ -26,6 +26,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace sparse_attention_test {
 namespace {
 
 using apex::HeadsView;
@@ -442,3 +443,4 @@ TEST(SparseAttention, BadInputIsRejectedAndChangesNothing) {
 }
 
 }  // namespace
+}  // namespace sparse_attention_test

@@ -22,6 +22,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace sparse_mla_test {
 namespace {
 
 using apex::Index;
@@ -321,3 +322,4 @@ TEST(SparseMla, BadInputIsRejectedAndChangesNothing) {
 }
 
 }  // namespace
+}  // namespace sparse_mla_test

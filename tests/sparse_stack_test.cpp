@@ -26,6 +26,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace sparse_stack_test {
 namespace {
 
 using apex::Index;
@@ -422,3 +423,4 @@ TEST(SparseStack, BadInputIsRejectedAndChangesNothing) {
 }
 
 }  // namespace
+}  // namespace sparse_stack_test

@@ -28,6 +28,7 @@
 #include "tolerances.hpp"
 #include "whole_block_stack.hpp"
 
+namespace stack_quant_test {
 namespace {
 
 using apex::Index;
@@ -213,3 +214,4 @@ TEST(StackQuant, ServingQ8_0WindowsAndFlashMlaRowsEqualsEachSequenceAlone) {
 }
 
 }  // namespace
+}  // namespace stack_quant_test

@@ -22,6 +22,7 @@
 #include "reference/rms_norm.hpp"
 #include "test_util.hpp"
 
+namespace stack_test {
 namespace {
 
 using apex::Index;
@@ -875,3 +876,4 @@ TEST(Stack, BadDecodeInputThrowsAndLeavesTheCacheUnchanged) {
 }
 
 }  // namespace
+}  // namespace stack_test

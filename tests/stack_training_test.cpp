@@ -16,6 +16,7 @@
 #include "finite_differences.hpp"
 #include "test_util.hpp"
 
+namespace stack_training_test {
 namespace {
 
 using apex::Index;
@@ -196,3 +197,4 @@ TEST(StackTraining, BackwardRejectsMismatchedInput) {
 }
 
 }  // namespace
+}  // namespace stack_training_test

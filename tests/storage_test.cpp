@@ -15,6 +15,7 @@
 
 #include "test_util.hpp"
 
+namespace storage_test {
 namespace {
 
 using Eigen::bfloat16;
@@ -155,3 +156,4 @@ TEST(StorageBits, AllFiniteReadsEvery16BitPatternAsItsValue) {
 }
 
 }  // namespace
+}  // namespace storage_test

@@ -10,6 +10,7 @@
 
 #include "test_util.hpp"
 
+namespace tensor_test {
 namespace {
 
 using apex::Index;
@@ -345,3 +346,4 @@ TEST(Tensor, UncheckedArithmetic_StridesBeyond64BitsDoNotWrap) {
 }
 
 }  // namespace
+}  // namespace tensor_test

@@ -25,6 +25,7 @@
 #include "test_util.hpp"
 #include "tolerances.hpp"
 
+namespace tree_mask_test {
 namespace {
 
 using apex::BlockCoverage;
@@ -383,3 +384,4 @@ TEST(TreeAttention, VarlenPagedAndBlockTablesEqualTheLoops) {
 }
 
 }  // namespace
+}  // namespace tree_mask_test

@@ -25,6 +25,7 @@
 #include <omp.h>
 #endif
 
+namespace varlen_test {
 namespace {
 
 using apex::Index;
@@ -458,3 +459,4 @@ TEST(Varlen, RejectsBadInputAndChangesNothing) {
 }
 
 }  // namespace
+}  // namespace varlen_test

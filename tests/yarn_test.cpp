@@ -13,6 +13,7 @@
 #include "reference/rope.hpp"
 #include "test_util.hpp"
 
+namespace yarn_test {
 namespace {
 
 using apex::Index;
@@ -551,3 +552,4 @@ TEST(Yarn, RejectsTableMagnitudeOutsideTheScalarRange) {
 }
 
 }  // namespace
+}  // namespace yarn_test

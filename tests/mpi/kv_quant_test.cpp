@@ -32,6 +32,7 @@
 #include <variant>
 #include <vector>
 
+namespace mpi_kv_quant_test {
 namespace {
 
 using apex::HeadsShape;
@@ -382,3 +383,4 @@ TEST(QuantizedContextParallelStack, Q8_0CachesGiveTheOneRankLogitsAndCountTheirB
 }
 
 }  // namespace
+}  // namespace mpi_kv_quant_test

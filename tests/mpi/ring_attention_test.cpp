@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+namespace mpi_ring_attention_test {
 namespace {
 
 using apex::HeadsTensor;
@@ -395,3 +396,4 @@ TEST(RingAttention, UncheckedArithmetic_NegativeDocumentsLengthIsRejectedOnEvery
 }
 
 }  // namespace
+}  // namespace mpi_ring_attention_test

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+namespace mpi_sharded_cache_test {
 namespace {
 
 using apex::HeadsTensor;
@@ -282,3 +283,4 @@ TEST(ShardedDecode, UncheckedArithmetic_RecordsBeyondOneMpiMessageAreRejectedOnE
 }
 
 }  // namespace
+}  // namespace mpi_sharded_cache_test

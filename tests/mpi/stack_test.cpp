@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+namespace mpi_stack_test {
 namespace {
 
 using apex::Index;
@@ -189,3 +190,4 @@ TEST(ContextParallelStack, AFullRankRefusesTheNextTokenEverywhere) {
 }
 
 }  // namespace
+}  // namespace mpi_stack_test
