@@ -903,8 +903,7 @@ TYPED_TEST(QuantizedAttention, HiddenKeysWithNaNValuesTakeNoPart) {
 
 TYPED_TEST(QuantizedAttention, EveryKernelLevelWidensToTheScalarValues) {
   // KvFormat::widen (AVX2 or AVX-512 where the kernel level has it) against the scalar
-  // dequantize, on
-  // blocks of random bytes (every code): each value bit for bit, NaN for NaN.
+  // dequantize, on blocks of random bytes (every code): each value bit for bit, NaN for NaN.
   using F = TypeParam;
   constexpr Index kValues = apex::KvFormat<F>::kValuesPerElement;
   std::mt19937 gen(31);
