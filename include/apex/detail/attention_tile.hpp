@@ -168,7 +168,7 @@ class AttentionTile {
   void score(const Block& keys, bool masked) {
     const auto k_head = key_head(*keys.segment, b_, kv_head_);
     if (path_.streaming) {
-      for_each_panel(k_head, keys.row, keys.n, [&](Index j0, Index m) {
+      for_each_panel(k_head, keys.row, keys.n, path_.k_in_place, [&](Index j0, Index m) {
         read_rows(k_head, keys.row + j0, m, buf_.k_copy, path_.k_in_place,
                   [&](const auto* k, Index stride) {
                     streamed_scores(path_.simd, buf_.scores + j0, buf_.ld_s, buf_.q_stacked,
@@ -244,16 +244,27 @@ class AttentionTile {
       return;
     }
     rescale_acc();
-    for_each_panel(v_head, keys.row, keys.n, [&](Index j0, Index m) {
+    for_each_panel(v_head, keys.row, keys.n, path_.v_in_place, [&](Index j0, Index m) {
       read_rows(v_head, keys.row + j0, m, buf_.v_copy, path_.v_in_place,
-                [&](const auto* v, Index stride) {
-                  using U = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
-                  add_values(ConstRows<U>{v, stride}, j0, m, hidden, [&] {
-                    streamed_update(path_.simd, buf_.acc, buf_.ld_acc, buf_.scores + j0, buf_.ld_s,
-                                    buf_.rows, v, stride, m, p_.d_v);
-                  });
-                });
+                [&](const auto* v, Index stride) { stream_values(v, stride, j0, m, hidden); });
     });
+  }
+
+  /// acc += P·V for the m value rows at v (keys [j0, j0 + m) of the block), streamed: in one
+  /// call, or where some key takes no part (`hidden`) kStreamPanel rows at a time, each checked
+  /// by add_values (which widens a panel of blocks into v_copy); a row's sums are the same chain
+  /// either way.
+  template <class U>
+  void stream_values(const U* v, Index stride, Index j0, Index m, bool hidden) {
+    const Index panel = hidden ? kStreamPanel : m;
+    for (Index c = 0; c < m; c += panel) {
+      const Index n = std::min(panel, m - c);
+      const U* rows = v + c * stride;
+      add_values(ConstRows<U>{rows, stride}, j0 + c, n, hidden, [&] {
+        streamed_update(path_.simd, buf_.acc, buf_.ld_acc, buf_.scores + j0 + c, buf_.ld_s,
+                        buf_.rows, rows, stride, n, p_.d_v);
+      });
+    }
   }
 
   /// acc += P·V for the value rows v (keys [j0, j0 + n) of the block) by `update`, the fast

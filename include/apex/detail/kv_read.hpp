@@ -304,14 +304,18 @@ void for_each_key_block(const P& p, Index begin, Index end, const PositionRange&
 }
 
 /// Calls f(j0, m) for the panels [j0, j0 + m) of a streamed block of n keys from `row` of
-/// `head`, in order: kStreamPanel keys each, cut short where a page ends. A 16-bit panel is
-/// widened just before it is used, so that reading memory and the arithmetic overlap; the panels
-/// start at multiples of stream_update's groups of keys (pages of a multiple of 8 keys keep them
-/// there), so a row's sums are formed in the same order whatever the storage type.
+/// `head`, in order, each within one run (page): rows read in place (`in_place`) a run at a
+/// time, so that the kernels prefetch ahead only rows of that run (a page's neighbour in the pool
+/// may belong to another sequence); rows widened into a buffer first kStreamPanel keys at a time,
+/// widened just before they are used, so that reading memory and the arithmetic overlap. The
+/// panels start at multiples of stream_update's groups of keys (pages of a multiple of 8 keys
+/// keep them there), so a row's sums are formed in the same order whatever the panels and the
+/// storage type.
 template <class T, class F>
-void for_each_panel(const SegmentHead<T>& head, Index row, Index n, F&& f) {
+void for_each_panel(const SegmentHead<T>& head, Index row, Index n, bool in_place, F&& f) {
+  const Index panel = in_place ? n : kStreamPanel;
   for (Index j0 = 0; j0 < n;) {
-    const Index m = std::min({kStreamPanel, n - j0, head.run(row + j0)});
+    const Index m = std::min({panel, n - j0, head.run(row + j0)});
     f(j0, m);
     j0 += m;
   }

@@ -103,8 +103,7 @@ struct BlockValues {
   Index value;          ///< values from its start
 
   BlockValues operator+(Index n) const { return {blocks, value + n}; }
-  /// The address of the block that holds value `value` (an address only: it may lie past the
-  /// run, for a prefetch).
+  /// The address of the block that holds value `value` (for a prefetch).
   const Block* address() const { return blocks + unsigned_value() / Block::kValues; }
   /// The block that holds value `value`.
   const Block& block() const { return *address(); }
@@ -230,15 +229,17 @@ const SimdElement<T>* simd_elements(const T* p) {
 
 // NOLINTBEGIN: intrinsics, C-style masks and the BLAS-style argument lists of the shared body.
 
-/// Prefetches the n values at p into L1 (for rows read a little later): a line at a time for
-/// the 16-bit formats and the blocks, nothing for float and double (their rows stream well
-/// without it; eigen_adapter.hpp's prefetch_ahead says why the narrow ones need it).
+/// Prefetches the n values at p into L1 (for rows read a little later), a line at a time: rows
+/// of float, of the 16-bit formats and of blocks (double is not streamed here). The hardware
+/// prefetcher stops at every 4 KiB page, and a decoding step's threads wait on memory there:
+/// float K/V at 32K keys read at 0.39-0.64 of BM_MemRead without, 0.62-1.0 with (AMD Zen 5;
+/// docs/performance.md, "Float rows prefetched").
 template <class T>
 void prefetch_values(const T* p, Index n) {
-  if constexpr (sizeof(T) < sizeof(float)) {
-    for (Index c = 0; c < n; c += 32)
-      _mm_prefetch(reinterpret_cast<const char*>(p + c), _MM_HINT_T0);
-  }
+  static_assert(sizeof(T) <= sizeof(float), "rows of float or narrower");
+  constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(T));
+  for (Index c = 0; c < n; c += kPerLine)
+    _mm_prefetch(reinterpret_cast<const char*>(p + c), _MM_HINT_T0);
 }
 template <class Block>
 void prefetch_values(BlockValues<Block> p, Index n) {

@@ -247,8 +247,8 @@ void stream_group(float* acc, Index ld_acc, const float* p, Index ld_p, P v, Ind
 /// acc_r += Σ_j p(r, j) v_j for `rows` rows and n value rows (row j at v + j·stride): the
 /// streaming update of decoding (a few rows, bound by reading v). Groups of kStreamGroup keys,
 /// every column of them before the next group, so that each value row is read once, whole, in
-/// memory order, for eight rows at a time where kEightRows, else four; 16-bit and block rows are
-/// prefetched 16 rows ahead (prefetch_values). v is a
+/// memory order, for eight rows at a time where kEightRows, else four; rows are prefetched 16
+/// ahead (prefetch_values), never past the n rows given (a cache's page ends there). v is a
 /// pointer to rows of float or a 16-bit format, or BlockValues (stride then counts values). Each
 /// acc(r, c) is one chain of fused multiply-adds over the keys in order, whatever the groups and
 /// the rows beside it. Allocates nothing.
@@ -258,7 +258,7 @@ void stream_update(float* acc, Index ld_acc, const float* p, Index ld_p, Index r
   for (Index j0 = 0; j0 < n; j0 += kStreamGroup) {
     const Index m = std::min(kStreamGroup, n - j0);
     const P values = v + j0 * stride;
-    for (Index j = 16; j < 16 + m; ++j) prefetch_values(values + j * stride, d_v);
+    for (Index j = 16; j < 16 + m && j0 + j < n; ++j) prefetch_values(values + j * stride, d_v);
     Index r = 0;
     if constexpr (kEightRows<P>) {
       for (; r + 8 <= rows; r += 8) {
@@ -339,14 +339,14 @@ void dot_keys(float* s, Index ld_s, const float* q, Index d, P k, Index k_stride
 /// k + j·k_stride): the streaming product of the scores (a few rows, bound by reading the keys).
 /// Groups of kLanes keys, each read in memory order, widened in registers, used by eight query
 /// rows at a time where kEightRows, else four, and summed across lanes together (dot_keys), the
-/// same operations for every row whatever the rows beside it; 16-bit and block rows are
-/// prefetched 16 rows ahead (prefetch_values). k as stream_update's v. Allocates nothing.
+/// same operations for every row whatever the rows beside it; rows are prefetched as
+/// stream_update's. k as stream_update's v. Allocates nothing.
 template <class P>
 void dots(float* s, Index ld_s, const float* q, Index rows, P k, Index k_stride, Index n, Index d) {
   for (Index j0 = 0; j0 < n; j0 += kLanes) {
     const Index m = std::min(kLanes, n - j0);
     const P keys = k + j0 * k_stride;
-    for (Index j = 16; j < 16 + m; ++j) prefetch_values(keys + j * k_stride, d);
+    for (Index j = 16; j < 16 + m && j0 + j < n; ++j) prefetch_values(keys + j * k_stride, d);
     Index r = 0;
     if constexpr (kEightRows<P>) {
       for (; r + 8 <= rows; r += 8)
