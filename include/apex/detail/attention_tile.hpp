@@ -168,13 +168,14 @@ class AttentionTile {
   void score(const Block& keys, bool masked) {
     const auto k_head = key_head(*keys.segment, b_, kv_head_);
     if (path_.streaming) {
-      for_each_panel(k_head, keys.row, keys.n, path_.k_in_place, [&](Index j0, Index m) {
-        read_rows(k_head, keys.row + j0, m, buf_.k_copy, path_.k_in_place,
-                  [&](const auto* k, Index stride) {
-                    streamed_scores(path_.simd, buf_.scores + j0, buf_.ld_s, buf_.q_stacked,
-                                    buf_.rows, k, stride, m, p_.d_qk);
-                  });
-      });
+      for_each_panel(
+          k_head, keys.row, keys.n, whole_runs(path_.k_in_place), [&](Index j0, Index m) {
+            read_rows(k_head, keys.row + j0, m, buf_.k_copy, path_.k_in_place,
+                      [&](const auto* k, Index stride) {
+                        streamed_scores(path_.simd, buf_.scores + j0, buf_.ld_s, buf_.q_stacked,
+                                        buf_.rows, k, stride, m, p_.d_qk);
+                      });
+          });
     } else {
       values_inside_ =
           p_.d_v > 0 &&
@@ -244,11 +245,15 @@ class AttentionTile {
       return;
     }
     rescale_acc();
-    for_each_panel(v_head, keys.row, keys.n, path_.v_in_place, [&](Index j0, Index m) {
+    for_each_panel(v_head, keys.row, keys.n, whole_runs(path_.v_in_place), [&](Index j0, Index m) {
       read_rows(v_head, keys.row + j0, m, buf_.v_copy, path_.v_in_place,
                 [&](const auto* v, Index stride) { stream_values(v, stride, j0, m, hidden); });
     });
   }
+
+  /// Whether the streaming path takes rows a run at a time (for_each_panel): rows read in place
+  /// by apex's float kernels.
+  bool whole_runs(bool in_place) const { return in_place && path_.simd != nullptr; }
 
   /// acc += P·V for the m value rows at v (keys [j0, j0 + m) of the block), streamed: in one
   /// call, or where some key takes no part (`hidden`) kStreamPanel rows at a time, each checked

@@ -304,16 +304,17 @@ void for_each_key_block(const P& p, Index begin, Index end, const PositionRange&
 }
 
 /// Calls f(j0, m) for the panels [j0, j0 + m) of a streamed block of n keys from `row` of
-/// `head`, in order, each within one run (page): rows read in place (`in_place`) a run at a
-/// time, so that the kernels prefetch ahead only rows of that run (a page's neighbour in the pool
-/// may belong to another sequence); rows widened into a buffer first kStreamPanel keys at a time,
-/// widened just before they are used, so that reading memory and the arithmetic overlap. The
-/// panels start at multiples of stream_update's groups of keys (pages of a multiple of 8 keys
-/// keep them there), so a row's sums are formed in the same order whatever the panels and the
-/// storage type.
+/// `head`, in order, each within one run (page): a run at a time where `whole_runs` (rows that
+/// apex's float kernels read in place: they prefetch ahead only rows of that run, a page's
+/// neighbour in the pool may belong to another sequence, and their sums do not depend on the
+/// panels), else kStreamPanel keys at a time (rows widened into a buffer just before they are
+/// used, so that reading memory and the arithmetic overlap; Eigen's products, whose sums follow
+/// the panels). The panels start at multiples of stream_update's groups of keys (pages of a
+/// multiple of 8 keys keep them there), so a row's sums are formed in the same order whatever
+/// the storage type.
 template <class T, class F>
-void for_each_panel(const SegmentHead<T>& head, Index row, Index n, bool in_place, F&& f) {
-  const Index panel = in_place ? n : kStreamPanel;
+void for_each_panel(const SegmentHead<T>& head, Index row, Index n, bool whole_runs, F&& f) {
+  const Index panel = whole_runs ? n : kStreamPanel;
   for (Index j0 = 0; j0 < n;) {
     const Index m = std::min({panel, n - j0, head.run(row + j0)});
     f(j0, m);
